@@ -1,0 +1,1 @@
+//! Configuration: placeholder until the config module lands.

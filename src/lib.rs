@@ -1,0 +1,11 @@
+//! sluice: a queue-based traffic shaper.
+//!
+//! Every request is filed under a client key in a bounded FIFO queue; a pacer
+//! releases each client's requests exactly 1/r apart; a request that finds b
+//! requests already waiting is refused at once. The library holds everything;
+//! `main.rs` only parses the command line and runs.
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod config;
+pub mod shaper;

@@ -1,0 +1,171 @@
+//! Rates: how many cost units a client (or an upstream) may send per unit of
+//! time, held as the interval between two cost units in nanoseconds.
+//!
+//! Parsed from the config's `"5/s"`, `"300/m"`, `"0.5/s"`, `"10/h"` and
+//! `"100/d"` forms. The interval is what the engine schedules with, so it is
+//! the stored form: `5/s` is exactly 200 ms per unit.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// Nanoseconds on the engine's own time axis (an arbitrary origin chosen by
+/// the caller; the engine never reads a clock).
+pub type Nanos = u64;
+
+/// The longest interval we accept (one unit per 30 days), so that schedule
+/// arithmetic on [`Nanos`] cannot overflow in any realistic run.
+const MAX_INTERVAL: Nanos = 30 * 86_400 * 1_000_000_000;
+
+/// A validated, non-zero rate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Rate {
+    interval: Nanos,
+}
+
+/// Why a rate string was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RateError {
+    #[error("expected the form N/UNIT, such as 5/s or 300/m")]
+    Form,
+    #[error("'{0}' is not a positive number")]
+    Count(String),
+    #[error("unit must be s, m, h or d")]
+    Unit,
+    #[error("rate is too high: at most 1000000000/s (1 ns apart)")]
+    TooFast,
+    #[error("rate is too low: at least one per 30 days")]
+    TooSlow,
+}
+
+impl Rate {
+    /// A rate of one cost unit every `interval`.
+    pub fn from_interval(interval: Duration) -> Result<Rate, RateError> {
+        let nanos = u64::try_from(interval.as_nanos()).map_err(|_| RateError::TooSlow)?;
+        Self::from_interval_nanos(nanos)
+    }
+
+    /// A rate of one cost unit every `nanos` nanoseconds.
+    pub fn from_interval_nanos(nanos: Nanos) -> Result<Rate, RateError> {
+        match nanos {
+            0 => Err(RateError::TooFast),
+            n if n > MAX_INTERVAL => Err(RateError::TooSlow),
+            n => Ok(Rate { interval: n }),
+        }
+    }
+
+    /// `count` cost units per second.
+    pub fn per_second(count: f64) -> Result<Rate, RateError> {
+        Self::per(count, 1_000_000_000.0)
+    }
+
+    fn per(count: f64, unit_nanos: f64) -> Result<Rate, RateError> {
+        if !count.is_finite() || count <= 0.0 {
+            return Err(RateError::Count(count.to_string()));
+        }
+        let interval = (unit_nanos / count).round();
+        if interval < 1.0 {
+            return Err(RateError::TooFast);
+        }
+        if interval > MAX_INTERVAL as f64 {
+            return Err(RateError::TooSlow);
+        }
+        // In range 1..=MAX_INTERVAL, so the cast is exact enough and cannot wrap.
+        Ok(Rate {
+            interval: interval as Nanos,
+        })
+    }
+
+    /// Nanoseconds between two cost units (T = 1/r).
+    pub fn interval_nanos(self) -> Nanos {
+        self.interval
+    }
+
+    /// Time between two cost units (T = 1/r).
+    pub fn interval(self) -> Duration {
+        Duration::from_nanos(self.interval)
+    }
+
+    /// Cost units per second.
+    pub fn per_second_f64(self) -> f64 {
+        1e9 / self.interval as f64
+    }
+}
+
+impl FromStr for Rate {
+    type Err = RateError;
+
+    fn from_str(s: &str) -> Result<Rate, RateError> {
+        let (count, unit) = s.trim().split_once('/').ok_or(RateError::Form)?;
+        let count = count.trim();
+        let value: f64 = count
+            .parse()
+            .map_err(|_| RateError::Count(count.to_string()))?;
+        let unit_nanos = match unit.trim() {
+            "s" => 1e9,
+            "m" => 60e9,
+            "h" => 3_600e9,
+            "d" => 86_400e9,
+            _ => return Err(RateError::Unit),
+        };
+        Self::per(value, unit_nanos)
+    }
+}
+
+impl fmt::Display for Rate {
+    /// Renders as units per second, e.g. `5/s` or `0.0028/s`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/s", self.per_second_f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_unit() {
+        assert_eq!("5/s".parse::<Rate>().unwrap().interval_nanos(), 200_000_000);
+        assert_eq!(
+            "300/m".parse::<Rate>().unwrap().interval_nanos(),
+            200_000_000
+        );
+        assert_eq!(
+            "0.5/s".parse::<Rate>().unwrap().interval_nanos(),
+            2_000_000_000
+        );
+        assert_eq!(
+            "10/h".parse::<Rate>().unwrap().interval_nanos(),
+            360_000_000_000
+        );
+        assert_eq!(
+            "100/d".parse::<Rate>().unwrap().interval_nanos(),
+            864_000_000_000
+        );
+    }
+
+    #[test]
+    fn unknown_unit_is_refused() {
+        assert_eq!("5/x".parse::<Rate>(), Err(RateError::Unit));
+        assert_eq!("5/sec".parse::<Rate>(), Err(RateError::Unit));
+    }
+
+    #[test]
+    fn zero_negative_and_garbage_counts_are_refused() {
+        assert!(matches!("0/s".parse::<Rate>(), Err(RateError::Count(_))));
+        assert!(matches!("-3/s".parse::<Rate>(), Err(RateError::Count(_))));
+        assert!(matches!("abc/s".parse::<Rate>(), Err(RateError::Count(_))));
+        assert!(matches!("NaN/s".parse::<Rate>(), Err(RateError::Count(_))));
+        assert_eq!("5".parse::<Rate>(), Err(RateError::Form));
+    }
+
+    #[test]
+    fn extremes_are_refused() {
+        assert_eq!("2000000000/s".parse::<Rate>(), Err(RateError::TooFast));
+        assert_eq!(
+            "1/d".parse::<Rate>().map(|r| r.interval_nanos()),
+            Ok(86_400_000_000_000)
+        );
+        assert_eq!("0.01/d".parse::<Rate>(), Err(RateError::TooSlow));
+    }
+}
