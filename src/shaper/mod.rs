@@ -11,5 +11,5 @@ pub mod rate;
 pub use engine::{
     Admission, ClientView, Engine, Limits, Policy, Rejection, RouteId, Ticket, UpstreamId,
 };
-pub use pacer::{AcquireError, Admitted, Shaper, Waiting};
+pub use pacer::{AcquireError, Admitted, LagObserver, Shaper, Waiting};
 pub use rate::{Nanos, Rate, RateError};

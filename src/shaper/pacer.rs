@@ -59,8 +59,13 @@ impl<K> Clone for Shaper<K> {
     }
 }
 
+/// Called by the pacer thread with each wake-up's release lag: the time
+/// between the departure it woke for and the moment it released it.
+pub type LagObserver = Box<dyn Fn(Duration) + Send + Sync>;
+
 struct Inner<K> {
     engine: Mutex<Engine<K, oneshot::Sender<()>>>,
+    lag: OnceLock<LagObserver>,
     origin: Instant,
     /// The instant the pacer will next wake for a release (`u64::MAX`: none).
     target: AtomicU64,
@@ -131,6 +136,7 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
     pub fn start(limits: Limits) -> std::io::Result<Shaper<K>> {
         let inner = Arc::new(Inner {
             engine: Mutex::new(Engine::new(limits)),
+            lag: OnceLock::new(),
             origin: Instant::now(),
             target: AtomicU64::new(u64::MAX),
             stop: AtomicBool::new(false),
@@ -145,6 +151,13 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
             _stop: Arc::new(StopOnDrop(inner.clone())),
             inner,
         })
+    }
+
+    /// Observe the pacer's release lag (actual minus scheduled release) at
+    /// every wake-up that releases something. Set once; later calls are
+    /// ignored.
+    pub fn observe_lag(&self, observer: LagObserver) {
+        let _ = self.inner.lag.set(observer);
     }
 
     /// Register an upstream, with an optional global cap.
@@ -248,7 +261,13 @@ fn run<K: Hash + Eq>(inner: &Inner<K>) {
         let (release, expiry) = {
             let mut e = lock(&inner.engine);
             let now = inner.now();
+            let due = e.next_release();
             e.release_due(now, &mut out);
+            if let (Some(at), Some(observe)) = (due, inner.lag.get())
+                && at <= now
+            {
+                observe(Duration::from_nanos(now - at));
+            }
             if now >= next_sweep {
                 e.expire(now);
                 next_sweep = now + SWEEP;
