@@ -8,4 +8,6 @@
 
 pub mod cli;
 pub mod config;
+pub mod metrics;
+pub mod proxy;
 pub mod shaper;

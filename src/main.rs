@@ -1,1 +1,99 @@
-fn main() {}
+//! The `sluice` binary: parse the command line, load the config, run.
+//! Everything else lives in the library.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use clap::Parser;
+use sluice::cli::{Cli, Command, LogFormat};
+use sluice::config::Config;
+use sluice::proxy::Server;
+use tracing::{error, info};
+use tracing_subscriber::EnvFilter;
+
+fn init_logging(level: &str, format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(level))
+        .unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { config } => match Config::load(&config) {
+            Ok(c) => {
+                println!(
+                    "ok: {}: {} routes, {} upstreams",
+                    config.display(),
+                    c.routes.len(),
+                    c.upstreams.len()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Run { config } => {
+            init_logging(&cli.log_level, cli.log_format);
+            let cfg = match Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            run(cfg)
+        }
+    }
+}
+
+fn run(config: Config) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            error!(error = %e, "cannot start the async runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        let server = match Server::bind(&config).await {
+            Ok(s) => s,
+            Err(e) => {
+                error!("{e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        server.run(shutdown_signal()).await;
+        info!("stopped");
+        ExitCode::SUCCESS
+    })
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => info!("interrupt received, stopping"),
+        _ = terminate => info!("terminate received, stopping"),
+    }
+}

@@ -1,1 +1,599 @@
-//! Configuration: placeholder until the config module lands.
+//! Configuration: the TOML file parsed into raw structs (unknown keys are
+//! errors), then validated once into typed ones. Nothing downstream of
+//! [`Config::from_toml`] re-checks or unwraps.
+//!
+//! Every problem is collected, not just the first, and each names its field
+//! path: `route 'api': rate '5/x': unit must be s, m, h or d`.
+
+mod raw;
+
+use std::collections::HashSet;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::HeaderName;
+
+use crate::shaper::Rate;
+use raw::{RawConfig, RawRoute, RawUpstream};
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: Server,
+    pub upstreams: Vec<Upstream>,
+    pub routes: Vec<Route>,
+    pub limits: Limits,
+}
+
+/// `[server]`: the proxy listeners and their defences.
+#[derive(Debug, Clone)]
+pub struct Server {
+    pub listen: Vec<SocketAddr>,
+    pub header_read_timeout: Duration,
+    pub max_header_size: usize,
+    pub max_connections: usize,
+}
+
+/// `[[upstream]]`: where routes forward to.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    pub name: String,
+    pub url: http::Uri,
+    pub rate: Option<Rate>,
+    pub connect_timeout: Duration,
+    pub request_timeout: Duration,
+}
+
+/// `[[route]]`: which requests, keyed how, shaped how, sent where.
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub name: String,
+    pub path_prefix: String,
+    /// Index into [`Config::upstreams`].
+    pub upstream: usize,
+    pub key: KeySpec,
+    pub on_missing_key: OnMissingKey,
+    pub rate: Rate,
+    pub capacity: u32,
+}
+
+/// How a request's client key is derived.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySpec {
+    /// The peer's IP address.
+    Ip,
+    /// One queue for everyone.
+    Global,
+    /// A request header's value.
+    Header(HeaderName),
+}
+
+/// What to do when the key header is missing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnMissingKey {
+    /// Answer 400.
+    Reject,
+    /// Key by the peer's IP address instead.
+    Ip,
+}
+
+/// `[limits]`: bounds on memory.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_clients: usize,
+    pub max_queued: usize,
+}
+
+/// One thing wrong with a config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// 1-based line, for syntax and type errors found while parsing.
+    pub line: Option<usize>,
+    /// Where: `route 'api'`, `server.listen`, `route[2]`.
+    pub path: String,
+    pub message: String,
+}
+
+impl Problem {
+    fn new(path: impl Into<String>, message: impl Into<String>) -> Problem {
+        Problem {
+            line: None,
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// A config that could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{}: cannot read: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}", render(path, problems))]
+    Invalid {
+        path: PathBuf,
+        problems: Vec<Problem>,
+    },
+}
+
+fn render(path: &Path, problems: &[Problem]) -> String {
+    problems
+        .iter()
+        .map(|p| match p.line {
+            Some(line) => format!("{}:{line}: {p}", path.display()),
+            None => format!("{}: {p}", path.display()),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+// === defaults ===
+
+const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_MAX_HEADER_SIZE: usize = 16 * 1024;
+const MIN_HEADER_SIZE: usize = 8 * 1024;
+const MAX_HEADER_SIZE: usize = 1024 * 1024;
+const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const DEFAULT_MAX_CLIENTS: usize = 1_000_000;
+const DEFAULT_MAX_QUEUED: usize = 100_000;
+
+// === impl Config ===
+
+impl Config {
+    /// Read and validate a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::from_toml(&text).map_err(|problems| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            problems,
+        })
+    }
+
+    /// Parse and validate config text, reporting every problem found.
+    pub fn from_toml(text: &str) -> Result<Config, Vec<Problem>> {
+        let raw: RawConfig = raw::parse(text).map_err(|p| vec![p])?;
+        let mut v = Validator::default();
+        let config = v.config(raw);
+        match (config, v.problems.is_empty()) {
+            (Some(c), true) => Ok(c),
+            _ => Err(v.problems),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Validator {
+    problems: Vec<Problem>,
+}
+
+impl Validator {
+    fn problem(&mut self, path: &str, message: impl Into<String>) {
+        self.problems.push(Problem::new(path, message));
+    }
+
+    fn config(&mut self, raw: RawConfig) -> Option<Config> {
+        let server = self.server(raw.server);
+        let limits = Limits {
+            max_clients: self.positive(
+                "limits.max_clients",
+                raw.limits.max_clients,
+                DEFAULT_MAX_CLIENTS,
+            ),
+            max_queued: self.positive(
+                "limits.max_queued",
+                raw.limits.max_queued,
+                DEFAULT_MAX_QUEUED,
+            ),
+        };
+
+        if raw.upstreams.is_empty() {
+            self.problem("upstream", "at least one [[upstream]] is required");
+        }
+        if raw.routes.is_empty() {
+            self.problem("route", "at least one [[route]] is required");
+        }
+        let upstream_names: Vec<Option<String>> =
+            raw.upstreams.iter().map(|u| u.name.clone()).collect();
+        self.unique("upstream", &upstream_names);
+        let route_names: Vec<Option<String>> = raw.routes.iter().map(|r| r.name.clone()).collect();
+        self.unique("route", &route_names);
+
+        let upstreams: Vec<Option<Upstream>> = raw
+            .upstreams
+            .into_iter()
+            .enumerate()
+            .map(|(i, u)| self.upstream(i, u))
+            .collect();
+        let routes: Vec<Option<Route>> = raw
+            .routes
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| self.route(i, r, &upstream_names))
+            .collect();
+
+        let upstreams: Option<Vec<Upstream>> = upstreams.into_iter().collect();
+        let routes: Option<Vec<Route>> = routes.into_iter().collect();
+        Some(Config {
+            server: server?,
+            upstreams: upstreams?,
+            routes: routes?,
+            limits,
+        })
+    }
+
+    fn unique(&mut self, kind: &str, names: &[Option<String>]) {
+        let mut seen = HashSet::new();
+        for name in names.iter().flatten() {
+            if !seen.insert(name.as_str()) {
+                self.problem(
+                    &format!("{kind} '{name}'"),
+                    format!("duplicate {kind} name '{name}'"),
+                );
+            }
+        }
+    }
+
+    fn server(&mut self, raw: raw::RawServer) -> Option<Server> {
+        let listen_raw = raw
+            .listen
+            .unwrap_or_else(|| vec![DEFAULT_LISTEN.to_owned()]);
+        if listen_raw.is_empty() {
+            self.problem("server.listen", "at least one address is required");
+        }
+        let mut listen = Vec::new();
+        let mut ok = true;
+        for a in &listen_raw {
+            match a.parse::<SocketAddr>() {
+                Ok(addr) if listen.contains(&addr) => {
+                    self.problem("server.listen", format!("'{a}' is listed twice"));
+                    ok = false;
+                }
+                Ok(addr) => listen.push(addr),
+                Err(_) => {
+                    self.problem(
+                        "server.listen",
+                        format!("'{a}' is not an address with a port, such as 127.0.0.1:8080 or [::1]:8080"),
+                    );
+                    ok = false;
+                }
+            }
+        }
+        let header_read_timeout = self.duration(
+            "server.header_read_timeout",
+            raw.header_read_timeout.as_deref(),
+            DEFAULT_HEADER_READ_TIMEOUT,
+        );
+        let max_header_size = match raw.max_header_size {
+            None => DEFAULT_MAX_HEADER_SIZE,
+            Some(n) => match usize::try_from(n) {
+                Ok(n) if (MIN_HEADER_SIZE..=MAX_HEADER_SIZE).contains(&n) => n,
+                _ => {
+                    self.problem(
+                        "server.max_header_size",
+                        format!("{n} is out of range: must be {MIN_HEADER_SIZE} to {MAX_HEADER_SIZE} bytes"),
+                    );
+                    ok = false;
+                    DEFAULT_MAX_HEADER_SIZE
+                }
+            },
+        };
+        let max_connections = self.positive(
+            "server.max_connections",
+            raw.max_connections,
+            DEFAULT_MAX_CONNECTIONS,
+        );
+        ok.then_some(Server {
+            listen,
+            header_read_timeout: header_read_timeout?,
+            max_header_size,
+            max_connections,
+        })
+    }
+
+    /// A whole number >= 1, or the default when absent.
+    fn positive(&mut self, path: &str, raw: Option<i64>, default: usize) -> usize {
+        match raw {
+            None => default,
+            Some(n) => match usize::try_from(n) {
+                Ok(n) if n >= 1 => n,
+                _ => {
+                    self.problem(
+                        path,
+                        format!("{n} is out of range: must be a whole number >= 1"),
+                    );
+                    default
+                }
+            },
+        }
+    }
+
+    /// A humantime duration > 0, or the default when absent.
+    fn duration(&mut self, path: &str, raw: Option<&str>, default: Duration) -> Option<Duration> {
+        let Some(text) = raw else {
+            return Some(default);
+        };
+        match humantime::parse_duration(text) {
+            Ok(d) if d > Duration::ZERO => Some(d),
+            Ok(_) => {
+                self.problem(path, format!("'{text}' must be longer than zero"));
+                None
+            }
+            Err(e) => {
+                self.problem(
+                    path,
+                    format!("'{text}' is not a duration such as 250ms or 2s ({e})"),
+                );
+                None
+            }
+        }
+    }
+
+    fn upstream(&mut self, index: usize, raw: RawUpstream) -> Option<Upstream> {
+        let path = match &raw.name {
+            Some(n) => format!("upstream '{n}'"),
+            None => format!("upstream[{index}]"),
+        };
+        let name = match raw.name {
+            Some(n) if !n.trim().is_empty() => Some(n),
+            Some(_) => {
+                self.problem(&path, "name must not be empty");
+                None
+            }
+            None => {
+                self.problem(&path, "name is required");
+                None
+            }
+        };
+        let url = match raw.url {
+            None => {
+                self.problem(&path, "url is required, such as http://127.0.0.1:9000");
+                None
+            }
+            Some(text) => self.upstream_url(&path, &text),
+        };
+        let rate = match raw.rate {
+            None => Some(None),
+            Some(text) => match text.parse::<Rate>() {
+                Ok(r) => Some(Some(r)),
+                Err(e) => {
+                    self.problem(&path, format!("rate '{text}': {e}"));
+                    None
+                }
+            },
+        };
+        let connect_timeout = self.duration(
+            &format!("{path}: connect_timeout"),
+            raw.connect_timeout.as_deref(),
+            DEFAULT_CONNECT_TIMEOUT,
+        );
+        let request_timeout = self.duration(
+            &format!("{path}: request_timeout"),
+            raw.request_timeout.as_deref(),
+            DEFAULT_REQUEST_TIMEOUT,
+        );
+        Some(Upstream {
+            name: name?,
+            url: url?,
+            rate: rate?,
+            connect_timeout: connect_timeout?,
+            request_timeout: request_timeout?,
+        })
+    }
+
+    fn upstream_url(&mut self, path: &str, text: &str) -> Option<http::Uri> {
+        let uri = match text.parse::<http::Uri>() {
+            Ok(u) => u,
+            Err(e) => {
+                self.problem(path, format!("url '{text}': {e}"));
+                return None;
+            }
+        };
+        let mut ok = true;
+        match uri.scheme_str() {
+            Some("http" | "https") => {}
+            Some(other) => {
+                self.problem(
+                    path,
+                    format!("url '{text}': scheme '{other}' must be http or https"),
+                );
+                ok = false;
+            }
+            None => {
+                self.problem(
+                    path,
+                    format!("url '{text}': must start with http:// or https://"),
+                );
+                ok = false;
+            }
+        }
+        if uri.host().is_none_or(str::is_empty) {
+            self.problem(path, format!("url '{text}': a host is required"));
+            ok = false;
+        }
+        if !matches!(uri.path(), "" | "/") {
+            self.problem(
+                path,
+                format!("url '{text}': must not have a path (requests keep their own)"),
+            );
+            ok = false;
+        }
+        if uri.query().is_some() {
+            self.problem(path, format!("url '{text}': must not have a query"));
+            ok = false;
+        }
+        ok.then_some(uri)
+    }
+
+    fn route(
+        &mut self,
+        index: usize,
+        raw: RawRoute,
+        upstreams: &[Option<String>],
+    ) -> Option<Route> {
+        let path = match &raw.name {
+            Some(n) => format!("route '{n}'"),
+            None => format!("route[{index}]"),
+        };
+        let name = match raw.name {
+            Some(n) if !n.trim().is_empty() => Some(n),
+            Some(_) => {
+                self.problem(&path, "name must not be empty");
+                None
+            }
+            None => {
+                self.problem(&path, "name is required");
+                None
+            }
+        };
+        let path_prefix = match raw.matcher.and_then(|m| m.path_prefix) {
+            None => Some("/".to_owned()),
+            Some(p) if p.starts_with('/') => Some(p),
+            Some(p) => {
+                self.problem(
+                    &path,
+                    format!("match.path_prefix '{p}' must start with '/'"),
+                );
+                None
+            }
+        };
+        let upstream = match raw.upstream {
+            None => {
+                self.problem(&path, "upstream is required");
+                None
+            }
+            Some(u) => match upstreams
+                .iter()
+                .position(|n| n.as_deref() == Some(u.as_str()))
+            {
+                Some(i) => Some(i),
+                None => {
+                    let known: Vec<String> = upstreams
+                        .iter()
+                        .flatten()
+                        .map(|n| format!("'{n}'"))
+                        .collect();
+                    self.problem(
+                        &path,
+                        format!(
+                            "upstream '{u}' does not exist (known: {})",
+                            known.join(", ")
+                        ),
+                    );
+                    None
+                }
+            },
+        };
+        let key = match raw.key.as_deref() {
+            None => {
+                self.problem(
+                    &path,
+                    "key is required: \"ip\", \"global\" or \"header:NAME\"",
+                );
+                None
+            }
+            Some(text) => self.key(&path, text),
+        };
+        let on_missing_key = match raw.on_missing_key.as_deref() {
+            None | Some("reject") => Some(OnMissingKey::Reject),
+            Some("ip") => Some(OnMissingKey::Ip),
+            Some(other) => {
+                self.problem(
+                    &path,
+                    format!("on_missing_key '{other}' must be \"reject\" or \"ip\""),
+                );
+                None
+            }
+        };
+        let rate = match raw.rate {
+            None => {
+                self.problem(&path, "rate is required, such as \"5/s\"");
+                None
+            }
+            Some(text) => match text.parse::<Rate>() {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    self.problem(&path, format!("rate '{text}': {e}"));
+                    None
+                }
+            },
+        };
+        let capacity = match raw.capacity {
+            None => {
+                self.problem(&path, "capacity is required (a whole number >= 0)");
+                None
+            }
+            Some(n) => match u32::try_from(n) {
+                Ok(c) => Some(c),
+                Err(_) => {
+                    self.problem(
+                        &path,
+                        format!(
+                            "capacity: {n} must be a whole number >= 0 and <= {}",
+                            u32::MAX
+                        ),
+                    );
+                    None
+                }
+            },
+        };
+        Some(Route {
+            name: name?,
+            path_prefix: path_prefix?,
+            upstream: upstream?,
+            key: key?,
+            on_missing_key: on_missing_key?,
+            rate: rate?,
+            capacity: capacity?,
+        })
+    }
+
+    fn key(&mut self, path: &str, text: &str) -> Option<KeySpec> {
+        match text {
+            "ip" => Some(KeySpec::Ip),
+            "global" => Some(KeySpec::Global),
+            _ => match text.split_once(':') {
+                Some(("header", name)) => match HeaderName::from_bytes(name.trim().as_bytes()) {
+                    Ok(h) => Some(KeySpec::Header(h)),
+                    Err(_) => {
+                        self.problem(
+                            path,
+                            format!("key '{text}': '{name}' is not a valid header name"),
+                        );
+                        None
+                    }
+                },
+                _ => {
+                    self.problem(
+                        path,
+                        format!("key '{text}': must be \"ip\", \"global\" or \"header:NAME\""),
+                    );
+                    None
+                }
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

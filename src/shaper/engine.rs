@@ -694,6 +694,51 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         }
     }
 
+    /// Withdraw every waiting request (shutdown past the drain timeout),
+    /// appending their payloads to `out`. Client schedules are kept.
+    pub fn withdraw_all(&mut self, now: Nanos, out: &mut Vec<P>) {
+        for slot in 0..self.slots.len() {
+            let Some(c) = self.slots[slot].client.as_mut() else {
+                continue;
+            };
+            if c.waiting == 0 {
+                continue;
+            }
+            out.extend(c.queue.drain(..).filter_map(|e| e.payload));
+            self.queued -= c.waiting;
+            c.waiting = 0;
+            c.waiting_cost = 0;
+            self.promote_head(slot as u32, now);
+        }
+    }
+
+    /// The `n` clients with the most cost waiting, deepest first, as
+    /// (route, key, view). Walks every client: for status pages, not for
+    /// the request path.
+    pub fn deepest(&self, n: usize, now: Nanos) -> Vec<(RouteId, &K, ClientView)> {
+        let mut all: Vec<(RouteId, &K, ClientView)> = self
+            .slots
+            .iter()
+            .filter_map(|s| s.client.as_ref())
+            .filter(|c| c.waiting > 0)
+            .filter_map(|c| {
+                let policy = self.routes.get(c.route.0 as usize)?.policy;
+                let next_departure = c
+                    .due
+                    .saturating_add(c.waiting_cost.saturating_mul(policy.rate.interval_nanos()));
+                let view = ClientView {
+                    waiting_cost: c.waiting_cost,
+                    waiting: c.waiting,
+                    next_departure: next_departure.max(now),
+                };
+                Some((c.route, &c.key, view))
+            })
+            .collect();
+        all.sort_by_key(|e| std::cmp::Reverse(e.2.waiting_cost));
+        all.truncate(n);
+        all
+    }
+
     /// Withdraw a waiting request: it will never be released, and the next
     /// one in line takes its slot. Returns its payload, or `None` when the
     /// ticket was already released (or cancelled).

@@ -170,6 +170,22 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
         lock(&self.inner.engine).add_route(policy, upstream)
     }
 
+    /// Change a route's policy for new arrivals (waiting requests keep
+    /// their place and their schedule).
+    pub fn set_policy(&self, route: RouteId, policy: Policy) {
+        lock(&self.inner.engine).set_policy(route, policy);
+    }
+
+    /// Change an upstream's global cap.
+    pub fn set_upstream_cap(&self, upstream: UpstreamId, cap: Option<Rate>) {
+        lock(&self.inner.engine).set_upstream_cap(upstream, cap);
+        // Make the pacer recompute its next wake-up.
+        self.inner.target.store(0, Ordering::Release);
+        if let Some(t) = self.inner.thread.get() {
+            t.unpark();
+        }
+    }
+
     /// The shaper's clock, on the engine's time axis.
     pub fn now(&self) -> Nanos {
         self.inner.now()
@@ -185,6 +201,31 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
     pub fn view(&self, route: RouteId, key: &K) -> Option<ClientView> {
         let e = lock(&self.inner.engine);
         e.view(route, key, self.inner.now())
+    }
+
+    /// Refuse every request still waiting: each waiter resolves with
+    /// [`AcquireError::Closed`]. Used when a drain runs out of time.
+    pub fn close_waiting(&self) -> usize {
+        let mut withdrawn = Vec::new();
+        {
+            let mut e = lock(&self.inner.engine);
+            let now = self.inner.now();
+            e.withdraw_all(now, &mut withdrawn);
+        }
+        // Dropping the senders wakes the waiters with an error.
+        withdrawn.len()
+    }
+
+    /// The `n` deepest queues, deepest first.
+    pub fn deepest(&self, n: usize) -> Vec<(RouteId, K, ClientView)>
+    where
+        K: Clone,
+    {
+        let e = lock(&self.inner.engine);
+        e.deepest(n, self.inner.now())
+            .into_iter()
+            .map(|(r, k, v)| (r, k.clone(), v))
+            .collect()
     }
 
     /// Decide an arrival now. A refusal is answered at once; a request that

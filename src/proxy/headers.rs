@@ -1,0 +1,106 @@
+//! Header rewriting for the forward path: hop-by-hop removal (RFC 9110
+//! 7.6.1) and the forwarding headers (`X-Forwarded-*`, `Via`).
+
+use std::net::IpAddr;
+
+use http::Version;
+use http::header::{
+    CONNECTION, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING, UPGRADE, VIA,
+};
+
+const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Remove the hop-by-hop headers: `Connection` and every header it names,
+/// `Keep-Alive`, `Proxy-Connection`, `TE`, `Transfer-Encoding`, `Upgrade`
+/// (RFC 9110 7.6.1).
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in [
+        CONNECTION,
+        KEEP_ALIVE,
+        PROXY_CONNECTION,
+        TE,
+        TRANSFER_ENCODING,
+        UPGRADE,
+    ] {
+        headers.remove(name);
+    }
+}
+
+/// The protocol token of `Via` for a message of `version` (RFC 9110 7.6.3).
+fn via_value(version: Version) -> HeaderValue {
+    HeaderValue::from_static(match version {
+        Version::HTTP_09 => "0.9 sluice",
+        Version::HTTP_10 => "1.0 sluice",
+        Version::HTTP_2 => "2 sluice",
+        Version::HTTP_3 => "3 sluice",
+        _ => "1.1 sluice",
+    })
+}
+
+/// Add this hop to `Via`.
+pub fn append_via(headers: &mut HeaderMap, version: Version) {
+    headers.append(VIA, via_value(version));
+}
+
+/// Add the `X-Forwarded-*` headers for a request from `peer`: the peer is
+/// appended to any `X-Forwarded-For` list already present.
+pub fn add_forwarded(headers: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>) {
+    let peer = peer.to_string();
+    let xff = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+        Some(prior) if !prior.trim().is_empty() => format!("{prior}, {peer}"),
+        _ => peer,
+    };
+    if let Ok(v) = HeaderValue::from_str(&xff) {
+        headers.insert(X_FORWARDED_FOR, v);
+    }
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    if let Some(host) = host {
+        headers.insert(X_FORWARDED_HOST, host.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_named_headers_are_removed() {
+        let mut h = HeaderMap::new();
+        h.insert(CONNECTION, HeaderValue::from_static("close, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(TE, HeaderValue::from_static("trailers"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn forwarded_for_appends_the_peer() {
+        let mut h = HeaderMap::new();
+        h.insert(X_FORWARDED_FOR, HeaderValue::from_static("203.0.113.9"));
+        add_forwarded(
+            &mut h,
+            "127.0.0.1".parse().unwrap(),
+            Some(&HeaderValue::from_static("example")),
+        );
+        assert_eq!(h[&X_FORWARDED_FOR], "203.0.113.9, 127.0.0.1");
+        assert_eq!(h[&X_FORWARDED_HOST], "example");
+        assert_eq!(h[&X_FORWARDED_PROTO], "http");
+    }
+}

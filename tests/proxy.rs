@@ -1,0 +1,374 @@
+//! End to end: the real `sluice` binary on 127.0.0.1 in front of a real
+//! downstream server in the test.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::StatusCode;
+use support::{Downstream, Sluice, client, closed_port, get, send};
+
+fn config(upstream: &str, rate: &str, capacity: u32) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+header_read_timeout = "1s"
+max_header_size = 16384
+
+[[upstream]]
+name = "api"
+url = "http://{upstream}"
+request_timeout = "500ms"
+connect_timeout = "500ms"
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "{rate}"
+capacity = {capacity}
+"#
+    )
+}
+
+/// DESIGN section 1 seed example end to end: r = 5/s, b = 10, 20 requests
+/// 25 ms apart from one client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_example_end_to_end() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(&ds.addr.to_string(), "5/s", 10));
+    let c = client();
+    // Warm the connection pool so connect time does not skew arrivals.
+    assert_eq!(
+        get(&c, &sluice.url("/warm"), &[("x-client", "warm")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+
+    let start = Instant::now() + Duration::from_millis(20);
+    let mut tasks = Vec::new();
+    for i in 0..20u64 {
+        tokio::time::sleep_until((start + Duration::from_millis(25 * i)).into()).await;
+        let c = c.clone();
+        let url = sluice.url(&format!("/seed/{}", i + 1));
+        tasks.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "seed")]).await
+        }));
+    }
+    let mut ok = Vec::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let a = t.await.unwrap();
+        let n = i + 1;
+        match a.status {
+            StatusCode::OK => ok.push(n),
+            StatusCode::TOO_MANY_REQUESTS => {
+                // One departure (at most 200 ms away) frees a place.
+                assert_eq!(a.headers["retry-after"], "1", "request {n}");
+                assert_eq!(a.headers["content-type"], "application/problem+json");
+                let body: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+                assert_eq!(body["status"], 429);
+            }
+            s => panic!("request {n}: unexpected status {s}"),
+        }
+    }
+    assert_eq!(
+        &ok[..12],
+        &(1..=12).collect::<Vec<_>>()[..],
+        "admitted {ok:?}"
+    );
+    assert_eq!(ok.len(), 13, "admitted {ok:?}");
+    assert!(ok[12] == 17 || ok[12] == 18, "admitted {ok:?}");
+
+    let arrivals: Vec<Instant> = ds
+        .seen()
+        .iter()
+        .filter(|s| s.path.starts_with("/seed/"))
+        .map(|s| s.at)
+        .collect();
+    assert_eq!(arrivals.len(), 13);
+    for w in arrivals.windows(2) {
+        let gap = w[1] - w[0];
+        assert!(
+            gap >= Duration::from_millis(180) && gap <= Duration::from_millis(270),
+            "downstream gap {gap:?}"
+        );
+    }
+    let span = arrivals[12] - arrivals[0];
+    assert!(
+        span >= Duration::from_millis(2_380) && span <= Duration::from_millis(2_500),
+        "span {span:?}"
+    );
+}
+
+/// One client's flood does not delay another client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_are_isolated() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(&ds.addr.to_string(), "5/s", 10));
+    let c = client();
+    let mut flood = Vec::new();
+    for _ in 0..15 {
+        let c = c.clone();
+        let url = sluice.url("/flood");
+        flood.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "heavy")]).await.status
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t = Instant::now();
+    let light = get(&c, &sluice.url("/light"), &[("x-client", "light")]).await;
+    assert_eq!(light.status, StatusCode::OK);
+    assert!(
+        t.elapsed() < Duration::from_millis(150),
+        "light client waited {:?}",
+        t.elapsed()
+    );
+    let mut statuses = Vec::new();
+    for f in flood {
+        statuses.push(f.await.unwrap());
+    }
+    assert_eq!(
+        statuses.iter().filter(|s| **s == StatusCode::OK).count(),
+        11
+    );
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
+            .count(),
+        4
+    );
+}
+
+fn raw_request(addr: std::net::SocketAddr, path: &str, client: &str) -> std::net::TcpStream {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: test\r\nX-Client: {client}\r\n\r\n"
+    )
+    .unwrap();
+    s
+}
+
+/// A client that disconnects while queued is never forwarded, and the next
+/// one in line takes its slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnected_queued_client_is_never_forwarded() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(&ds.addr.to_string(), "5/s", 10));
+    let addr = sluice.addr;
+    let r1 = tokio::task::spawn_blocking(move || {
+        let mut s = raw_request(addr, "/first", "d");
+        let mut buf = [0u8; 64];
+        s.read(&mut buf).unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let gone = raw_request(addr, "/gone", "d");
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let c = client();
+    let url = sluice.url("/third");
+    let third = tokio::spawn(async move { get(&c, &url, &[("x-client", "d")]).await });
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    drop(gone);
+    assert_eq!(third.await.unwrap().status, StatusCode::OK);
+    assert!(r1.await.unwrap() > 0);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let seen = ds.seen();
+    assert!(
+        seen.iter().all(|s| s.path != "/gone"),
+        "the disconnected request was forwarded"
+    );
+    let first = seen.iter().find(|s| s.path == "/first").unwrap().at;
+    let third = seen.iter().find(|s| s.path == "/third").unwrap().at;
+    let gap = third - first;
+    assert!(
+        gap >= Duration::from_millis(180) && gap <= Duration::from_millis(330),
+        "the third request should take the second's slot (200 ms), went after {gap:?}"
+    );
+}
+
+/// Upstream down: 502; upstream slow: 504; the queue keeps flowing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_failures_map_to_502_and_504_and_the_queue_flows() {
+    let ds = Downstream::start().await;
+    let toml = format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[[upstream]]
+name = "down"
+url = "http://127.0.0.1:{down}"
+connect_timeout = "500ms"
+
+[[upstream]]
+name = "api"
+url = "http://{up}"
+request_timeout = "500ms"
+
+[[route]]
+name = "down"
+match = {{ path_prefix = "/down" }}
+upstream = "down"
+key = "global"
+rate = "50/s"
+capacity = 10
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "50/s"
+capacity = 10
+"#,
+        down = closed_port(),
+        up = ds.addr
+    );
+    let sluice = Sluice::start(&toml);
+    let c = client();
+    let a = get(&c, &sluice.url("/down/x"), &[]).await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY);
+
+    let t = Instant::now();
+    let slow = get(&c, &sluice.url("/slow"), &[("x-client", "s")]).await;
+    assert_eq!(slow.status, StatusCode::GATEWAY_TIMEOUT);
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "504 took {:?}",
+        t.elapsed()
+    );
+
+    let mut after = Vec::new();
+    for i in 0..5 {
+        let c = c.clone();
+        let url = sluice.url(&format!("/after/{i}"));
+        after.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "s")]).await.status
+        }));
+    }
+    for a in after {
+        assert_eq!(a.await.unwrap(), StatusCode::OK);
+    }
+    assert_eq!(
+        get(&c, &sluice.url("/down/y"), &[]).await.status,
+        StatusCode::BAD_GATEWAY
+    );
+}
+
+fn raw_exchange(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let _ = s.write_all(bytes);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Malformed requests, oversized headers and a slow-header client are
+/// handled without harm, and the server keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_refused_without_harm() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(&ds.addr.to_string(), "50/s", 10));
+    let addr = sluice.addr;
+
+    let malformed =
+        tokio::task::spawn_blocking(move || raw_exchange(addr, b"BLAH\x01 / HTTP/9\r\n\r\n"));
+    assert!(malformed.await.unwrap().starts_with("HTTP/1.1 400"));
+
+    let big = format!(
+        "GET / HTTP/1.1\r\nHost: t\r\nX-Client: a\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(64 * 1024)
+    );
+    let oversized = tokio::task::spawn_blocking(move || raw_exchange(addr, big.as_bytes()));
+    let answer = oversized.await.unwrap();
+    assert!(
+        answer.starts_with("HTTP/1.1 431"),
+        "oversized headers got {answer:?}"
+    );
+
+    // Slowloris: the header never completes; the server closes the
+    // connection after header_read_timeout (1 s).
+    let slow = tokio::task::spawn_blocking(move || {
+        let t = Instant::now();
+        let _ = raw_exchange(addr, b"GET / HTTP/1.1\r\nHost: t\r\n");
+        t.elapsed()
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let c = client();
+    assert_eq!(
+        get(&c, &sluice.url("/fine"), &[("x-client", "ok")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let held = slow.await.unwrap();
+    assert!(
+        held < Duration::from_secs(5),
+        "slow-header connection held {held:?}"
+    );
+
+    let missing = get(&c, &sluice.url("/nokey"), &[]).await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(missing.headers["content-type"], "application/problem+json");
+}
+
+/// h2c (HTTP/2 with prior knowledge) works inbound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_requests_are_forwarded() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(&ds.addr.to_string(), "50/s", 10));
+    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let a = get(&h2, &sluice.url("/h2"), &[("x-client", "h2")]).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(&a.body[..], b"ok");
+    let seen = ds.seen();
+    let s = seen.iter().find(|s| s.path == "/h2").unwrap();
+    assert_eq!(s.headers["via"], "2 sluice");
+    assert_eq!(s.headers["x-forwarded-for"], "127.0.0.1");
+    assert!(s.headers.contains_key("host"));
+}
+
+/// A POST body of several MB streams through intact, with the forwarding
+/// headers set and hop-by-hop headers removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_post_body_streams_through_intact() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(&ds.addr.to_string(), "50/s", 10));
+    let body: Vec<u8> = (0..8 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let c = client();
+    let a = send(
+        &c,
+        "POST",
+        &sluice.url("/echo"),
+        &[
+            ("x-client", "big"),
+            ("x-forwarded-for", "198.51.100.7"),
+            ("connection", "x-drop"),
+            ("x-drop", "1"),
+        ],
+        Bytes::from(body.clone()),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body.len(), body.len());
+    assert!(a.body[..] == body[..], "body changed in transit");
+    let seen = ds.seen();
+    let s = seen.iter().find(|s| s.path == "/echo").unwrap();
+    assert_eq!(s.body_len, body.len());
+    assert_eq!(s.headers["x-forwarded-for"], "198.51.100.7, 127.0.0.1");
+    assert_eq!(s.headers["x-forwarded-proto"], "http");
+    assert_eq!(s.headers["via"], "1.1 sluice");
+    assert!(!s.headers.contains_key("x-drop"));
+    assert_eq!(s.headers["host"], sluice.addr.to_string());
+    assert_eq!(s.headers["x-forwarded-host"], sluice.addr.to_string());
+}
