@@ -6,8 +6,10 @@
 //! `main.rs` only parses the command line and runs.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod cli;
 pub mod config;
+pub mod daemon;
 pub mod metrics;
 pub mod proxy;
 pub mod shaper;

@@ -7,7 +7,6 @@ use std::process::ExitCode;
 use clap::Parser;
 use sluice::cli::{Cli, Command, LogFormat};
 use sluice::config::Config;
-use sluice::proxy::Server;
 use tracing::{error, info};
 use tracing_subscriber::EnvFilter;
 
@@ -52,12 +51,12 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            run(cfg)
+            run(config, cfg)
         }
     }
 }
 
-fn run(config: Config) -> ExitCode {
+fn run(path: std::path::PathBuf, config: Config) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -68,32 +67,14 @@ fn run(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(async {
-        let server = match Server::bind(&config).await {
-            Ok(s) => s,
-            Err(e) => {
-                error!("{e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        server.run(shutdown_signal()).await;
-        info!("stopped");
-        ExitCode::SUCCESS
-    })
-}
-
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    match runtime.block_on(sluice::daemon::run(path, config)) {
+        Ok(()) => {
+            info!("stopped");
+            ExitCode::SUCCESS
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => info!("interrupt received, stopping"),
-        _ = terminate => info!("terminate received, stopping"),
+        Err(e) => {
+            error!("{e}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -22,6 +22,9 @@ use raw::{RawConfig, RawRoute, RawUpstream};
 #[derive(Debug, Clone)]
 pub struct Config {
     pub server: Server,
+    /// The admin listener (`/metrics`, `/healthz`, `/readyz`, `/status`);
+    /// `None` without an `[admin]` table (opt-in, as in Envoy and HAProxy).
+    pub admin: Option<SocketAddr>,
     pub upstreams: Vec<Upstream>,
     pub routes: Vec<Route>,
     pub limits: Limits,
@@ -34,6 +37,9 @@ pub struct Server {
     pub header_read_timeout: Duration,
     pub max_header_size: usize,
     pub max_connections: usize,
+    /// On SIGTERM, how long queued requests keep departing at their pace
+    /// before the rest are answered 503.
+    pub drain_timeout: Duration,
 }
 
 /// `[[upstream]]`: where routes forward to.
@@ -150,6 +156,8 @@ const DEFAULT_MAX_HEADER_SIZE: usize = 16 * 1024;
 const MIN_HEADER_SIZE: usize = 8 * 1024;
 const MAX_HEADER_SIZE: usize = 1024 * 1024;
 const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const DEFAULT_MAX_CLIENTS: usize = 1_000_000;
@@ -194,6 +202,7 @@ impl Validator {
 
     fn config(&mut self, raw: RawConfig) -> Option<Config> {
         let server = self.server(raw.server);
+        let admin = self.admin(raw.admin);
         let limits = Limits {
             max_clients: self.positive(
                 "limits.max_clients",
@@ -236,6 +245,7 @@ impl Validator {
         let routes: Option<Vec<Route>> = routes.into_iter().collect();
         Some(Config {
             server: server?,
+            admin: admin?,
             upstreams: upstreams?,
             routes: routes?,
             limits,
@@ -250,6 +260,23 @@ impl Validator {
                     &format!("{kind} '{name}'"),
                     format!("duplicate {kind} name '{name}'"),
                 );
+            }
+        }
+    }
+
+    fn admin(&mut self, raw: Option<raw::RawAdmin>) -> Option<Option<SocketAddr>> {
+        let Some(raw) = raw else {
+            return Some(None);
+        };
+        let text = raw.listen.as_deref().unwrap_or(DEFAULT_ADMIN_LISTEN);
+        match text.parse::<SocketAddr>() {
+            Ok(addr) => Some(Some(addr)),
+            Err(_) => {
+                self.problem(
+                    "admin.listen",
+                    format!("'{text}' is not an address with a port, such as 127.0.0.1:9090"),
+                );
+                None
             }
         }
     }
@@ -303,11 +330,17 @@ impl Validator {
             raw.max_connections,
             DEFAULT_MAX_CONNECTIONS,
         );
+        let drain_timeout = self.duration(
+            "server.drain_timeout",
+            raw.drain_timeout.as_deref(),
+            DEFAULT_DRAIN_TIMEOUT,
+        );
         ok.then_some(Server {
             listen,
             header_read_timeout: header_read_timeout?,
             max_header_size,
             max_connections,
+            drain_timeout: drain_timeout?,
         })
     }
 

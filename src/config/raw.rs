@@ -16,6 +16,13 @@ pub struct RawConfig {
     pub routes: Vec<RawRoute>,
     #[serde(default)]
     pub limits: RawLimits,
+    pub admin: Option<RawAdmin>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAdmin {
+    pub listen: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -25,6 +32,7 @@ pub struct RawServer {
     pub header_read_timeout: Option<String>,
     pub max_header_size: Option<i64>,
     pub max_connections: Option<i64>,
+    pub drain_timeout: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -37,6 +37,8 @@ fn defaults_are_applied() {
     assert_eq!(c.server.header_read_timeout, Duration::from_secs(10));
     assert_eq!(c.server.max_header_size, 16 * 1024);
     assert_eq!(c.server.max_connections, 10_000);
+    assert_eq!(c.server.drain_timeout, Duration::from_secs(30));
+    assert_eq!(c.admin, None);
     assert_eq!(c.limits.max_clients, 1_000_000);
     assert_eq!(c.limits.max_queued, 100_000);
     assert_eq!(c.upstreams[0].connect_timeout, Duration::from_secs(2));
@@ -226,4 +228,18 @@ fn out_of_range_header_size_is_invalid() {
 fn zero_limits_are_invalid() {
     let text = format!("{MINIMAL}\n[limits]\nmax_queued = 0\n");
     assert_problem(&text, "limits.max_queued: 0 is out of range");
+}
+
+#[test]
+fn admin_table_enables_the_admin_listener_on_its_default_address() {
+    let c = Config::from_toml(&format!("[admin]\n{MINIMAL}")).unwrap();
+    assert_eq!(c.admin, Some("127.0.0.1:9090".parse().unwrap()));
+}
+
+#[test]
+fn bad_admin_address_is_invalid() {
+    assert_problem(
+        &format!("[admin]\nlisten = \"nowhere\"\n{MINIMAL}"),
+        "admin.listen: 'nowhere' is not an address",
+    );
 }

@@ -20,6 +20,7 @@ use super::ServeError;
 use super::headers::{add_forwarded, append_via, strip_hop_by_hop};
 use super::response::{ProxyBody, problem};
 use crate::config;
+use crate::metrics::{self as m, Outcome};
 
 /// One configured upstream and its connection pool.
 pub struct Upstream {
@@ -104,9 +105,23 @@ impl Upstream {
         })
     }
 
+    /// The upstream's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Time allowed until response headers.
+    pub fn request_timeout(&self) -> Duration {
+        self.request_timeout
+    }
+
     /// Forward `req` and stream the response back; 502 when the upstream
     /// cannot be reached, 504 when it does not answer in time.
-    pub async fn forward(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+    pub async fn forward(
+        &self,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> (Response<ProxyBody>, Outcome) {
         let (mut parts, body) = req.into_parts();
         let inbound_version = parts.version;
         let host = parts.headers.get(HOST).cloned().or_else(|| {
@@ -123,10 +138,10 @@ impl Upstream {
         parts.uri = match uri.build() {
             Ok(u) => u,
             Err(_) => {
-                return problem(
-                    StatusCode::BAD_REQUEST,
-                    "the request target cannot be forwarded",
-                    None,
+                let detail = "the request target cannot be forwarded";
+                return (
+                    problem(StatusCode::BAD_REQUEST, detail, None),
+                    Outcome::Invalid,
                 );
             }
         };
@@ -139,13 +154,17 @@ impl Upstream {
         parts.version = Version::HTTP_11;
         let req = Request::from_parts(parts, body);
 
-        match tokio::time::timeout(self.request_timeout, self.client.request(req)).await {
+        let started = std::time::Instant::now();
+        let result = tokio::time::timeout(self.request_timeout, self.client.request(req)).await;
+        metrics::histogram!(m::UPSTREAM_DURATION_SECONDS, "upstream" => self.name.clone())
+            .record(started.elapsed().as_secs_f64());
+        match result {
             Err(_) => {
                 debug!(upstream = %self.name, "upstream timed out");
-                problem(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "the upstream did not answer in time",
-                    None,
+                let detail = "the upstream did not answer in time";
+                (
+                    problem(StatusCode::GATEWAY_TIMEOUT, detail, None),
+                    Outcome::UpstreamError,
                 )
             }
             Ok(Err(e)) => {
@@ -155,13 +174,19 @@ impl Upstream {
                 } else {
                     "the upstream connection failed"
                 };
-                problem(StatusCode::BAD_GATEWAY, detail, None)
+                (
+                    problem(StatusCode::BAD_GATEWAY, detail, None),
+                    Outcome::UpstreamError,
+                )
             }
             Ok(Ok(response)) => {
                 let (mut parts, body) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
                 append_via(&mut parts.headers, parts.version);
-                Response::from_parts(parts, body.boxed())
+                (
+                    Response::from_parts(parts, body.boxed()),
+                    Outcome::Forwarded,
+                )
             }
         }
     }

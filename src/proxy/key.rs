@@ -14,10 +14,39 @@ pub type ClientKey = Box<[u8]>;
 /// rather than stored.
 const MAX_KEY_LEN: usize = 256;
 
+/// Keys are tagged so that kinds never collide and can be shown:
+/// `i` + address octets, `h` + header value, empty for `global`.
 fn ip_key(ip: IpAddr) -> ClientKey {
+    let mut k = vec![b'i'];
     match ip {
-        IpAddr::V4(v4) => Box::new(v4.octets()),
-        IpAddr::V6(v6) => Box::new(v6.octets()),
+        IpAddr::V4(v4) => k.extend_from_slice(&v4.octets()),
+        IpAddr::V6(v6) => k.extend_from_slice(&v6.octets()),
+    }
+    k.into_boxed_slice()
+}
+
+fn header_key(value: &[u8]) -> ClientKey {
+    let mut k = Vec::with_capacity(value.len() + 1);
+    k.push(b'h');
+    k.extend_from_slice(value);
+    k.into_boxed_slice()
+}
+
+/// A key as an operator reads it: the address for `ip` keys, the header
+/// value (lossily) otherwise, `*` for `global`.
+pub fn display(key: &[u8]) -> String {
+    match key {
+        [b'i', octets @ ..] if octets.len() == 4 => {
+            let o: [u8; 4] = [octets[0], octets[1], octets[2], octets[3]];
+            IpAddr::from(o).to_string()
+        }
+        [b'i', octets @ ..] if octets.len() == 16 => {
+            let mut o = [0u8; 16];
+            o.copy_from_slice(octets);
+            IpAddr::from(o).to_string()
+        }
+        [b'h', value @ ..] => String::from_utf8_lossy(value).into_owned(),
+        _ => "*".to_owned(),
     }
 }
 
@@ -35,7 +64,7 @@ pub fn extract(
             Some(v) if v.len() > MAX_KEY_LEN => Err(format!(
                 "the {name} header is longer than {MAX_KEY_LEN} bytes"
             )),
-            Some(v) if !v.is_empty() => Ok(v.as_bytes().into()),
+            Some(v) if !v.is_empty() => Ok(header_key(v.as_bytes())),
             _ => match on_missing {
                 OnMissingKey::Ip => Ok(ip_key(peer)),
                 OnMissingKey::Reject => Err(format!("the {name} header is required")),

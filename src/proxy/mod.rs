@@ -5,16 +5,24 @@
 //! A queued request's body is not touched until it departs; a client that
 //! disconnects while queued drops its future, which withdraws it from the
 //! queue (the next in line takes its slot).
+//!
+//! The routing table ([`App`]) is swapped whole on reload; requests already
+//! in flight keep the table they started with, so a removed route's queue
+//! drains at its old rate. Shutdown stops accepting, lets the queues drain
+//! at their pace until the drain timeout, answers what remains 503, and
+//! waits for in-flight upstream calls.
 
 mod forward;
 mod headers;
 mod key;
 pub mod response;
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
@@ -26,11 +34,14 @@ use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
 use crate::config::{Config, KeySpec, OnMissingKey};
-use crate::shaper::{AcquireError, Admitted, Limits, Policy, Rejection, RouteId, Shaper};
+use crate::metrics::{self as m, Outcome};
+use crate::shaper::{
+    AcquireError, Admitted, Limits, Policy, Rejection, RouteId, Shaper, UpstreamId,
+};
 pub use key::ClientKey;
 use response::{ProxyBody, problem};
 
-/// Errors starting the server.
+/// Errors starting or reloading the server.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("cannot listen on {addr}: {source}")]
@@ -44,6 +55,10 @@ pub enum ServeError {
     Client(String),
 }
 
+/// How often refusals are summarised in the log (one line per route per
+/// interval instead of one per refusal).
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
 /// A route as the request path sees it.
 struct Route {
     name: String,
@@ -52,21 +67,70 @@ struct Route {
     upstream: usize,
     key: KeySpec,
     on_missing_key: OnMissingKey,
+    policy: Policy,
+    /// Refusals since the last log summary.
+    refused: AtomicU64,
 }
 
-/// Everything a request needs, shared by all connections.
+/// The routing table: swapped whole on reload.
 struct App {
     routes: Vec<Route>,
     upstreams: Vec<forward::Upstream>,
+}
+
+/// Engine ids by name, kept across reloads so that a route that still
+/// exists keeps its queues.
+#[derive(Default)]
+struct Registry {
+    routes: HashMap<String, (RouteId, UpstreamId)>,
+    upstreams: HashMap<String, UpstreamId>,
+}
+
+/// Outcome totals, for `/status`.
+#[derive(Default)]
+struct Totals([AtomicU64; 7]);
+
+impl Totals {
+    fn add(&self, o: Outcome) {
+        self.0[o as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn get(&self, o: Outcome) -> u64 {
+        self.0[o as usize].load(Ordering::Relaxed)
+    }
+}
+
+/// State shared by every connection, the admin listener and the signal
+/// handlers.
+struct Shared {
     shaper: Shaper<ClientKey>,
+    app: RwLock<Arc<App>>,
+    registry: Mutex<Registry>,
+    tls: Arc<rustls::ClientConfig>,
+    draining: AtomicBool,
+    drain_timeout: Mutex<Duration>,
+    version: AtomicU64,
+    loaded_at: AtomicU64,
+    totals: Totals,
 }
 
 /// A bound, not yet running server.
 pub struct Server {
-    app: Arc<App>,
+    shared: Arc<Shared>,
     listeners: Vec<TcpListener>,
     http: Arc<auto::Builder<TokioExecutor>>,
     max_connections: usize,
+}
+
+/// A handle for reloading, status and readiness, usable while the server
+/// runs.
+#[derive(Clone)]
+pub struct Handle(Arc<Shared>);
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 impl Server {
@@ -78,25 +142,12 @@ impl Server {
             max_queued: config.limits.max_queued,
         })
         .map_err(ServeError::Pacer)?;
+        shaper.observe_lag(Box::new(|lag| {
+            metrics::histogram!(m::RELEASE_LAG_SECONDS).record(lag.as_secs_f64());
+        }));
         let tls = forward::tls_config();
-        let mut upstreams = Vec::with_capacity(config.upstreams.len());
-        let mut upstream_ids = Vec::with_capacity(config.upstreams.len());
-        for u in &config.upstreams {
-            upstream_ids.push(shaper.add_upstream(u.rate));
-            upstreams.push(forward::Upstream::new(u, tls.clone())?);
-        }
-        let routes = config
-            .routes
-            .iter()
-            .map(|r| Route {
-                name: r.name.clone(),
-                path_prefix: r.path_prefix.clone(),
-                id: shaper.add_route(Policy::new(r.rate, r.capacity), upstream_ids[r.upstream]),
-                upstream: r.upstream,
-                key: r.key.clone(),
-                on_missing_key: r.on_missing_key,
-            })
-            .collect();
+        let mut registry = Registry::default();
+        let app = build_app(&shaper, &mut registry, config, &tls)?;
 
         let mut listeners = Vec::with_capacity(config.server.listen.len());
         for &addr in &config.server.listen {
@@ -115,11 +166,18 @@ impl Server {
             .timer(TokioTimer::new())
             .max_header_list_size(u32::try_from(config.server.max_header_size).unwrap_or(u32::MAX));
 
+        metrics::gauge!(m::CONFIG_LOADED_TIMESTAMP_SECONDS).set(unix_now() as f64);
         Ok(Server {
-            app: Arc::new(App {
-                routes,
-                upstreams,
+            shared: Arc::new(Shared {
                 shaper,
+                app: RwLock::new(Arc::new(app)),
+                registry: Mutex::new(registry),
+                tls,
+                draining: AtomicBool::new(false),
+                drain_timeout: Mutex::new(config.server.drain_timeout),
+                version: AtomicU64::new(1),
+                loaded_at: AtomicU64::new(unix_now()),
+                totals: Totals::default(),
             }),
             listeners,
             http: Arc::new(http),
@@ -135,31 +193,135 @@ impl Server {
             .collect()
     }
 
-    /// Serve until `shutdown` resolves.
+    /// A handle for reload, status and readiness.
+    pub fn handle(&self) -> Handle {
+        Handle(self.shared.clone())
+    }
+
+    /// Serve until `shutdown` resolves, then drain: stop accepting, let
+    /// queued requests depart at their pace until the queues are empty or
+    /// the drain timeout passes, answer the rest 503, and wait for requests
+    /// in flight to finish.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
         let limit = Arc::new(Semaphore::new(self.max_connections));
+        let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
         let mut accept = tokio::task::JoinSet::new();
         for listener in self.listeners {
             if let Ok(addr) = listener.local_addr() {
-                info!(%addr, "listening");
+                info!(%addr, "proxy listening");
             }
             accept.spawn(accept_loop(
                 listener,
-                self.app.clone(),
+                self.shared.clone(),
                 self.http.clone(),
                 limit.clone(),
+                drain_rx.clone(),
             ));
         }
+        let summaries = tokio::spawn(log_refusals(self.shared.clone()));
+
         shutdown.await;
+        self.shared.draining.store(true, Ordering::Release);
+        let timeout = *lock(&self.shared.drain_timeout);
+        let queued = self.shared.shaper.stats().1;
+        info!(
+            queued,
+            ?timeout,
+            "draining: no new connections; queued requests keep their pace"
+        );
+        let _ = drain_tx.send(true);
         accept.abort_all();
+        while accept.join_next().await.is_some() {}
+
+        // Connections finish the request in hand and close; queued requests
+        // are in hand, so they keep departing at their rate meanwhile. Every
+        // connection holds a permit: all permits back means all closed.
+        let all = u32::try_from(self.max_connections).unwrap_or(u32::MAX);
+        let connections = limit.acquire_many_owned(all);
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.shared.shaper.stats().1 > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let refused = self.shared.shaper.close_waiting();
+        if refused > 0 {
+            warn!(refused, "drain timeout passed: answering the rest 503");
+        }
+        let in_flight_grace = self.shared.longest_request_timeout() + Duration::from_secs(1);
+        if tokio::time::timeout(in_flight_grace, connections)
+            .await
+            .is_err()
+        {
+            warn!("connections still open after the in-flight grace period; closing");
+        }
+        summaries.abort();
+        info!("drained");
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Build a routing table, reusing engine ids for routes and upstreams that
+/// keep their name (and, for routes, their upstream).
+fn build_app(
+    shaper: &Shaper<ClientKey>,
+    registry: &mut Registry,
+    config: &Config,
+    tls: &Arc<rustls::ClientConfig>,
+) -> Result<App, ServeError> {
+    let mut upstreams = Vec::with_capacity(config.upstreams.len());
+    let mut upstream_ids = Vec::with_capacity(config.upstreams.len());
+    for u in &config.upstreams {
+        let id = match registry.upstreams.get(&u.name) {
+            Some(&id) => {
+                shaper.set_upstream_cap(id, u.rate);
+                id
+            }
+            None => {
+                let id = shaper.add_upstream(u.rate);
+                registry.upstreams.insert(u.name.clone(), id);
+                id
+            }
+        };
+        upstream_ids.push(id);
+        upstreams.push(forward::Upstream::new(u, tls.clone())?);
+    }
+    let mut routes = Vec::with_capacity(config.routes.len());
+    for r in &config.routes {
+        let policy = Policy::new(r.rate, r.capacity);
+        let upstream_id = upstream_ids[r.upstream];
+        let id = match registry.routes.get(&r.name) {
+            Some(&(id, up)) if up == upstream_id => {
+                shaper.set_policy(id, policy);
+                id
+            }
+            _ => {
+                let id = shaper.add_route(policy, upstream_id);
+                registry.routes.insert(r.name.clone(), (id, upstream_id));
+                id
+            }
+        };
+        routes.push(Route {
+            name: r.name.clone(),
+            path_prefix: r.path_prefix.clone(),
+            id,
+            upstream: r.upstream,
+            key: r.key.clone(),
+            on_missing_key: r.on_missing_key,
+            policy,
+            refused: AtomicU64::new(0),
+        });
+    }
+    Ok(App { routes, upstreams })
 }
 
 async fn accept_loop(
     listener: TcpListener,
-    app: Arc<App>,
+    shared: Arc<Shared>,
     http: Arc<auto::Builder<TokioExecutor>>,
     limit: Arc<Semaphore>,
+    draining: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
         // Past max_connections we stop accepting; the kernel backlog holds
@@ -176,56 +338,132 @@ async fn accept_loop(
                 continue;
             }
         };
+        if *draining.borrow() {
+            return;
+        }
         let _ = stream.set_nodelay(true);
-        let app = app.clone();
+        let shared = shared.clone();
         let http = http.clone();
+        let mut draining = draining.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req| {
-                let app = app.clone();
-                async move { Ok::<_, Infallible>(app.handle(req, peer).await) }
+                let shared = shared.clone();
+                async move { Ok::<_, Infallible>(shared.handle(req, peer).await) }
             });
-            if let Err(e) = http.serve_connection(TokioIo::new(stream), service).await {
-                debug!(%peer, error = %e, "connection ended with an error");
+            let conn = http.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            // Serve until the drain begins, then let the connection finish
+            // what it holds and close.
+            let mut signalled = false;
+            loop {
+                tokio::select! {
+                    result = conn.as_mut() => {
+                        if let Err(e) = result {
+                            debug!(%peer, error = %e, "connection ended with an error");
+                        }
+                        break;
+                    }
+                    changed = draining.changed(), if !signalled => {
+                        signalled = true;
+                        if changed.is_ok() {
+                            conn.as_mut().graceful_shutdown();
+                        }
+                    }
+                }
             }
             drop(permit);
         });
     }
 }
 
-// === impl App ===
+// === impl Shared ===
 
-impl App {
-    async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
-        let path = req.uri().path();
-        let Some(route) = self
-            .routes
+impl Shared {
+    fn app(&self) -> Arc<App> {
+        self.app
+            .read()
+            .map(|a| a.clone())
+            .unwrap_or_else(|e| e.into_inner().clone())
+    }
+
+    fn longest_request_timeout(&self) -> Duration {
+        self.app()
+            .upstreams
             .iter()
-            .find(|r| path.starts_with(&r.path_prefix))
-        else {
+            .map(forward::Upstream::request_timeout)
+            .max()
+            .unwrap_or(Duration::ZERO)
+    }
+
+    fn finish(&self, route: &str, outcome: Outcome) {
+        self.totals.add(outcome);
+        m::count(route, outcome);
+    }
+
+    async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        let arrival = Instant::now();
+        let app = self.app();
+        let path = req.uri().path();
+        let Some(route) = app.routes.iter().find(|r| path.starts_with(&r.path_prefix)) else {
+            self.finish("", Outcome::Invalid);
             return problem(StatusCode::NOT_FOUND, "no route matches this request", None);
         };
         let key = match key::extract(&route.key, route.on_missing_key, req.headers(), peer.ip()) {
             Ok(key) => key,
-            Err(detail) => return problem(StatusCode::BAD_REQUEST, &detail, None),
+            Err(detail) => {
+                self.finish(&route.name, Outcome::Invalid);
+                return problem(StatusCode::BAD_REQUEST, &detail, None);
+            }
         };
         match self.shaper.admit(route.id, key, 1) {
             Ok(Admitted::Now) => {}
             Ok(Admitted::Wait(waiting)) => {
-                // If the client goes away, hyper drops this future and with it
-                // `waiting`, which withdraws the request.
-                if let Err(AcquireError::Closed | AcquireError::Rejected(_)) =
-                    waiting.departed().await
-                {
+                // If the client goes away, hyper drops this future and with
+                // it `waiting` (which withdraws the request) and `gone`
+                // (which counts it as cancelled).
+                let gone = CountOnDrop {
+                    shared: self,
+                    route: &route.name,
+                };
+                let departed = waiting.departed().await;
+                std::mem::forget(gone);
+                if let Err(AcquireError::Closed | AcquireError::Rejected(_)) = departed {
+                    self.finish(&route.name, Outcome::Expired);
                     return problem(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        "sluice is shutting down",
+                        "sluice is shutting down; this request was not forwarded",
                         Some(Duration::from_secs(1)),
                     );
                 }
             }
-            Err(rejection) => return reject(&route.name, rejection),
+            Err(rejection) => {
+                route.refused.fetch_add(1, Ordering::Relaxed);
+                let outcome = match rejection {
+                    Rejection::Full { .. } | Rejection::MaxWait { .. } => Outcome::Rejected,
+                    Rejection::TooManyClients | Rejection::TooManyQueued => Outcome::Overloaded,
+                };
+                self.finish(&route.name, outcome);
+                return reject(&route.name, rejection);
+            }
         }
-        self.upstreams[route.upstream].forward(req, peer).await
+        metrics::histogram!(m::QUEUE_WAIT_SECONDS, "route" => route.name.clone())
+            .record(arrival.elapsed().as_secs_f64());
+        let (response, outcome) = app.upstreams[route.upstream].forward(req, peer).await;
+        self.finish(&route.name, outcome);
+        response
+    }
+}
+
+/// Counts a queued request as cancelled if its future is dropped before
+/// departure (the client went away).
+struct CountOnDrop<'a> {
+    shared: &'a Shared,
+    route: &'a str,
+}
+
+impl Drop for CountOnDrop<'_> {
+    fn drop(&mut self) {
+        self.shared.finish(self.route, Outcome::Cancelled);
     }
 }
 
@@ -251,5 +489,121 @@ fn reject(route: &str, rejection: Rejection) -> Response<ProxyBody> {
             "too many requests are queued; retry later",
             Some(Duration::from_secs(1)),
         ),
+    }
+}
+
+/// One log line per route per interval for refusals, never one per
+/// refusal: a flood must not become a log flood.
+async fn log_refusals(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(REFUSAL_LOG_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        for route in &shared.app().routes {
+            let n = route.refused.swap(0, Ordering::Relaxed);
+            if n > 0 {
+                warn!(route = %route.name, refused = n, interval = ?REFUSAL_LOG_INTERVAL, "requests refused (429/503)");
+            }
+        }
+    }
+}
+
+// === impl Handle ===
+
+impl Handle {
+    /// Swap in a new config. Queued requests keep their place and their
+    /// departure times; new rates and capacities apply to new arrivals.
+    /// Listener addresses and `[server]` limits need a restart.
+    pub fn reload(&self, config: &Config) -> Result<(), ServeError> {
+        let shared = &self.0;
+        let app = {
+            let mut registry = lock(&shared.registry);
+            build_app(&shared.shaper, &mut registry, config, &shared.tls)?
+        };
+        shared.shaper.set_limits(Limits {
+            max_clients: config.limits.max_clients,
+            max_queued: config.limits.max_queued,
+        });
+        *lock(&shared.drain_timeout) = config.server.drain_timeout;
+        match shared.app.write() {
+            Ok(mut a) => *a = Arc::new(app),
+            Err(e) => *e.into_inner() = Arc::new(app),
+        }
+        shared.version.fetch_add(1, Ordering::Relaxed);
+        shared.loaded_at.store(unix_now(), Ordering::Relaxed);
+        metrics::gauge!(m::CONFIG_LOADED_TIMESTAMP_SECONDS).set(unix_now() as f64);
+        Ok(())
+    }
+
+    /// Whether the server is draining (not ready for new traffic).
+    pub fn is_draining(&self) -> bool {
+        self.0.draining.load(Ordering::Acquire)
+    }
+
+    /// Set the queue gauges from the engine (before a scrape).
+    pub fn refresh_gauges(&self) {
+        let (clients, queued) = self.0.shaper.stats();
+        metrics::gauge!(m::ACTIVE_CLIENTS).set(clients as f64);
+        metrics::gauge!(m::QUEUED_REQUESTS).set(queued as f64);
+    }
+
+    /// The `/status` document: routes, config version and load time,
+    /// totals, and the 20 deepest queues.
+    pub fn status(&self) -> serde_json::Value {
+        let shared = &self.0;
+        let app = shared.app();
+        let (clients, queued) = shared.shaper.stats();
+        let now = shared.shaper.now();
+        let names: HashMap<RouteId, &str> =
+            app.routes.iter().map(|r| (r.id, r.name.as_str())).collect();
+        let deepest: Vec<serde_json::Value> = shared
+            .shaper
+            .deepest(20)
+            .into_iter()
+            .map(|(route, k, view)| {
+                serde_json::json!({
+                    "route": names.get(&route).copied().unwrap_or("(removed)"),
+                    "key": key::display(&k),
+                    "waiting": view.waiting,
+                    "waiting_cost": view.waiting_cost,
+                    "drains_in_ms": view.next_departure.saturating_sub(now) / 1_000_000,
+                })
+            })
+            .collect();
+        let routes: Vec<serde_json::Value> = app
+            .routes
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "name": r.name,
+                    "path_prefix": r.path_prefix,
+                    "upstream": app.upstreams[r.upstream].name(),
+                    "rate_per_second": r.policy.rate.per_second_f64(),
+                    "capacity": r.policy.capacity,
+                })
+            })
+            .collect();
+        let t = &shared.totals;
+        serde_json::json!({
+            "config": {
+                "version": shared.version.load(Ordering::Relaxed),
+                "loaded_at_unix": shared.loaded_at.load(Ordering::Relaxed),
+            },
+            "draining": self.is_draining(),
+            "routes": routes,
+            "clients": clients,
+            "queued": queued,
+            "totals": {
+                "forwarded": t.get(Outcome::Forwarded),
+                "rejected": t.get(Outcome::Rejected),
+                "overloaded": t.get(Outcome::Overloaded),
+                "cancelled": t.get(Outcome::Cancelled),
+                "expired": t.get(Outcome::Expired),
+                "upstream_error": t.get(Outcome::UpstreamError),
+                "invalid": t.get(Outcome::Invalid),
+            },
+            "deepest_queues": deepest,
+        })
     }
 }

@@ -199,6 +199,9 @@ struct Entry<P> {
     seq: u64,
     arrival: Nanos,
     cost: u32,
+    /// The interval per cost unit when it was admitted: a policy change
+    /// (reload) applies to new arrivals, never to requests already waiting.
+    step: Nanos,
     /// `None` once cancelled (a tombstone skipped at release).
     payload: Option<P>,
 }
@@ -258,6 +261,12 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         if let Some(r) = self.routes.get_mut(route.0 as usize) {
             r.policy = policy;
         }
+    }
+
+    /// Change the global bounds (existing state above them is kept and
+    /// drains naturally).
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
     }
 
     /// Change an upstream's global cap.
@@ -404,6 +413,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             seq,
             arrival: now,
             cost,
+            step,
             payload: Some(payload()),
         });
         client.waiting += 1;
@@ -634,7 +644,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             let Some(policy) = self.routes.get(c.route.0 as usize).map(|r| r.policy) else {
                 continue;
             };
-            let step = policy.rate.interval_nanos();
+            let step = entry.step;
             let cost = u64::from(entry.cost);
             c.waiting -= 1;
             c.waiting_cost -= cost;

@@ -176,6 +176,11 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
         lock(&self.inner.engine).set_policy(route, policy);
     }
 
+    /// Change the global bounds on clients and queued requests.
+    pub fn set_limits(&self, limits: Limits) {
+        lock(&self.inner.engine).set_limits(limits);
+    }
+
     /// Change an upstream's global cap.
     pub fn set_upstream_cap(&self, upstream: UpstreamId, cap: Option<Rate>) {
         lock(&self.inner.engine).set_upstream_cap(upstream, cap);

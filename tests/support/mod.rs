@@ -115,7 +115,10 @@ impl Downstream {
 pub struct Sluice {
     child: Child,
     pub addr: SocketAddr,
-    config: PathBuf,
+    /// The admin listener, when the config has an `[admin]` table.
+    pub admin: Option<SocketAddr>,
+    pub config: PathBuf,
+    log: Arc<Mutex<Vec<String>>>,
 }
 
 static CONFIG_SEQ: AtomicUsize = AtomicUsize::new(0);
@@ -128,51 +131,111 @@ pub fn write_config(toml: &str) -> PathBuf {
     path
 }
 
+fn addr_after(line: &str, marker: &str) -> Option<SocketAddr> {
+    if !line.contains(marker) {
+        return None;
+    }
+    line.split("addr=")
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 impl Sluice {
-    /// Start `sluice run` on `toml` (whose listen address should be
-    /// 127.0.0.1:0) and wait until it reports its bound address.
+    /// Start `sluice run` on `toml` (whose listen addresses should be
+    /// 127.0.0.1:0) and wait until it reports its bound addresses.
     pub fn start(toml: &str) -> Sluice {
+        Self::start_with_env(toml, &[])
+    }
+
+    /// As [`Sluice::start`], with extra environment variables.
+    pub fn start_with_env(toml: &str, env: &[(&str, &str)]) -> Sluice {
         let config = write_config(toml);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args(["--log-level", "info", "run", "--config"])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        cmd.args(["--log-level", "info", "run", "--config"])
             .arg(&config)
             .env_remove("RUST_LOG")
+            .env_remove("NOTIFY_SOCKET")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start sluice");
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("start sluice");
         let stderr = child.stderr.take().unwrap();
+        let want_admin = toml.contains("[admin]");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let lines = log.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
+            let (mut proxy, mut admin) = (None, None);
             let mut sent = false;
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { return };
-                if !sent
-                    && line.contains("listening")
-                    && let Some(addr) = line.split("addr=").nth(1)
-                    && let Ok(addr) = addr.trim().parse::<SocketAddr>()
-                {
-                    let _ = tx.send(addr);
+                proxy = proxy.or_else(|| addr_after(&line, "proxy listening"));
+                admin = admin.or_else(|| addr_after(&line, "admin listening"));
+                if !sent && proxy.is_some() && (admin.is_some() || !want_admin) {
+                    let _ = tx.send((proxy, admin));
                     sent = true;
                 }
                 if std::env::var_os("SLUICE_TEST_LOG").is_some() {
                     eprintln!("[sluice] {line}");
                 }
+                lines.lock().unwrap().push(line);
             }
         });
-        let addr = rx
+        let (addr, admin) = rx
             .recv_timeout(Duration::from_secs(20))
-            .expect("sluice did not report a listening address");
+            .expect("sluice did not report its listening addresses");
         Sluice {
             child,
-            addr,
+            addr: addr.unwrap(),
+            admin,
             config,
+            log,
         }
     }
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.admin.expect("no admin listener"))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Send a signal (by name, e.g. "HUP", "TERM") to this process only.
+    pub fn signal(&self, name: &str) {
+        let ok = Command::new("kill")
+            .args(["-s", name, &self.pid().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -s {name} failed");
+    }
+
+    /// Wait up to `timeout` for the process to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Every log line so far.
+    pub fn log(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
     }
 }
 

@@ -1,0 +1,103 @@
+//! The admin listener: `/metrics` (Prometheus text), `/healthz` (the
+//! process is up), `/readyz` (503 while draining), `/status` (JSON). Meant
+//! for loopback or a private interface; it has no authentication.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
+use tracing::{debug, info, warn};
+
+use crate::proxy::Handle;
+
+/// Serve the admin endpoints on `listener` until the task is dropped.
+pub async fn serve(listener: TcpListener, server: Handle, metrics: PrometheusHandle) {
+    if let Ok(addr) = listener.local_addr() {
+        info!(%addr, "admin listening");
+    }
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                warn!(error = %e, "admin accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let server = server.clone();
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let response = answer(&req, &server, &metrics);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(std::time::Duration::from_secs(10))
+                .serve_connection(TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                debug!(%peer, error = %e, "admin connection ended with an error");
+            }
+        });
+    }
+}
+
+/// Bind the admin address.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
+
+fn text(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+fn answer(
+    req: &Request<Incoming>,
+    server: &Handle,
+    metrics: &PrometheusHandle,
+) -> Response<Full<Bytes>> {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
+    }
+    match req.uri().path() {
+        "/metrics" => {
+            server.refresh_gauges();
+            text(
+                StatusCode::OK,
+                "text/plain; version=0.0.4",
+                metrics.render(),
+            )
+        }
+        "/healthz" => text(StatusCode::OK, "text/plain", "ok\n"),
+        "/readyz" if server.is_draining() => {
+            text(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "draining\n")
+        }
+        "/readyz" => text(StatusCode::OK, "text/plain", "ready\n"),
+        "/status" => text(
+            StatusCode::OK,
+            "application/json",
+            server.status().to_string(),
+        ),
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "not found: try /metrics, /healthz, /readyz or /status\n",
+        ),
+    }
+}

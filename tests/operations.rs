@@ -1,0 +1,364 @@
+//! Operations end to end on the real binary: SIGHUP reload (good and bad),
+//! SIGTERM drain, the admin endpoints and metrics, and systemd notification
+//! through a fake NOTIFY_SOCKET.
+
+mod support;
+
+use std::collections::HashMap;
+use std::os::unix::net::UnixDatagram;
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use support::{Downstream, Sluice, client, get};
+
+fn config(upstream: std::net::SocketAddr, rate: &str, capacity: u32, drain: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+drain_timeout = "{drain}"
+
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstream]]
+name = "api"
+url = "http://{upstream}"
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "{rate}"
+capacity = {capacity}
+"#
+    )
+}
+
+async fn wait_for_log(s: &Sluice, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !s.log().iter().any(|l| l.contains(needle)) {
+        assert!(
+            Instant::now() < deadline,
+            "no log line containing {needle:?}: {:?}",
+            s.log()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Parse Prometheus text exposition: every line is a comment, blank, or
+/// `name{labels} value`; every sample's family has a TYPE line. Returns
+/// samples keyed by `name{labels}` as printed.
+fn parse_prometheus(text: &str) -> HashMap<String, f64> {
+    let mut typed = std::collections::HashSet::new();
+    let mut samples = HashMap::new();
+    for line in text.lines() {
+        if line.is_empty() {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut parts = rest.split_whitespace();
+            let name = parts.next().unwrap();
+            let kind = parts.next().unwrap();
+            assert!(
+                ["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind),
+                "{line}"
+            );
+            typed.insert(name.to_string());
+            continue;
+        }
+        if line.starts_with("# HELP ") {
+            continue;
+        }
+        assert!(!line.starts_with('#'), "unexpected comment {line:?}");
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad sample line {line:?}"));
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        let name = series.split('{').next().unwrap();
+        assert!(
+            name.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad metric name in {line:?}"
+        );
+        if series.contains('{') {
+            assert!(series.ends_with('}'), "unterminated labels in {line:?}");
+        }
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s).filter(|f| typed.contains(*f)))
+            .unwrap_or(name);
+        assert!(typed.contains(family), "no TYPE for {name}");
+        samples.insert(series.to_string(), value);
+    }
+    samples
+}
+
+fn requests(samples: &HashMap<String, f64>, outcome: &str) -> f64 {
+    samples
+        .get(&format!(
+            "sluice_requests_total{{route=\"default\",outcome=\"{outcome}\"}}"
+        ))
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// SIGHUP with a changed rate: no queued request is lost or reordered,
+/// queued ones keep their 200 ms spacing, and the new rate applies to new
+/// arrivals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_keeps_the_queue_and_applies_the_new_rate_to_new_arrivals() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(ds.addr, "5/s", 20, "5s"));
+    let c = client();
+    let mut old = Vec::new();
+    for i in 0..6 {
+        let (c, url) = (c.clone(), sluice.url(&format!("/old/{i}")));
+        old.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "r")]).await.status
+        }));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    std::fs::write(&sluice.config, config(ds.addr, "20/s", 20, "5s")).unwrap();
+    sluice.signal("HUP");
+    wait_for_log(&sluice, "config reloaded").await;
+
+    let mut new = Vec::new();
+    for i in 0..4 {
+        let (c, url) = (c.clone(), sluice.url(&format!("/new/{i}")));
+        new.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "n")]).await.status
+        }));
+    }
+    for t in old.into_iter().chain(new) {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    let seen = ds.seen();
+    let old_seen: Vec<_> = seen
+        .iter()
+        .filter(|s| s.path.starts_with("/old/"))
+        .collect();
+    let order: Vec<&str> = old_seen.iter().map(|s| s.path.as_str()).collect();
+    assert_eq!(
+        order,
+        ["/old/0", "/old/1", "/old/2", "/old/3", "/old/4", "/old/5"]
+    );
+    for w in old_seen.windows(2) {
+        let gap = w[1].at - w[0].at;
+        assert!(
+            gap >= Duration::from_millis(180),
+            "queued requests kept 200 ms: gap {gap:?}"
+        );
+    }
+    let new_seen: Vec<_> = seen
+        .iter()
+        .filter(|s| s.path.starts_with("/new/"))
+        .collect();
+    assert_eq!(new_seen.len(), 4);
+    let span = new_seen[3].at - new_seen[0].at;
+    // 3 intervals at 20/s = 150 ms (at the old 5/s it would be 600 ms).
+    assert!(
+        span >= Duration::from_millis(140) && span <= Duration::from_millis(400),
+        "span {span:?}"
+    );
+}
+
+/// SIGHUP with a broken config: the old config keeps serving and the
+/// failure is counted in /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_reload_keeps_the_old_config_and_is_counted() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(ds.addr, "5/s", 10, "5s"));
+    std::fs::write(&sluice.config, "[[route]]\nname = 3\n").unwrap();
+    sluice.signal("HUP");
+    wait_for_log(&sluice, "reload refused").await;
+    let c = client();
+    assert_eq!(
+        get(&c, &sluice.url("/still"), &[("x-client", "a")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let metrics = get(&c, &sluice.admin_url("/metrics"), &[]).await;
+    let samples = parse_prometheus(std::str::from_utf8(&metrics.body).unwrap());
+    assert_eq!(
+        samples.get("sluice_config_reloads_total{result=\"error\"}"),
+        Some(&1.0)
+    );
+    assert_eq!(
+        samples.get("sluice_config_reloads_total{result=\"ok\"}"),
+        None
+    );
+}
+
+/// SIGTERM with a full queue: every queued request gets its upstream
+/// response (at the configured pace) or a 503, /readyz turns 503 while
+/// draining, and the process exits 0 within drain_timeout plus a margin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_at_pace_then_answers_503_and_exits_0() {
+    let ds = Downstream::start().await;
+    let mut sluice = Sluice::start(&config(ds.addr, "5/s", 20, "1s"));
+    let c = client();
+    assert_eq!(
+        get(&c, &sluice.admin_url("/readyz"), &[]).await.status,
+        StatusCode::OK
+    );
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let (c, url) = (c.clone(), sluice.url(&format!("/q/{i}")));
+        tasks.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "d")]).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t = Instant::now();
+    sluice.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        get(&c, &sluice.admin_url("/readyz"), &[]).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let mut ok = 0;
+    let mut unavailable = 0;
+    for task in tasks {
+        let a = task.await.unwrap();
+        match a.status {
+            StatusCode::OK => ok += 1,
+            StatusCode::SERVICE_UNAVAILABLE => {
+                assert!(a.headers.contains_key("retry-after"));
+                unavailable += 1;
+            }
+            s => panic!("unexpected {s}"),
+        }
+    }
+    assert_eq!(ok + unavailable, 10);
+    // 1 at once + ~1.1 s of 200 ms slots: 5 to 7 forwarded, the rest 503.
+    assert!((5..=7).contains(&ok), "forwarded {ok}");
+    let status = tokio::task::spawn_blocking(move || sluice.wait_exit(Duration::from_secs(5)))
+        .await
+        .unwrap()
+        .expect("sluice did not exit");
+    assert!(status.success(), "exit status {status:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "exit took {:?}",
+        t.elapsed()
+    );
+    let seen = ds.seen();
+    assert_eq!(seen.len(), ok, "every 200 was forwarded exactly once");
+    for w in seen.windows(2) {
+        assert!(
+            w[1].at - w[0].at >= Duration::from_millis(180),
+            "drain kept the pace"
+        );
+    }
+}
+
+/// /metrics counters match what was sent, and the output is valid
+/// Prometheus text; /healthz and /status answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_what_was_sent() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(ds.addr, "5/s", 2, "5s"));
+    let c = client();
+    // 6 at once from one client: 1 departs, 2 wait, 3 are refused.
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let (c, url) = (c.clone(), sluice.url("/m"));
+        tasks.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "m")]).await.status
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    // One more that queues and leaves before its turn.
+    let _ = get(&c, &sluice.url("/fill"), &[("x-client", "x")]).await;
+    let addr = sluice.addr;
+    let leaver = std::thread::spawn(move || {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        write!(s, "GET /gone HTTP/1.1\r\nHost: t\r\nX-Client: x\r\n\r\n").unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    });
+    leaver.join().unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let body = get(&c, &sluice.admin_url("/metrics"), &[]).await.body;
+    let text = std::str::from_utf8(&body).unwrap();
+    let samples = parse_prometheus(text);
+    let forwarded = statuses.iter().filter(|s| **s == StatusCode::OK).count() as f64 + 1.0;
+    let rejected = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
+        .count() as f64;
+    assert_eq!(rejected, 3.0);
+    assert_eq!(requests(&samples, "forwarded"), forwarded, "{text}");
+    assert_eq!(requests(&samples, "rejected"), rejected, "{text}");
+    assert_eq!(requests(&samples, "cancelled"), 1.0, "{text}");
+    assert!(text.contains("# HELP sluice_requests_total"));
+    assert!(
+        samples
+            .keys()
+            .any(|k| k.starts_with("sluice_queue_wait_seconds_bucket"))
+    );
+    assert!(
+        samples
+            .keys()
+            .any(|k| k.starts_with("sluice_release_lag_seconds_bucket"))
+    );
+    assert!(samples.contains_key("sluice_queued_requests"));
+    assert!(
+        !text.contains("x-client") && !text.contains("key="),
+        "no per-client labels"
+    );
+
+    assert_eq!(
+        get(&c, &sluice.admin_url("/healthz"), &[]).await.status,
+        StatusCode::OK
+    );
+    let status: serde_json::Value =
+        serde_json::from_slice(&get(&c, &sluice.admin_url("/status"), &[]).await.body).unwrap();
+    assert_eq!(status["totals"]["rejected"], 3);
+    assert_eq!(status["routes"][0]["name"], "default");
+    assert_eq!(status["config"]["version"], 1);
+}
+
+/// Under a fake NOTIFY_SOCKET: READY=1, then RELOADING=1 (with
+/// MONOTONIC_USEC) and READY=1 around a reload, then STOPPING=1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemd_notifications_come_in_order() {
+    let ds = Downstream::start().await;
+    let path = std::env::temp_dir().join(format!("sluice-notify-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let sock = UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut sluice = Sluice::start_with_env(
+        &config(ds.addr, "5/s", 10, "1s"),
+        &[("NOTIFY_SOCKET", path.to_str().unwrap())],
+    );
+    let recv = |sock: &UnixDatagram| {
+        let mut buf = [0u8; 512];
+        let n = sock.recv(&mut buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    assert_eq!(recv(&sock).trim(), "READY=1");
+    sluice.signal("HUP");
+    let reloading = recv(&sock);
+    assert!(reloading.starts_with("RELOADING=1"), "{reloading:?}");
+    assert!(reloading.contains("MONOTONIC_USEC="), "{reloading:?}");
+    assert_eq!(recv(&sock).trim(), "READY=1");
+    sluice.signal("TERM");
+    assert_eq!(recv(&sock).trim(), "STOPPING=1");
+    let status = tokio::task::spawn_blocking(move || sluice.wait_exit(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    assert!(status.is_some_and(|s| s.success()));
+    let _ = std::fs::remove_file(&path);
+}
