@@ -48,4 +48,11 @@ pub enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), e.g. `sluice man > /usr/local/share/man/man1/sluice.1`.
+    Man,
 }

@@ -4,7 +4,7 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use sluice::cli::{Cli, Command, LogFormat};
 use sluice::config::Config;
 use tracing::{error, info};
@@ -27,6 +27,19 @@ fn init_logging(level: &str, format: LogFormat) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "sluice", &mut std::io::stdout());
+            ExitCode::SUCCESS
+        }
+        Command::Man => {
+            match clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("cannot write the man page: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Check { config } => match Config::load(&config) {
             Ok(c) => {
                 println!(

@@ -1,0 +1,47 @@
+//! The command line itself: help, version, completions and the man page.
+
+use std::process::Command;
+
+fn sluice(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn help_and_version_work_everywhere() {
+    for args in [
+        &["--help"][..],
+        &["run", "--help"],
+        &["check", "--help"],
+        &["completions", "--help"],
+    ] {
+        let (ok, out) = sluice(args);
+        assert!(ok && out.contains("Usage: sluice"), "{args:?}: {out}");
+    }
+    let (ok, out) = sluice(&["--version"]);
+    assert!(ok && out.starts_with("sluice "), "{out}");
+}
+
+#[test]
+fn completions_are_generated_for_each_shell() {
+    for shell in ["bash", "zsh", "fish"] {
+        let (ok, out) = sluice(&["completions", shell]);
+        assert!(ok && out.contains("sluice"), "{shell}: {out}");
+    }
+    let (ok, _) = sluice(&["completions", "tcsh-of-the-future"]);
+    assert!(!ok);
+}
+
+#[test]
+fn man_page_is_roff_for_sluice() {
+    let (ok, out) = sluice(&["man"]);
+    assert!(ok);
+    assert!(out.contains(".TH sluice 1"), "{out}");
+    assert!(out.contains("check"), "subcommands are listed");
+}
