@@ -67,6 +67,65 @@ fn text(
     r
 }
 
+/// `GET /buckets/{route}/{key}?cost=N` (the key percent-encoded, as
+/// `/status` shows it).
+fn bucket(req: &Request<Incoming>, path: &str, server: &Handle) -> Response<Full<Bytes>> {
+    let rest = &path["/buckets/".len()..];
+    let Some((route, key)) = rest.split_once('/') else {
+        return text(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "use /buckets/{route}/{key}?cost=N\n",
+        );
+    };
+    let cost = req
+        .uri()
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("cost="))
+        .map_or(Some(1), |v| v.parse::<u32>().ok().filter(|&c| c >= 1));
+    let Some(cost) = cost else {
+        return text(
+            StatusCode::BAD_REQUEST,
+            "text/plain",
+            "cost must be a whole number >= 1\n",
+        );
+    };
+    let Some(key) = percent_decode(key) else {
+        return text(
+            StatusCode::BAD_REQUEST,
+            "text/plain",
+            "the key is not valid percent-encoded UTF-8\n",
+        );
+    };
+    match server.bucket(route, &key, cost) {
+        Some(doc) => text(StatusCode::OK, "application/json", doc.to_string()),
+        None => text(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "no such route, or not a key of that route\n",
+        ),
+    }
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 fn answer(
     req: &Request<Incoming>,
     server: &Handle,
@@ -94,6 +153,7 @@ fn answer(
             "application/json",
             server.status().to_string(),
         ),
+        path if path.starts_with("/buckets/") => bucket(req, path, server),
         _ => text(
             StatusCode::NOT_FOUND,
             "text/plain",

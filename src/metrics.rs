@@ -9,6 +9,8 @@ use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, Promet
 
 /// Requests by route and outcome (see [`Outcome`]).
 pub const REQUESTS_TOTAL: &str = "sluice_requests_total";
+/// Requests a dry-run route would have refused (and forwarded anyway).
+pub const DRY_RUN_REFUSALS_TOTAL: &str = "sluice_dry_run_refusals_total";
 /// Requests waiting in queues, over all clients.
 pub const QUEUED_REQUESTS: &str = "sluice_queued_requests";
 /// Client states held (clients with waiting requests or a future slot).

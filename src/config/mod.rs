@@ -14,9 +14,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use http::HeaderName;
+use ipnet::IpNet;
 
 use crate::shaper::Rate;
-use raw::{RawConfig, RawRoute, RawUpstream};
+use raw::{RawConfig, RawCost, RawKey, RawRoute, RawUpstream};
 
 /// A validated configuration.
 #[derive(Debug, Clone)]
@@ -40,6 +41,9 @@ pub struct Server {
     /// On SIGTERM, how long queued requests keep departing at their pace
     /// before the rest are answered 503.
     pub drain_timeout: Duration,
+    /// Proxies whose `X-Forwarded-For` entries are believed (`forwarded`
+    /// keys).
+    pub trusted_proxies: Vec<IpNet>,
 }
 
 /// `[[upstream]]`: where routes forward to.
@@ -50,30 +54,63 @@ pub struct Upstream {
     pub rate: Option<Rate>,
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
+    /// Most upstream calls in flight at once; `None`: no cap.
+    pub max_concurrency: Option<usize>,
 }
 
 /// `[[route]]`: which requests, keyed how, shaped how, sent where.
 #[derive(Debug, Clone)]
 pub struct Route {
     pub name: String,
+    /// Host the request must be for (lower-case, without port).
+    pub host: Option<String>,
     pub path_prefix: String,
+    /// Exact path the request must have.
+    pub path: Option<String>,
+    /// Methods the request must use; `None`: any.
+    pub methods: Option<Vec<http::Method>>,
     /// Index into [`Config::upstreams`].
     pub upstream: usize,
     pub key: KeySpec,
     pub on_missing_key: OnMissingKey,
     pub rate: Rate,
     pub capacity: u32,
+    pub cost: Cost,
+    /// Requests that may pass un-paced after idle (0: only the first).
+    pub burst: u32,
+    pub max_wait: Option<Duration>,
+    pub dry_run: bool,
+    pub ratelimit_headers: bool,
 }
 
-/// How a request's client key is derived.
+/// How a request's client key is derived: one part, or several joined
+/// (`["header:X-Tenant", "ip"]`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeySpec {
+pub struct KeySpec(pub Vec<KeyPart>);
+
+/// One part of a client key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPart {
     /// The peer's IP address.
     Ip,
     /// One queue for everyone.
     Global,
     /// A request header's value.
     Header(HeaderName),
+    /// The rightmost `X-Forwarded-For` address that is not a trusted proxy.
+    Forwarded,
+}
+
+/// What one request costs, in capacity and spacing units.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    Fixed(u32),
+    /// Read from a header; a value above `max` or unparsable is a 400.
+    Header {
+        name: HeaderName,
+        default: u32,
+        max: u32,
+    },
 }
 
 /// What to do when the key header is missing.
@@ -201,6 +238,11 @@ impl Validator {
     }
 
     fn config(&mut self, raw: RawConfig) -> Option<Config> {
+        let has_trusted = raw
+            .server
+            .trusted_proxies
+            .as_ref()
+            .is_some_and(|t| !t.is_empty());
         let server = self.server(raw.server);
         let admin = self.admin(raw.admin);
         let limits = Limits {
@@ -238,7 +280,7 @@ impl Validator {
             .routes
             .into_iter()
             .enumerate()
-            .map(|(i, r)| self.route(i, r, &upstream_names))
+            .map(|(i, r)| self.route(i, r, &upstream_names, has_trusted))
             .collect();
 
         let upstreams: Option<Vec<Upstream>> = upstreams.into_iter().collect();
@@ -335,12 +377,29 @@ impl Validator {
             raw.drain_timeout.as_deref(),
             DEFAULT_DRAIN_TIMEOUT,
         );
+        let mut trusted_proxies = Vec::new();
+        for text in raw.trusted_proxies.unwrap_or_default() {
+            match text
+                .parse::<IpNet>()
+                .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from))
+            {
+                Ok(net) => trusted_proxies.push(net),
+                Err(_) => {
+                    self.problem(
+                        "server.trusted_proxies",
+                        format!("'{text}' is not an address or CIDR block, such as 10.0.0.0/8 or 192.0.2.7"),
+                    );
+                    ok = false;
+                }
+            }
+        }
         ok.then_some(Server {
             listen,
             header_read_timeout: header_read_timeout?,
             max_header_size,
             max_connections,
             drain_timeout: drain_timeout?,
+            trusted_proxies,
         })
     }
 
@@ -431,6 +490,9 @@ impl Validator {
             rate: rate?,
             connect_timeout: connect_timeout?,
             request_timeout: request_timeout?,
+            max_concurrency: raw
+                .max_concurrency
+                .map(|n| self.positive(&format!("{path}: max_concurrency"), Some(n), 1)),
         })
     }
 
@@ -483,31 +545,86 @@ impl Validator {
         index: usize,
         raw: RawRoute,
         upstreams: &[Option<String>],
+        trusted_proxies: bool,
     ) -> Option<Route> {
         let path = match &raw.name {
             Some(n) => format!("route '{n}'"),
             None => format!("route[{index}]"),
         };
         let name = match raw.name {
-            Some(n) if !n.trim().is_empty() => Some(n),
-            Some(_) => {
+            Some(n) if n.is_empty() => {
                 self.problem(&path, "name must not be empty");
                 None
             }
+            Some(n)
+                if !n
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) =>
+            {
+                self.problem(&path, "name may only use letters, digits, '-', '_' and '.'");
+                None
+            }
+            Some(n) => Some(n),
             None => {
                 self.problem(&path, "name is required");
                 None
             }
         };
-        let path_prefix = match raw.matcher.and_then(|m| m.path_prefix) {
-            None => Some("/".to_owned()),
-            Some(p) if p.starts_with('/') => Some(p),
+        let matcher = raw.matcher.unwrap_or_default();
+        let mut match_ok = true;
+        let path_prefix = match matcher.path_prefix {
+            None => "/".to_owned(),
+            Some(p) if p.starts_with('/') => p,
             Some(p) => {
                 self.problem(
                     &path,
                     format!("match.path_prefix '{p}' must start with '/'"),
                 );
+                match_ok = false;
+                String::new()
+            }
+        };
+        let exact = match matcher.path {
+            Some(p) if !p.starts_with('/') => {
+                self.problem(&path, format!("match.path '{p}' must start with '/'"));
+                match_ok = false;
                 None
+            }
+            p => p,
+        };
+        let host = match matcher.host {
+            Some(h) if h.trim().is_empty() || h.contains('/') => {
+                self.problem(&path, format!("match.host '{h}' is not a host name"));
+                match_ok = false;
+                None
+            }
+            h => h.map(|h| h.trim().to_ascii_lowercase()),
+        };
+        let methods = match matcher.methods {
+            None => None,
+            Some(list) if list.is_empty() => {
+                self.problem(
+                    &path,
+                    "match.methods must not be empty (omit it to allow any)",
+                );
+                match_ok = false;
+                None
+            }
+            Some(list) => {
+                let mut methods = Vec::new();
+                for m in list {
+                    match http::Method::from_bytes(m.to_ascii_uppercase().as_bytes()) {
+                        Ok(method) => methods.push(method),
+                        Err(_) => {
+                            self.problem(
+                                &path,
+                                format!("match.methods: '{m}' is not an HTTP method"),
+                            );
+                            match_ok = false;
+                        }
+                    }
+                }
+                Some(methods)
             }
         };
         let upstream = match raw.upstream {
@@ -537,16 +654,33 @@ impl Validator {
                 }
             },
         };
-        let key = match raw.key.as_deref() {
+        let key = match raw.key {
             None => {
                 self.problem(
                     &path,
-                    "key is required: \"ip\", \"global\" or \"header:NAME\"",
+                    "key is required: \"ip\", \"forwarded\", \"global\", \"header:NAME\" or a list of them",
                 );
                 None
             }
-            Some(text) => self.key(&path, text),
+            Some(RawKey::One(text)) => self.key(&path, &text).map(|p| KeySpec(vec![p])),
+            Some(RawKey::Composite(list)) if list.is_empty() => {
+                self.problem(&path, "key list must not be empty");
+                None
+            }
+            Some(RawKey::Composite(list)) => {
+                let parts: Vec<Option<KeyPart>> = list.iter().map(|t| self.key(&path, t)).collect();
+                parts.into_iter().collect::<Option<Vec<_>>>().map(KeySpec)
+            }
         };
+        if let Some(k) = &key
+            && k.0.contains(&KeyPart::Forwarded)
+            && !trusted_proxies
+        {
+            self.problem(
+                &path,
+                "key 'forwarded' needs server.trusted_proxies (the proxies whose X-Forwarded-For is believed)",
+            );
+        }
         let on_missing_key = match raw.on_missing_key.as_deref() {
             None | Some("reject") => Some(OnMissingKey::Reject),
             Some("ip") => Some(OnMissingKey::Ip),
@@ -590,28 +724,127 @@ impl Validator {
                 }
             },
         };
+        let cost = self.cost(&path, raw.cost);
+        let burst = match raw.burst.map(u32::try_from) {
+            None => Some(0),
+            Some(Ok(b)) => Some(b),
+            Some(Err(_)) => {
+                self.problem(&path, "burst must be a whole number >= 0");
+                None
+            }
+        };
+        let max_wait = match raw.max_wait {
+            None => Some(None),
+            Some(text) => self
+                .duration(&format!("{path}: max_wait"), Some(&text), Duration::ZERO)
+                .map(Some),
+        };
+        if !match_ok {
+            return None;
+        }
         Some(Route {
             name: name?,
-            path_prefix: path_prefix?,
+            host,
+            path_prefix,
+            path: exact,
+            methods,
             upstream: upstream?,
             key: key?,
             on_missing_key: on_missing_key?,
             rate: rate?,
             capacity: capacity?,
+            cost: cost?,
+            burst: burst?,
+            max_wait: max_wait?,
+            dry_run: raw.dry_run.unwrap_or(false),
+            ratelimit_headers: raw.ratelimit_headers.unwrap_or(false),
         })
     }
 
-    fn key(&mut self, path: &str, text: &str) -> Option<KeySpec> {
+    fn cost(&mut self, path: &str, raw: Option<RawCost>) -> Option<Cost> {
+        let whole = |n: i64| u32::try_from(n).ok().filter(|&n| n >= 1);
+        let h = match raw {
+            None => return Some(Cost::Fixed(1)),
+            Some(RawCost::Fixed(n)) => {
+                return match whole(n) {
+                    Some(n) => Some(Cost::Fixed(n)),
+                    None => {
+                        self.problem(path, format!("cost: {n} must be a whole number >= 1"));
+                        None
+                    }
+                };
+            }
+            Some(RawCost::Header(h)) => h,
+        };
+        let name = match h.header.as_deref() {
+            None => {
+                self.problem(path, "cost.header is required in a cost table");
+                None
+            }
+            Some(text) => match HeaderName::from_bytes(text.as_bytes()) {
+                Ok(name) => Some(name),
+                Err(_) => {
+                    self.problem(
+                        path,
+                        format!("cost.header '{text}' is not a valid header name"),
+                    );
+                    None
+                }
+            },
+        };
+        let max = match h.max {
+            None => {
+                self.problem(
+                    path,
+                    "cost.max is required with cost.header (a client must not claim any cost it likes)",
+                );
+                None
+            }
+            Some(n) if whole(n).is_none() => {
+                self.problem(path, format!("cost.max: {n} must be a whole number >= 1"));
+                None
+            }
+            Some(n) => whole(n),
+        };
+        let default = match h.default {
+            None => Some(1),
+            Some(n) if whole(n).is_none() => {
+                self.problem(
+                    path,
+                    format!("cost.default: {n} must be a whole number >= 1"),
+                );
+                None
+            }
+            Some(n) => whole(n),
+        };
+        if let (Some(d), Some(m)) = (default, max)
+            && d > m
+        {
+            self.problem(
+                path,
+                format!("cost.default {d} is larger than cost.max {m}"),
+            );
+            return None;
+        }
+        Some(Cost::Header {
+            name: name?,
+            default: default?,
+            max: max?,
+        })
+    }
+
+    fn key(&mut self, path: &str, text: &str) -> Option<KeyPart> {
         match text {
-            "ip" => Some(KeySpec::Ip),
-            "global" => Some(KeySpec::Global),
+            "ip" => Some(KeyPart::Ip),
+            "global" => Some(KeyPart::Global),
+            "forwarded" => Some(KeyPart::Forwarded),
             _ => match text.split_once(':') {
                 Some(("header", name)) => match HeaderName::from_bytes(name.trim().as_bytes()) {
-                    Ok(h) => Some(KeySpec::Header(h)),
+                    Ok(h) => Some(KeyPart::Header(h)),
                     Err(_) => {
                         self.problem(
                             path,
-                            format!("key '{text}': '{name}' is not a valid header name"),
+                            format!("key 'header:{name}': '{name}' is not a valid header name"),
                         );
                         None
                     }
@@ -619,7 +852,9 @@ impl Validator {
                 _ => {
                     self.problem(
                         path,
-                        format!("key '{text}': must be \"ip\", \"global\" or \"header:NAME\""),
+                        format!(
+                            "key '{text}': must be \"ip\", \"forwarded\", \"global\" or \"header:NAME\""
+                        ),
                     );
                     None
                 }

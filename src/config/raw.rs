@@ -33,6 +33,7 @@ pub struct RawServer {
     pub max_header_size: Option<i64>,
     pub max_connections: Option<i64>,
     pub drain_timeout: Option<String>,
+    pub trusted_proxies: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -43,6 +44,7 @@ pub struct RawUpstream {
     pub rate: Option<String>,
     pub connect_timeout: Option<String>,
     pub request_timeout: Option<String>,
+    pub max_concurrency: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -52,16 +54,48 @@ pub struct RawRoute {
     #[serde(rename = "match")]
     pub matcher: Option<RawMatch>,
     pub upstream: Option<String>,
-    pub key: Option<String>,
+    pub key: Option<RawKey>,
     pub on_missing_key: Option<String>,
     pub rate: Option<String>,
     pub capacity: Option<i64>,
+    pub cost: Option<RawCost>,
+    pub burst: Option<i64>,
+    pub max_wait: Option<String>,
+    pub dry_run: Option<bool>,
+    pub ratelimit_headers: Option<bool>,
+}
+
+/// `key = "ip"` or `key = ["header:X-Tenant", "ip"]`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawKey {
+    One(String),
+    Composite(Vec<String>),
+}
+
+/// `cost = 5` or `cost = { header = "X-Cost", default = 1, max = 100 }`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawCost {
+    Fixed(i64),
+    Header(RawCostHeader),
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCostHeader {
+    pub header: Option<String>,
+    pub default: Option<i64>,
+    pub max: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawMatch {
+    pub host: Option<String>,
     pub path_prefix: Option<String>,
+    pub path: Option<String>,
+    pub methods: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -129,7 +129,7 @@ fn zero_duration_is_invalid() {
 fn unknown_key_kind_is_invalid() {
     assert_problem(
         &MINIMAL.replace("key = \"ip\"", "key = \"cookie:x\""),
-        "route 'default': key 'cookie:x': must be \"ip\", \"global\" or \"header:NAME\"",
+        "route 'default': key 'cookie:x': must be \"ip\", \"forwarded\", \"global\" or \"header:NAME\"",
     );
 }
 
@@ -147,7 +147,7 @@ fn header_key_is_stored_lower_case() {
         Config::from_toml(&MINIMAL.replace("key = \"ip\"", "key = \"header:X-Client\"")).unwrap();
     assert_eq!(
         c.routes[0].key,
-        KeySpec::Header(HeaderName::from_static("x-client"))
+        KeySpec(vec![KeyPart::Header(HeaderName::from_static("x-client"))])
     );
 }
 
@@ -242,4 +242,99 @@ fn bad_admin_address_is_invalid() {
         &format!("[admin]\nlisten = \"nowhere\"\n{MINIMAL}"),
         "admin.listen: 'nowhere' is not an address",
     );
+}
+
+#[test]
+fn policy_options_are_read() {
+    let text = MINIMAL.replace(
+        "capacity = 10",
+        "capacity = 10\nburst = 3\nmax_wait = \"2s\"\ndry_run = true\nratelimit_headers = true\ncost = { header = \"X-Cost\", max = 50 }\nmatch = { host = \"API.example\", path = \"/x\", methods = [\"get\", \"POST\"] }",
+    );
+    let r = &Config::from_toml(&text).unwrap().routes[0];
+    assert_eq!(r.burst, 3);
+    assert_eq!(r.max_wait, Some(Duration::from_secs(2)));
+    assert!(r.dry_run && r.ratelimit_headers);
+    assert_eq!(
+        r.cost,
+        Cost::Header {
+            name: HeaderName::from_static("x-cost"),
+            default: 1,
+            max: 50
+        }
+    );
+    assert_eq!(r.host.as_deref(), Some("api.example"));
+    assert_eq!(r.path.as_deref(), Some("/x"));
+    assert_eq!(r.methods, Some(vec![http::Method::GET, http::Method::POST]));
+}
+
+#[test]
+fn composite_key_is_read() {
+    let c =
+        Config::from_toml(&MINIMAL.replace("key = \"ip\"", "key = [\"header:X-Tenant\", \"ip\"]"))
+            .unwrap();
+    assert_eq!(
+        c.routes[0].key,
+        KeySpec(vec![
+            KeyPart::Header(HeaderName::from_static("x-tenant")),
+            KeyPart::Ip
+        ])
+    );
+}
+
+#[test]
+fn cost_header_without_max_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace(
+            "capacity = 10",
+            "capacity = 10\ncost = { header = \"X-Cost\" }",
+        ),
+        "route 'default': cost.max is required with cost.header",
+    );
+}
+
+#[test]
+fn zero_cost_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("capacity = 10", "capacity = 10\ncost = 0"),
+        "cost: 0 must be a whole number >= 1",
+    );
+}
+
+#[test]
+fn malformed_cidr_is_invalid() {
+    let text = format!("[server]\ntrusted_proxies = [\"10.0.0.0/33\"]\n{MINIMAL}");
+    assert_problem(
+        &text,
+        "server.trusted_proxies: '10.0.0.0/33' is not an address or CIDR block",
+    );
+}
+
+#[test]
+fn forwarded_key_needs_trusted_proxies() {
+    assert_problem(
+        &MINIMAL.replace("key = \"ip\"", "key = \"forwarded\""),
+        "key 'forwarded' needs server.trusted_proxies",
+    );
+    let text = format!(
+        "[server]\ntrusted_proxies = [\"127.0.0.1\"]\n{}",
+        MINIMAL.replace("key = \"ip\"", "key = \"forwarded\"")
+    );
+    assert!(problems(&text).is_empty(), "{:?}", problems(&text));
+}
+
+#[test]
+fn route_name_must_be_a_plain_identifier() {
+    assert_problem(
+        &MINIMAL.replace("name = \"default\"", "name = \"my route\""),
+        "route 'my route': name may only use letters, digits",
+    );
+}
+
+#[test]
+fn bad_method_is_invalid() {
+    let text = MINIMAL.replace(
+        "capacity = 10",
+        "capacity = 10\nmatch = { methods = [\"G E T\"] }",
+    );
+    assert_problem(&text, "match.methods: 'G E T' is not an HTTP method");
 }

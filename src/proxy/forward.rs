@@ -14,6 +14,7 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 use super::ServeError;
@@ -29,6 +30,9 @@ pub struct Upstream {
     authority: Authority,
     request_timeout: Duration,
     client: Client<HttpsConnector<HttpConnector>, Incoming>,
+    /// `max_concurrency`: a permit per call in flight, held until the
+    /// response body has been sent.
+    concurrency: Option<Arc<Semaphore>>,
 }
 
 /// TLS settings for https upstreams: the system's roots. A machine without
@@ -78,6 +82,7 @@ impl Upstream {
     pub fn new(
         cfg: &config::Upstream,
         tls: Arc<rustls::ClientConfig>,
+        concurrency: Option<Arc<Semaphore>>,
     ) -> Result<Upstream, ServeError> {
         let scheme = cfg.url.scheme().cloned().unwrap_or(Scheme::HTTP);
         let authority = cfg.url.authority().cloned().ok_or_else(|| {
@@ -102,6 +107,7 @@ impl Upstream {
             authority,
             request_timeout: cfg.request_timeout,
             client,
+            concurrency,
         })
     }
 
@@ -154,6 +160,12 @@ impl Upstream {
         parts.version = Version::HTTP_11;
         let req = Request::from_parts(parts, body);
 
+        // Released by the shaper; now wait for an in-flight slot if capped.
+        // This delays only this request: other clients' spacing is kept.
+        let permit = match &self.concurrency {
+            Some(sem) => sem.clone().acquire_owned().await.ok(),
+            None => None,
+        };
         let started = std::time::Instant::now();
         let result = tokio::time::timeout(self.request_timeout, self.client.request(req)).await;
         metrics::histogram!(m::UPSTREAM_DURATION_SECONDS, "upstream" => self.name.clone())
@@ -183,6 +195,10 @@ impl Upstream {
                 let (mut parts, body) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
                 append_via(&mut parts.headers, parts.version);
+                let body = body.map_frame(move |frame| {
+                    let _in_flight = &permit;
+                    frame
+                });
                 (
                     Response::from_parts(parts, body.boxed()),
                     Outcome::Forwarded,

@@ -1,53 +1,75 @@
 //! Client keys: which queue a request is filed under.
+//!
+//! Keys are tagged bytes so kinds never collide and can be shown back:
+//! `i` + address octets (`ip`, `forwarded`), `h` + header value, empty for
+//! `global`, and `c` + length-prefixed parts for composite keys.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use http::HeaderMap;
+use http::header::HeaderName;
+use ipnet::IpNet;
 
-use crate::config::{KeySpec, OnMissingKey};
+use crate::config::{KeyPart, KeySpec, OnMissingKey};
 
-/// The key the shaper files a request under, as bytes: a header value, the
-/// peer's address, or empty for `global`.
+/// The key the shaper files a request under.
 pub type ClientKey = Box<[u8]>;
 
 /// Longest header value accepted as a key; longer ones are refused (400)
 /// rather than stored.
-const MAX_KEY_LEN: usize = 256;
+pub const MAX_KEY_LEN: usize = 256;
 
-/// Keys are tagged so that kinds never collide and can be shown:
-/// `i` + address octets, `h` + header value, empty for `global`.
-fn ip_key(ip: IpAddr) -> ClientKey {
-    let mut k = vec![b'i'];
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+fn ip_part(ip: IpAddr, out: &mut Vec<u8>) {
+    out.push(b'i');
     match ip {
-        IpAddr::V4(v4) => k.extend_from_slice(&v4.octets()),
-        IpAddr::V6(v6) => k.extend_from_slice(&v6.octets()),
+        IpAddr::V4(v4) => out.extend_from_slice(&v4.octets()),
+        IpAddr::V6(v6) => out.extend_from_slice(&v6.octets()),
     }
-    k.into_boxed_slice()
 }
 
-fn header_key(value: &[u8]) -> ClientKey {
-    let mut k = Vec::with_capacity(value.len() + 1);
-    k.push(b'h');
-    k.extend_from_slice(value);
-    k.into_boxed_slice()
+fn header_part(value: &[u8], out: &mut Vec<u8>) {
+    out.push(b'h');
+    out.extend_from_slice(value);
 }
 
-/// A key as an operator reads it: the address for `ip` keys, the header
-/// value (lossily) otherwise, `*` for `global`.
-pub fn display(key: &[u8]) -> String {
-    match key {
-        [b'i', octets @ ..] if octets.len() == 4 => {
-            let o: [u8; 4] = [octets[0], octets[1], octets[2], octets[3]];
-            IpAddr::from(o).to_string()
-        }
-        [b'i', octets @ ..] if octets.len() == 16 => {
-            let mut o = [0u8; 16];
-            o.copy_from_slice(octets);
-            IpAddr::from(o).to_string()
-        }
-        [b'h', value @ ..] => String::from_utf8_lossy(value).into_owned(),
-        _ => "*".to_owned(),
+fn is_trusted(ip: IpAddr, trusted: &[IpNet]) -> bool {
+    trusted.iter().any(|n| n.contains(&ip))
+}
+
+fn parse_hop(entry: &str) -> Option<IpAddr> {
+    let entry = entry.trim();
+    entry
+        .parse::<IpAddr>()
+        .ok()
+        .or_else(|| entry.parse::<SocketAddr>().ok().map(|s| s.ip()))
+}
+
+/// The client address behind trusted proxies: if the peer is a trusted
+/// proxy, walk `X-Forwarded-For` from the right past trusted hops; the
+/// first untrusted address is the client. Entries left of it (which the
+/// client itself may have written) are never read.
+pub fn forwarded_client(headers: &HeaderMap, peer: IpAddr, trusted: &[IpNet]) -> IpAddr {
+    if !is_trusted(peer, trusted) {
+        return peer;
     }
+    let mut client = peer;
+    for value in headers.get_all(X_FORWARDED_FOR).iter().rev() {
+        let Ok(value) = value.to_str() else {
+            return client;
+        };
+        for entry in value.rsplit(',') {
+            let Some(ip) = parse_hop(entry) else {
+                return client;
+            };
+            client = ip;
+            if !is_trusted(ip, trusted) {
+                return ip;
+            }
+        }
+    }
+    client
 }
 
 /// Derive the key for a request, or the reason it has none (answered 400).
@@ -56,52 +78,141 @@ pub fn extract(
     on_missing: OnMissingKey,
     headers: &HeaderMap,
     peer: IpAddr,
+    trusted: &[IpNet],
 ) -> Result<ClientKey, String> {
-    match spec {
-        KeySpec::Ip => Ok(ip_key(peer)),
-        KeySpec::Global => Ok(Box::new([])),
-        KeySpec::Header(name) => match headers.get(name) {
-            Some(v) if v.len() > MAX_KEY_LEN => Err(format!(
-                "the {name} header is longer than {MAX_KEY_LEN} bytes"
-            )),
-            Some(v) if !v.is_empty() => Ok(header_key(v.as_bytes())),
-            _ => match on_missing {
-                OnMissingKey::Ip => Ok(ip_key(peer)),
-                OnMissingKey::Reject => Err(format!("the {name} header is required")),
+    let one = |part: &KeyPart, out: &mut Vec<u8>| -> Result<(), String> {
+        match part {
+            KeyPart::Ip => ip_part(peer, out),
+            KeyPart::Forwarded => ip_part(forwarded_client(headers, peer, trusted), out),
+            KeyPart::Global => {}
+            KeyPart::Header(name) => match headers.get(name) {
+                Some(v) if v.len() > MAX_KEY_LEN => {
+                    return Err(format!(
+                        "the {name} header is longer than {MAX_KEY_LEN} bytes"
+                    ));
+                }
+                Some(v) if !v.is_empty() => header_part(v.as_bytes(), out),
+                _ => match on_missing {
+                    OnMissingKey::Ip => ip_part(peer, out),
+                    OnMissingKey::Reject => return Err(format!("the {name} header is required")),
+                },
             },
-        },
+        }
+        Ok(())
+    };
+    let mut key = Vec::new();
+    match spec.0.as_slice() {
+        [single] => one(single, &mut key)?,
+        parts => {
+            key.push(b'c');
+            let mut part = Vec::new();
+            for p in parts {
+                part.clear();
+                one(p, &mut part)?;
+                // Each part is at most MAX_KEY_LEN + 1 bytes: a u16 holds it.
+                key.extend_from_slice(&(part.len() as u16).to_be_bytes());
+                key.extend_from_slice(&part);
+            }
+        }
     }
+    Ok(key.into_boxed_slice())
+}
+
+/// A key as an operator reads it: the address for `ip`/`forwarded`, the
+/// header value (lossily), `*` for `global`, parts joined by `|`.
+pub fn display(key: &[u8]) -> String {
+    match key {
+        [b'i', octets @ ..] if octets.len() == 4 => {
+            IpAddr::from([octets[0], octets[1], octets[2], octets[3]]).to_string()
+        }
+        [b'i', octets @ ..] if octets.len() == 16 => {
+            let mut o = [0u8; 16];
+            o.copy_from_slice(octets);
+            IpAddr::from(o).to_string()
+        }
+        [b'h', value @ ..] => String::from_utf8_lossy(value).into_owned(),
+        [b'c', composite @ ..] => {
+            let mut rest: &[u8] = composite;
+            let mut parts = Vec::new();
+            while let [hi, lo, tail @ ..] = rest {
+                let n = usize::from(u16::from_be_bytes([*hi, *lo])).min(tail.len());
+                parts.push(display(&tail[..n]));
+                rest = &tail[n..];
+            }
+            parts.join("|")
+        }
+        _ => "*".to_owned(),
+    }
+}
+
+/// The key for the displayed form `text` (as `/status` shows it), for the
+/// bucket query; `None` when `text` cannot be such a key.
+pub fn from_display(spec: &KeySpec, text: &str) -> Option<ClientKey> {
+    let one = |part: &KeyPart, text: &str, out: &mut Vec<u8>| -> Option<()> {
+        match part {
+            KeyPart::Ip | KeyPart::Forwarded => ip_part(text.parse().ok()?, out),
+            KeyPart::Global => {}
+            KeyPart::Header(_) => header_part(text.as_bytes(), out),
+        }
+        Some(())
+    };
+    let mut key = Vec::new();
+    match spec.0.as_slice() {
+        [single] => one(single, text, &mut key)?,
+        parts => {
+            let texts: Vec<&str> = text.split('|').collect();
+            if texts.len() != parts.len() {
+                return None;
+            }
+            key.push(b'c');
+            for (p, t) in parts.iter().zip(texts) {
+                let mut part = Vec::new();
+                one(p, t, &mut part)?;
+                key.extend_from_slice(&(part.len() as u16).to_be_bytes());
+                key.extend_from_slice(&part);
+            }
+        }
+    }
+    Some(key.into_boxed_slice())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::{HeaderName, HeaderValue};
+    use http::HeaderValue;
 
     const PEER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
+    fn spec(parts: &[KeyPart]) -> KeySpec {
+        KeySpec(parts.to_vec())
+    }
+
+    fn header(name: &'static str) -> KeyPart {
+        KeyPart::Header(HeaderName::from_static(name))
+    }
 
     #[test]
     fn header_key_uses_the_value() {
         let mut h = HeaderMap::new();
         h.insert("x-client", HeaderValue::from_static("alice"));
-        let spec = KeySpec::Header(HeaderName::from_static("x-client"));
-        assert_eq!(
-            extract(&spec, OnMissingKey::Reject, &h, PEER)
-                .unwrap()
-                .as_ref(),
-            b"alice"
-        );
+        let k = extract(
+            &spec(&[header("x-client")]),
+            OnMissingKey::Reject,
+            &h,
+            PEER,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(display(&k), "alice");
     }
 
     #[test]
     fn missing_header_is_refused_or_falls_back_to_ip() {
-        let spec = KeySpec::Header(HeaderName::from_static("x-client"));
+        let s = spec(&[header("x-client")]);
         let h = HeaderMap::new();
-        assert!(extract(&spec, OnMissingKey::Reject, &h, PEER).is_err());
-        assert_eq!(
-            extract(&spec, OnMissingKey::Ip, &h, PEER).unwrap().as_ref(),
-            &[127, 0, 0, 1]
-        );
+        assert!(extract(&s, OnMissingKey::Reject, &h, PEER, &[]).is_err());
+        let k = extract(&s, OnMissingKey::Ip, &h, PEER, &[]).unwrap();
+        assert_eq!(display(&k), "127.0.0.1");
     }
 
     #[test]
@@ -111,7 +222,56 @@ mod tests {
             "x-client",
             HeaderValue::from_str(&"a".repeat(MAX_KEY_LEN + 1)).unwrap(),
         );
-        let spec = KeySpec::Header(HeaderName::from_static("x-client"));
-        assert!(extract(&spec, OnMissingKey::Ip, &h, PEER).is_err());
+        assert!(
+            extract(
+                &spec(&[header("x-client")]),
+                OnMissingKey::Ip,
+                &h,
+                PEER,
+                &[]
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn forwarded_takes_the_rightmost_untrusted_hop() {
+        let trusted: Vec<IpNet> = vec![
+            "127.0.0.0/8".parse().unwrap(),
+            "10.0.0.0/8".parse().unwrap(),
+        ];
+        let mut h = HeaderMap::new();
+        h.insert(
+            X_FORWARDED_FOR,
+            HeaderValue::from_static("6.6.6.6, 203.0.113.5, 10.1.2.3"),
+        );
+        assert_eq!(
+            forwarded_client(&h, PEER, &trusted).to_string(),
+            "203.0.113.5"
+        );
+        // A spoofed left part never changes the key.
+        h.insert(
+            X_FORWARDED_FOR,
+            HeaderValue::from_static("1.1.1.1, 9.9.9.9, 203.0.113.5, 10.1.2.3"),
+        );
+        assert_eq!(
+            forwarded_client(&h, PEER, &trusted).to_string(),
+            "203.0.113.5"
+        );
+        // An untrusted peer's header is not believed at all.
+        let stranger: IpAddr = "198.51.100.1".parse().unwrap();
+        assert_eq!(forwarded_client(&h, stranger, &trusted), stranger);
+    }
+
+    #[test]
+    fn composite_keys_join_their_parts_and_read_back() {
+        let s = spec(&[header("x-tenant"), KeyPart::Ip]);
+        let mut h = HeaderMap::new();
+        h.insert("x-tenant", HeaderValue::from_static("acme"));
+        let k = extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap();
+        assert_eq!(display(&k), "acme|127.0.0.1");
+        assert_eq!(from_display(&s, "acme|127.0.0.1").as_deref(), Some(&k[..]));
+        h.insert("x-tenant", HeaderValue::from_static("other"));
+        assert_ne!(extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap(), k);
     }
 }

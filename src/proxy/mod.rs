@@ -24,19 +24,20 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use http::{Request, Response, StatusCode};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use ipnet::IpNet;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
-use crate::config::{Config, KeySpec, OnMissingKey};
+use crate::config::{Config, Cost, KeySpec, OnMissingKey};
 use crate::metrics::{self as m, Outcome};
 use crate::shaper::{
-    AcquireError, Admitted, Limits, Policy, Rejection, RouteId, Shaper, UpstreamId,
+    AcquireError, Admitted, Limits, Policy, Probe, Rejection, RouteId, Shaper, UpstreamId,
 };
 pub use key::ClientKey;
 use response::{ProxyBody, problem};
@@ -62,12 +63,22 @@ const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// A route as the request path sees it.
 struct Route {
     name: String,
+    host: Option<String>,
     path_prefix: String,
+    path: Option<String>,
+    methods: Option<Vec<Method>>,
     id: RouteId,
     upstream: usize,
+    /// Whether the upstream has a global cap (departures then unknown at
+    /// admission, so `max_wait` is also enforced while waiting).
+    capped: bool,
     key: KeySpec,
     on_missing_key: OnMissingKey,
+    cost: Cost,
     policy: Policy,
+    max_wait: Option<Duration>,
+    dry_run: bool,
+    ratelimit_headers: bool,
     /// Refusals since the last log summary.
     refused: AtomicU64,
 }
@@ -76,6 +87,66 @@ struct Route {
 struct App {
     routes: Vec<Route>,
     upstreams: Vec<forward::Upstream>,
+    trusted_proxies: Vec<IpNet>,
+}
+
+impl Route {
+    /// Whether this route takes `req`: every criterion it has must match.
+    fn matches<B>(&self, req: &Request<B>) -> bool {
+        let path = req.uri().path();
+        if !path.starts_with(&self.path_prefix) {
+            return false;
+        }
+        if self.path.as_deref().is_some_and(|p| p != path) {
+            return false;
+        }
+        if self
+            .methods
+            .as_ref()
+            .is_some_and(|m| !m.contains(req.method()))
+        {
+            return false;
+        }
+        match &self.host {
+            None => true,
+            Some(host) => request_host(req).is_some_and(|h| h.eq_ignore_ascii_case(host)),
+        }
+    }
+
+    /// The request's cost: fixed, or read from a header (400 when it is not
+    /// a whole number from 1 to the configured max).
+    fn cost(&self, headers: &http::HeaderMap) -> Result<u32, String> {
+        match &self.cost {
+            Cost::Fixed(n) => Ok(*n),
+            Cost::Header { name, default, max } => match headers.get(name) {
+                None => Ok(*default),
+                Some(v) => match v.to_str().ok().and_then(|t| t.trim().parse::<u32>().ok()) {
+                    Some(n) if (1..=*max).contains(&n) => Ok(n),
+                    _ => Err(format!(
+                        "the {name} header must be a whole number from 1 to {max}"
+                    )),
+                },
+            },
+        }
+    }
+}
+
+/// The host a request is for, without port: `Host`, or the URI authority
+/// (HTTP/2).
+fn request_host<B>(req: &Request<B>) -> Option<&str> {
+    let raw = req
+        .headers()
+        .get(http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| req.uri().authority().map(|a| a.as_str()))?;
+    let host = match raw.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(v6),
+        None => match raw.rsplit_once(':') {
+            Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
+            _ => raw,
+        },
+    };
+    Some(host)
 }
 
 /// Engine ids by name, kept across reloads so that a route that still
@@ -84,6 +155,9 @@ struct App {
 struct Registry {
     routes: HashMap<String, (RouteId, UpstreamId)>,
     upstreams: HashMap<String, UpstreamId>,
+    /// `max_concurrency` semaphores by upstream name, so that calls in
+    /// flight across a reload still count against the same cap.
+    concurrency: HashMap<String, (usize, Arc<Semaphore>)>,
 }
 
 /// Outcome totals, for `/status`.
@@ -285,11 +359,30 @@ fn build_app(
             }
         };
         upstream_ids.push(id);
-        upstreams.push(forward::Upstream::new(u, tls.clone())?);
+        let concurrency = u
+            .max_concurrency
+            .map(|limit| match registry.concurrency.get(&u.name) {
+                Some((n, sem)) if *n == limit => sem.clone(),
+                _ => {
+                    let sem = Arc::new(Semaphore::new(limit));
+                    registry
+                        .concurrency
+                        .insert(u.name.clone(), (limit, sem.clone()));
+                    sem
+                }
+            });
+        upstreams.push(forward::Upstream::new(u, tls.clone(), concurrency)?);
     }
     let mut routes = Vec::with_capacity(config.routes.len());
     for r in &config.routes {
-        let policy = Policy::new(r.rate, r.capacity);
+        let policy = Policy {
+            rate: r.rate,
+            capacity: r.capacity,
+            burst: r.burst,
+            max_wait: r
+                .max_wait
+                .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+        };
         let upstream_id = upstream_ids[r.upstream];
         let id = match registry.routes.get(&r.name) {
             Some(&(id, up)) if up == upstream_id => {
@@ -304,16 +397,28 @@ fn build_app(
         };
         routes.push(Route {
             name: r.name.clone(),
+            host: r.host.clone(),
             path_prefix: r.path_prefix.clone(),
+            path: r.path.clone(),
+            methods: r.methods.clone(),
             id,
             upstream: r.upstream,
+            capped: config.upstreams[r.upstream].rate.is_some(),
             key: r.key.clone(),
             on_missing_key: r.on_missing_key,
+            cost: r.cost.clone(),
             policy,
+            max_wait: r.max_wait,
+            dry_run: r.dry_run,
+            ratelimit_headers: r.ratelimit_headers,
             refused: AtomicU64::new(0),
         });
     }
-    Ok(App { routes, upstreams })
+    Ok(App {
+        routes,
+        upstreams,
+        trusted_proxies: config.server.trusted_proxies.clone(),
+    })
 }
 
 async fn accept_loop(
@@ -403,20 +508,29 @@ impl Shared {
     async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
         let arrival = Instant::now();
         let app = self.app();
-        let path = req.uri().path();
-        let Some(route) = app.routes.iter().find(|r| path.starts_with(&r.path_prefix)) else {
+        let Some(route) = app.routes.iter().find(|r| r.matches(&req)) else {
             self.finish("", Outcome::Invalid);
             return problem(StatusCode::NOT_FOUND, "no route matches this request", None);
         };
-        let key = match key::extract(&route.key, route.on_missing_key, req.headers(), peer.ip()) {
-            Ok(key) => key,
-            Err(detail) => {
+        let headers = req.headers();
+        let key = key::extract(
+            &route.key,
+            route.on_missing_key,
+            headers,
+            peer.ip(),
+            &app.trusted_proxies,
+        );
+        let (key, cost) = match (key, route.cost(headers)) {
+            (Ok(key), Ok(cost)) => (key, cost),
+            (Err(detail), _) | (_, Err(detail)) => {
                 self.finish(&route.name, Outcome::Invalid);
                 return problem(StatusCode::BAD_REQUEST, &detail, None);
             }
         };
-        match self.shaper.admit(route.id, key, 1) {
+        let probe_key = route.ratelimit_headers.then(|| key.clone());
+        match self.shaper.admit(route.id, key, cost) {
             Ok(Admitted::Now) => {}
+            Ok(Admitted::Wait(waiting)) if route.dry_run => waiting.detach(),
             Ok(Admitted::Wait(waiting)) => {
                 // If the client goes away, hyper drops this future and with
                 // it `waiting` (which withdraws the request) and `gone`
@@ -425,16 +539,46 @@ impl Shared {
                     shared: self,
                     route: &route.name,
                 };
-                let departed = waiting.departed().await;
+                let departed = match route.max_wait.filter(|_| route.capped) {
+                    // Under an upstream cap the departure is unknown at
+                    // admission: enforce max_wait while waiting.
+                    Some(max_wait) => {
+                        let left = max_wait.saturating_sub(arrival.elapsed());
+                        tokio::time::timeout(left, waiting.departed())
+                            .await
+                            .unwrap_or(Err(AcquireError::Rejected(Rejection::MaxWait {
+                                retry_after: 0,
+                            })))
+                    }
+                    None => waiting.departed().await,
+                };
                 std::mem::forget(gone);
-                if let Err(AcquireError::Closed | AcquireError::Rejected(_)) = departed {
-                    self.finish(&route.name, Outcome::Expired);
-                    return problem(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "sluice is shutting down; this request was not forwarded",
-                        Some(Duration::from_secs(1)),
-                    );
+                match departed {
+                    Ok(()) => {}
+                    Err(AcquireError::Rejected(_)) => {
+                        self.finish(&route.name, Outcome::Expired);
+                        let wait = route.max_wait.unwrap_or(Duration::from_secs(1));
+                        return problem(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            &format!("route '{}': still queued after max_wait", route.name),
+                            Some(wait),
+                        );
+                    }
+                    Err(AcquireError::Closed) => {
+                        self.finish(&route.name, Outcome::Expired);
+                        return problem(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "sluice is shutting down; this request was not forwarded",
+                            Some(Duration::from_secs(1)),
+                        );
+                    }
                 }
+            }
+            Err(rejection) if route.dry_run => {
+                route.refused.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!(m::DRY_RUN_REFUSALS_TOTAL, "route" => route.name.clone())
+                    .increment(1);
+                debug!(route = %route.name, ?rejection, "dry run: would have refused");
             }
             Err(rejection) => {
                 route.refused.fetch_add(1, Ordering::Relaxed);
@@ -443,14 +587,57 @@ impl Shared {
                     Rejection::TooManyClients | Rejection::TooManyQueued => Outcome::Overloaded,
                 };
                 self.finish(&route.name, outcome);
-                return reject(&route.name, rejection);
+                let mut response = reject(&route.name, rejection);
+                self.add_ratelimit_headers(route, probe_key.as_ref(), &mut response);
+                return response;
             }
         }
         metrics::histogram!(m::QUEUE_WAIT_SECONDS, "route" => route.name.clone())
             .record(arrival.elapsed().as_secs_f64());
-        let (response, outcome) = app.upstreams[route.upstream].forward(req, peer).await;
+        let (mut response, outcome) = app.upstreams[route.upstream].forward(req, peer).await;
         self.finish(&route.name, outcome);
+        self.add_ratelimit_headers(route, probe_key.as_ref(), &mut response);
         response
+    }
+
+    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-
+    /// headers-10, Structured Fields): the quota is the route's capacity
+    /// over the time its rate takes to drain it; remaining is the capacity
+    /// not waiting now; reset is the time until this client's queue has
+    /// drained. Whole seconds.
+    fn add_ratelimit_headers<B>(
+        &self,
+        route: &Route,
+        key: Option<&ClientKey>,
+        response: &mut Response<B>,
+    ) {
+        let Some(key) = key else {
+            return;
+        };
+        let capacity = u64::from(route.policy.capacity);
+        let window = response::ceil_secs(
+            route
+                .policy
+                .rate
+                .interval_nanos()
+                .saturating_mul(capacity.max(1)),
+        );
+        let (waiting, reset) = match self.shaper.view(route.id, key) {
+            Some(v) => (
+                v.waiting_cost,
+                response::ceil_secs(v.next_departure.saturating_sub(self.shaper.now())),
+            ),
+            None => (0, 0),
+        };
+        let remaining = capacity.saturating_sub(waiting);
+        let name = &route.name;
+        let headers = response.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(&format!("\"{name}\";q={capacity};w={window}")) {
+            headers.insert("ratelimit-policy", v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&format!("\"{name}\";r={remaining};t={reset}")) {
+            headers.insert("ratelimit", v);
+        }
     }
 }
 
@@ -546,6 +733,37 @@ impl Handle {
         let (clients, queued) = self.0.shaper.stats();
         metrics::gauge!(m::ACTIVE_CLIENTS).set(clients as f64);
         metrics::gauge!(m::QUEUED_REQUESTS).set(queued as f64);
+    }
+
+    /// The bucket query: a client's waiting cost, next departure, and
+    /// whether a request of `cost` would be admitted now. Changes nothing.
+    /// `None` when the route does not exist or `key` cannot be its key.
+    pub fn bucket(&self, route: &str, key: &str, cost: u32) -> Option<serde_json::Value> {
+        let shared = &self.0;
+        let app = shared.app();
+        let r = app.routes.iter().find(|r| r.name == route)?;
+        let k = key::from_display(&r.key, key)?;
+        let now = shared.shaper.now();
+        let view = shared.shaper.view(r.id, &k);
+        let (verdict, admitted, retry_after_ms) = match shared.shaper.probe(r.id, &k, cost) {
+            Probe::Depart => ("depart", true, None),
+            Probe::Queue { .. } => ("queue", true, None),
+            Probe::Reject(Rejection::Full { retry_after } | Rejection::MaxWait { retry_after }) => {
+                ("reject", false, Some(retry_after.div_ceil(1_000_000)))
+            }
+            Probe::Reject(_) => ("overloaded", false, None),
+        };
+        Some(serde_json::json!({
+            "route": r.name,
+            "key": key,
+            "cost": cost,
+            "waiting": view.map_or(0, |v| v.waiting),
+            "waiting_cost": view.map_or(0, |v| v.waiting_cost),
+            "next_departure_ms": view.map_or(0, |v| v.next_departure.saturating_sub(now) / 1_000_000),
+            "admitted_now": admitted,
+            "verdict": verdict,
+            "retry_after_ms": retry_after_ms,
+        }))
     }
 
     /// The `/status` document: routes, config version and load time,

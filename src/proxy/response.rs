@@ -27,6 +27,11 @@ pub fn retry_after_secs(wait: Duration) -> u64 {
     secs.max(1)
 }
 
+/// Nanoseconds as whole seconds, rounded up (0 stays 0).
+pub fn ceil_secs(nanos: u64) -> u64 {
+    nanos.div_ceil(1_000_000_000)
+}
+
 /// A problem+json response.
 pub fn problem(
     status: StatusCode,

@@ -120,6 +120,24 @@ pub enum Rejection {
     TooManyQueued,
 }
 
+/// What an arrival would be answered, from [`Engine::probe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// It would depart at once.
+    Depart,
+    /// It would wait until `departure` (a lower bound under an upstream cap).
+    Queue { departure: Nanos },
+    /// It would be refused.
+    Reject(Rejection),
+}
+
+/// The rules' verdict for one arrival, before any state changes.
+enum Decision {
+    Depart,
+    Queue { departure: Nanos },
+    Reject(Rejection),
+}
+
 /// Read-only view of one client, for status and bucket queries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClientView {
@@ -320,6 +338,52 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         })
     }
 
+    /// The rules of DESIGN section 1 for one arrival, read-only. `client`
+    /// is `None` for a client with no state (idle); `free` says whether the
+    /// upstream's cap has a slot now with nobody due ahead.
+    fn decide(
+        client: Option<&Client<K, P>>,
+        policy: &Policy,
+        free: bool,
+        cost: u32,
+        now: Nanos,
+        queued: usize,
+        max_queued: usize,
+    ) -> Decision {
+        let step = policy.rate.interval_nanos();
+        let (tat, waiting, waiting_cost, due) =
+            client.map_or((0, 0, 0, 0), |c| (c.tat, c.waiting, c.waiting_cost, c.due));
+        // Idle (nothing waiting, schedule reached): depart at once if the
+        // upstream has a free slot.
+        let earliest = tat.saturating_sub(policy.tolerance()).max(now);
+        if waiting == 0 && earliest == now && free {
+            return Decision::Depart;
+        }
+        // It has to wait: capacity, then max_wait, then the global bound.
+        let departure = if waiting == 0 {
+            earliest
+        } else {
+            due.saturating_add(waiting_cost.saturating_mul(step))
+        };
+        if waiting_cost + u64::from(cost) > u64::from(policy.capacity) {
+            let at = client.map_or(now, |c| Self::accepts_at(c, policy, cost));
+            return Decision::Reject(Rejection::Full {
+                retry_after: at.saturating_sub(now).max(1),
+            });
+        }
+        if let Some(max_wait) = policy.max_wait
+            && departure > now.saturating_add(max_wait)
+        {
+            return Decision::Reject(Rejection::MaxWait {
+                retry_after: departure - max_wait - now,
+            });
+        }
+        if queued >= max_queued {
+            return Decision::Reject(Rejection::TooManyQueued);
+        }
+        Decision::Queue { departure }
+    }
+
     /// Decide an arrival of `cost` units for `key` on `route` at `now`.
     /// `payload` is called only when the request is queued.
     pub fn admit(
@@ -335,10 +399,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         };
         let policy = route_state.policy;
         let upstream = route_state.upstream;
-        let step = policy.rate.interval_nanos();
-        let tau = policy.tolerance();
         let hash = self.hash(route, &key);
-
         let slot = match self.find(route, &key, hash) {
             Some(slot) => slot,
             None => {
@@ -352,91 +413,115 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             }
         };
         let free = self.upstream_free(upstream, now);
-        let Some(client) = self.slots[slot as usize].client.as_mut() else {
-            return Admission::Rejected(Rejection::TooManyClients);
-        };
-
-        // Idle (nothing waiting, schedule reached): depart at once if the
-        // upstream has a free slot.
-        let earliest = client.tat.saturating_sub(tau).max(now);
-        if client.waiting == 0 && earliest == now && free {
-            client.tat = client
-                .tat
-                .max(now)
-                .saturating_add(u64::from(cost).saturating_mul(step));
-            if let Some(cap) = self.upstreams[upstream.0 as usize].cap {
-                let u = &mut self.upstreams[upstream.0 as usize];
-                u.next = u
-                    .next
-                    .max(now)
-                    .saturating_add(u64::from(cost).saturating_mul(cap));
-            }
-            self.schedule_expiry(slot);
-            return Admission::Depart;
-        }
-
-        // It has to wait: capacity, then max_wait, then the global bound.
-        let departure = if client.waiting == 0 {
-            earliest
-        } else {
-            client
-                .due
-                .saturating_add(client.waiting_cost.saturating_mul(step))
-        };
-        if client.waiting_cost + u64::from(cost) > u64::from(policy.capacity) {
-            let at = Self::accepts_at(client, &policy, cost);
-            self.forget_if_idle(slot, now);
-            return Admission::Rejected(Rejection::Full {
-                retry_after: at.saturating_sub(now).max(1),
-            });
-        }
-        if let Some(max_wait) = policy.max_wait
-            && departure > now.saturating_add(max_wait)
-        {
-            let retry_after = departure - max_wait - now;
-            self.forget_if_idle(slot, now);
-            return Admission::Rejected(Rejection::MaxWait { retry_after });
-        }
-        if self.queued >= self.limits.max_queued {
-            self.forget_if_idle(slot, now);
-            return Admission::Rejected(Rejection::TooManyQueued);
-        }
-
-        self.seq += 1;
-        let seq = self.seq;
         let generation = self.slots[slot as usize].generation;
         let Some(client) = self.slots[slot as usize].client.as_mut() else {
             return Admission::Rejected(Rejection::TooManyClients);
         };
-        let becomes_head = client.waiting == 0;
-        client.queue.push_back(Entry {
-            seq,
-            arrival: now,
+        let decision = Self::decide(
+            Some(client),
+            &policy,
+            free,
             cost,
-            step,
-            payload: Some(payload()),
-        });
-        client.waiting += 1;
-        client.waiting_cost += u64::from(cost);
-        self.queued += 1;
-        if becomes_head {
-            client.due = departure;
-            self.upstreams[upstream.0 as usize]
-                .heads
-                .push(Reverse(HeadRef {
-                    due: departure,
+            now,
+            self.queued,
+            self.limits.max_queued,
+        );
+        let step = policy.rate.interval_nanos();
+        match decision {
+            Decision::Depart => {
+                client.tat = client
+                    .tat
+                    .max(now)
+                    .saturating_add(u64::from(cost).saturating_mul(step));
+                if let Some(cap) = self.upstreams[upstream.0 as usize].cap {
+                    let u = &mut self.upstreams[upstream.0 as usize];
+                    u.next = u
+                        .next
+                        .max(now)
+                        .saturating_add(u64::from(cost).saturating_mul(cap));
+                }
+                self.schedule_expiry(slot);
+                Admission::Depart
+            }
+            Decision::Reject(rejection) => {
+                self.forget_if_idle(slot, now);
+                Admission::Rejected(rejection)
+            }
+            Decision::Queue { departure } => {
+                self.seq += 1;
+                let seq = self.seq;
+                let becomes_head = client.waiting == 0;
+                client.queue.push_back(Entry {
                     seq,
-                    slot,
-                    generation,
-                }));
+                    arrival: now,
+                    cost,
+                    step,
+                    payload: Some(payload()),
+                });
+                client.waiting += 1;
+                client.waiting_cost += u64::from(cost);
+                self.queued += 1;
+                if becomes_head {
+                    client.due = departure;
+                    let head = HeadRef {
+                        due: departure,
+                        seq,
+                        slot,
+                        generation,
+                    };
+                    self.upstreams[upstream.0 as usize]
+                        .heads
+                        .push(Reverse(head));
+                }
+                Admission::Queued {
+                    ticket: Ticket {
+                        slot,
+                        generation,
+                        seq,
+                    },
+                    departure,
+                }
+            }
         }
-        Admission::Queued {
-            ticket: Ticket {
-                slot,
-                generation,
-                seq,
-            },
-            departure,
+    }
+
+    /// What [`Engine::admit`] would answer now, without changing anything
+    /// (for the bucket query). With an upstream cap whose heap holds stale
+    /// entries it may say "queue" where admit would depart at once.
+    pub fn probe(&self, route: RouteId, key: &K, cost: u32, now: Nanos) -> Probe {
+        let Some(route_state) = self.routes.get(route.0 as usize) else {
+            return Probe::Reject(Rejection::TooManyClients);
+        };
+        let client = self
+            .find(route, key, self.hash(route, key))
+            .and_then(|slot| self.slots[slot as usize].client.as_ref());
+        if client.is_none() && self.clients >= self.limits.max_clients {
+            return Probe::Reject(Rejection::TooManyClients);
+        }
+        let upstream = &self.upstreams[route_state.upstream.0 as usize];
+        let free = match upstream.cap {
+            None => true,
+            Some(_) => {
+                upstream.next <= now
+                    && upstream
+                        .heads
+                        .peek()
+                        .is_none_or(|Reverse(h)| head_is_live(&self.slots, h) && h.due > now)
+            }
+        };
+        let decision = Self::decide(
+            client,
+            &route_state.policy,
+            free,
+            cost,
+            now,
+            self.queued,
+            self.limits.max_queued,
+        );
+        match decision {
+            Decision::Depart => Probe::Depart,
+            Decision::Queue { departure } => Probe::Queue { departure },
+            Decision::Reject(r) => Probe::Reject(r),
         }
     }
 

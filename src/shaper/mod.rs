@@ -9,7 +9,7 @@ pub mod pacer;
 pub mod rate;
 
 pub use engine::{
-    Admission, ClientView, Engine, Limits, Policy, Rejection, RouteId, Ticket, UpstreamId,
+    Admission, ClientView, Engine, Limits, Policy, Probe, Rejection, RouteId, Ticket, UpstreamId,
 };
 pub use pacer::{AcquireError, Admitted, LagObserver, Shaper, Waiting};
 pub use rate::{Nanos, Rate, RateError};

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use super::engine::{
-    Admission, ClientView, Engine, Limits, Policy, Rejection, RouteId, Ticket, UpstreamId,
+    Admission, ClientView, Engine, Limits, Policy, Probe, Rejection, RouteId, Ticket, UpstreamId,
 };
 use super::rate::{Nanos, Rate};
 
@@ -106,6 +106,13 @@ impl Waiting {
     /// an upstream cap applies).
     pub fn departure(&self) -> Instant {
         self.origin + Duration::from_nanos(self.departure)
+    }
+
+    /// Stop waiting without withdrawing: the request keeps its place in
+    /// the schedule (dry-run mode decides as if it waited, but forwards at
+    /// once).
+    pub fn detach(mut self) {
+        self.cancel = None;
     }
 
     /// Resolve when the request may depart.
@@ -200,6 +207,13 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
     pub fn stats(&self) -> (usize, usize) {
         let e = lock(&self.inner.engine);
         (e.clients(), e.queued())
+    }
+
+    /// What an arrival of `cost` for `key` would be answered now, without
+    /// changing any state.
+    pub fn probe(&self, route: RouteId, key: &K, cost: u32) -> Probe {
+        let e = lock(&self.inner.engine);
+        e.probe(route, key, cost, self.inner.now())
     }
 
     /// Look at one client without changing anything.
