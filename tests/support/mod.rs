@@ -32,7 +32,8 @@ pub struct Seen {
 }
 
 /// A real HTTP/1.1 downstream on 127.0.0.1. Paths starting with `/slow`
-/// answer after 5 s; `/echo` echoes the body; anything else answers "ok".
+/// answer after 5 s, `/delay` after 200 ms; `/echo` echoes the body;
+/// anything else answers "ok".
 /// It counts requests in flight and remembers the most seen at once.
 #[derive(Clone)]
 pub struct Downstream {
@@ -92,6 +93,8 @@ impl Downstream {
         });
         if path.starts_with("/slow") {
             tokio::time::sleep(Duration::from_secs(5)).await;
+        } else if path.starts_with("/delay") {
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
         let reply = if path.starts_with("/echo") {
