@@ -144,10 +144,14 @@ fn answer(
             )
         }
         "/healthz" => text(StatusCode::OK, "text/plain", "ok\n"),
-        "/readyz" if server.is_draining() => {
-            text(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "draining\n")
-        }
-        "/readyz" => text(StatusCode::OK, "text/plain", "ready\n"),
+        "/readyz" => match server.not_ready() {
+            Some(why) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                format!("{why}\n"),
+            ),
+            None => text(StatusCode::OK, "text/plain", "ready\n"),
+        },
         "/status" => text(
             StatusCode::OK,
             "application/json",

@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod daemon;
 pub mod metrics;

@@ -21,6 +21,12 @@ pub const QUEUE_WAIT_SECONDS: &str = "sluice_queue_wait_seconds";
 pub const RELEASE_LAG_SECONDS: &str = "sluice_release_lag_seconds";
 /// Time until the upstream's response headers, by upstream.
 pub const UPSTREAM_DURATION_SECONDS: &str = "sluice_upstream_duration_seconds";
+/// Redis calls in cluster mode by result (`ok`, `error`, `timeout`).
+pub const REDIS_CALLS_TOTAL: &str = "sluice_redis_calls_total";
+/// Redis round-trip time in cluster mode.
+pub const REDIS_DURATION_SECONDS: &str = "sluice_redis_duration_seconds";
+/// Requests decided by `on_failure` because Redis failed, by policy.
+pub const REDIS_FALLBACKS_TOTAL: &str = "sluice_redis_fallbacks_total";
 /// Config reloads by result (`ok`, `error`).
 pub const CONFIG_RELOADS_TOTAL: &str = "sluice_config_reloads_total";
 /// Unix time of the last successful config load.

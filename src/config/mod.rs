@@ -26,6 +26,8 @@ pub struct Config {
     /// The admin listener (`/metrics`, `/healthz`, `/readyz`, `/status`);
     /// `None` without an `[admin]` table (opt-in, as in Envoy and HAProxy).
     pub admin: Option<SocketAddr>,
+    /// `[cluster]`: share schedules through Redis; `None`: local only.
+    pub cluster: Option<ClusterConfig>,
     pub upstreams: Vec<Upstream>,
     pub routes: Vec<Route>,
     pub limits: Limits,
@@ -120,6 +122,31 @@ pub enum OnMissingKey {
     Reject,
     /// Key by the peer's IP address instead.
     Ip,
+}
+
+/// `[cluster]`: the Redis that holds the shared schedules.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// `redis://host:port/db` (or `rediss://`, `unix://`).
+    pub redis: String,
+    pub key_prefix: String,
+    /// Bound on every Redis call.
+    pub timeout: Duration,
+    pub on_failure: OnFailure,
+    /// Instances sharing the schedule; with `on_failure = "local"` each
+    /// shapes at r / instances while Redis is unreachable.
+    pub instances: u32,
+}
+
+/// What to do with a request when Redis fails or times out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnFailure {
+    /// Shape locally at r / instances.
+    Local,
+    /// Answer 503.
+    Reject,
+    /// Forward unshaped.
+    Allow,
 }
 
 /// `[limits]`: bounds on memory.
@@ -245,6 +272,7 @@ impl Validator {
             .is_some_and(|t| !t.is_empty());
         let server = self.server(raw.server);
         let admin = self.admin(raw.admin);
+        let cluster = self.cluster(raw.cluster);
         let limits = Limits {
             max_clients: self.positive(
                 "limits.max_clients",
@@ -288,6 +316,7 @@ impl Validator {
         Some(Config {
             server: server?,
             admin: admin?,
+            cluster: cluster?,
             upstreams: upstreams?,
             routes: routes?,
             limits,
@@ -304,6 +333,65 @@ impl Validator {
                 );
             }
         }
+    }
+
+    fn cluster(&mut self, raw: Option<raw::RawCluster>) -> Option<Option<ClusterConfig>> {
+        let Some(raw) = raw else {
+            return Some(None);
+        };
+        let redis = match raw.redis {
+            None => {
+                self.problem(
+                    "cluster.redis",
+                    "is required, such as \"redis://127.0.0.1:6379\"",
+                );
+                None
+            }
+            Some(url)
+                if !["redis://", "rediss://", "unix://", "redis+unix://"]
+                    .iter()
+                    .any(|s| url.starts_with(s)) =>
+            {
+                self.problem(
+                    "cluster.redis",
+                    format!("'{url}' must start with redis://, rediss:// or unix://"),
+                );
+                None
+            }
+            Some(url) => Some(url),
+        };
+        let timeout = self.duration(
+            "cluster.timeout",
+            raw.timeout.as_deref(),
+            Duration::from_millis(50),
+        );
+        let on_failure = match raw.on_failure.as_deref() {
+            None | Some("local") => Some(OnFailure::Local),
+            Some("reject") => Some(OnFailure::Reject),
+            Some("allow") => Some(OnFailure::Allow),
+            Some(other) => {
+                self.problem(
+                    "cluster.on_failure",
+                    format!("'{other}' must be \"local\", \"reject\" or \"allow\""),
+                );
+                None
+            }
+        };
+        let instances = match raw.instances.map(u32::try_from) {
+            None => Some(1),
+            Some(Ok(n)) if n >= 1 => Some(n),
+            _ => {
+                self.problem("cluster.instances", "must be a whole number >= 1");
+                None
+            }
+        };
+        Some(Some(ClusterConfig {
+            redis: redis?,
+            key_prefix: raw.key_prefix.unwrap_or_else(|| "sluice:".to_owned()),
+            timeout: timeout?,
+            on_failure: on_failure?,
+            instances: instances?,
+        }))
     }
 
     fn admin(&mut self, raw: Option<raw::RawAdmin>) -> Option<Option<SocketAddr>> {

@@ -17,6 +17,17 @@ pub struct RawConfig {
     #[serde(default)]
     pub limits: RawLimits,
     pub admin: Option<RawAdmin>,
+    pub cluster: Option<RawCluster>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCluster {
+    pub redis: Option<String>,
+    pub key_prefix: Option<String>,
+    pub timeout: Option<String>,
+    pub on_failure: Option<String>,
+    pub instances: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -34,10 +34,11 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
-use crate::config::{Config, Cost, KeySpec, OnMissingKey};
+use crate::cluster::{Ask, Cluster, Reservation, Verdict};
+use crate::config::{Config, Cost, KeySpec, OnFailure, OnMissingKey};
 use crate::metrics::{self as m, Outcome};
 use crate::shaper::{
-    AcquireError, Admitted, Limits, Policy, Probe, Rejection, RouteId, Shaper, UpstreamId,
+    AcquireError, Admitted, Limits, Policy, Probe, Rate, Rejection, RouteId, Shaper, UpstreamId,
 };
 pub use key::ClientKey;
 use response::{ProxyBody, problem};
@@ -68,7 +69,13 @@ struct Route {
     path: Option<String>,
     methods: Option<Vec<Method>>,
     id: RouteId,
+    /// The local route used while Redis fails with `on_failure = "local"`
+    /// (rate r / instances); `None` outside cluster mode.
+    fallback: Option<RouteId>,
     upstream: usize,
+    upstream_name: String,
+    /// The upstream cap's interval per cost unit, if capped.
+    cap_step: Option<u64>,
     /// Whether the upstream has a global cap (departures then unknown at
     /// admission, so `max_wait` is also enforced while waiting).
     capped: bool,
@@ -178,6 +185,8 @@ impl Totals {
 /// handlers.
 struct Shared {
     shaper: Shaper<ClientKey>,
+    /// Cluster mode (fixed at start; a reload does not change it).
+    cluster: Option<Arc<Cluster>>,
     app: RwLock<Arc<App>>,
     registry: Mutex<Registry>,
     tls: Arc<rustls::ClientConfig>,
@@ -219,6 +228,12 @@ impl Server {
         shaper.observe_lag(Box::new(|lag| {
             metrics::histogram!(m::RELEASE_LAG_SECONDS).record(lag.as_secs_f64());
         }));
+        let cluster = match &config.cluster {
+            Some(c) => Some(Arc::new(
+                Cluster::new(c).map_err(|e| ServeError::Client(format!("cluster: {e}")))?,
+            )),
+            None => None,
+        };
         let tls = forward::tls_config();
         let mut registry = Registry::default();
         let app = build_app(&shaper, &mut registry, config, &tls)?;
@@ -244,6 +259,7 @@ impl Server {
         Ok(Server {
             shared: Arc::new(Shared {
                 shaper,
+                cluster,
                 app: RwLock::new(Arc::new(app)),
                 registry: Mutex::new(registry),
                 tls,
@@ -395,6 +411,29 @@ fn build_app(
                 id
             }
         };
+        let fallback = config.cluster.as_ref().map(|c| {
+            let local = Policy {
+                rate: Rate::from_interval_nanos(
+                    r.rate
+                        .interval_nanos()
+                        .saturating_mul(u64::from(c.instances)),
+                )
+                .unwrap_or(r.rate),
+                ..policy
+            };
+            let name = format!("{}\0local", r.name);
+            match registry.routes.get(&name) {
+                Some(&(id, up)) if up == upstream_id => {
+                    shaper.set_policy(id, local);
+                    id
+                }
+                _ => {
+                    let id = shaper.add_route(local, upstream_id);
+                    registry.routes.insert(name, (id, upstream_id));
+                    id
+                }
+            }
+        });
         routes.push(Route {
             name: r.name.clone(),
             host: r.host.clone(),
@@ -402,7 +441,10 @@ fn build_app(
             path: r.path.clone(),
             methods: r.methods.clone(),
             id,
+            fallback,
             upstream: r.upstream,
+            upstream_name: config.upstreams[r.upstream].name.clone(),
+            cap_step: config.upstreams[r.upstream].rate.map(Rate::interval_nanos),
             capped: config.upstreams[r.upstream].rate.is_some(),
             key: r.key.clone(),
             on_missing_key: r.on_missing_key,
@@ -527,8 +569,18 @@ impl Shared {
                 return problem(StatusCode::BAD_REQUEST, &detail, None);
             }
         };
+        let mut local_id = route.id;
+        if let Some(cluster) = &self.cluster {
+            match self.admit_cluster(cluster, route, &key, cost).await {
+                ClusterPath::Forward => {
+                    return self.forward(&app, route, req, peer, arrival, None).await;
+                }
+                ClusterPath::Respond(response) => return response,
+                ClusterPath::Local => local_id = route.fallback.unwrap_or(route.id),
+            }
+        }
         let probe_key = route.ratelimit_headers.then(|| key.clone());
-        match self.shaper.admit(route.id, key, cost) {
+        match self.shaper.admit(local_id, key, cost) {
             Ok(Admitted::Now) => {}
             Ok(Admitted::Wait(waiting)) if route.dry_run => waiting.detach(),
             Ok(Admitted::Wait(waiting)) => {
@@ -592,12 +644,112 @@ impl Shared {
                 return response;
             }
         }
+        self.forward(&app, route, req, peer, arrival, probe_key.as_ref())
+            .await
+    }
+
+    async fn forward(
+        &self,
+        app: &App,
+        route: &Route,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        arrival: Instant,
+        probe_key: Option<&ClientKey>,
+    ) -> Response<ProxyBody> {
         metrics::histogram!(m::QUEUE_WAIT_SECONDS, "route" => route.name.clone())
             .record(arrival.elapsed().as_secs_f64());
         let (mut response, outcome) = app.upstreams[route.upstream].forward(req, peer).await;
         self.finish(&route.name, outcome);
-        self.add_ratelimit_headers(route, probe_key.as_ref(), &mut response);
+        self.add_ratelimit_headers(route, probe_key, &mut response);
         response
+    }
+
+    /// Cluster mode: one Redis round trip decides; a request that must
+    /// wait is held by our own pacer until its departure. When Redis fails,
+    /// `on_failure` decides.
+    async fn admit_cluster(
+        &self,
+        cluster: &Cluster,
+        route: &Route,
+        key: &[u8],
+        cost: u32,
+    ) -> ClusterPath {
+        let us = |ns: u64| ns / 1_000;
+        let step = route.policy.rate.interval_nanos();
+        let (k, global) = cluster.keys(
+            &route.name,
+            key,
+            route.capped.then_some(route.upstream_name.as_str()),
+        );
+        let ask = Ask {
+            key: k,
+            global,
+            step_us: us(step),
+            capacity: route.policy.capacity,
+            cost,
+            tau_us: us(u64::from(route.policy.burst.saturating_sub(1)).saturating_mul(step)),
+            global_step_us: route.cap_step.map_or(0, us),
+            max_wait_us: route.policy.max_wait.map_or(0, us),
+        };
+        match cluster.admit(ask).await {
+            Ok(Verdict::Go { delay, reservation }) => {
+                if delay.is_zero() || route.dry_run {
+                    return ClusterPath::Forward;
+                }
+                // If the client leaves while held, give the slot back (when
+                // it is still the client's last) and count it as cancelled.
+                let mut undo = Undo {
+                    cluster,
+                    reservation: Some(reservation),
+                    gone: CountOnDrop {
+                        shared: self,
+                        route: &route.name,
+                    },
+                };
+                let at = self
+                    .shaper
+                    .now()
+                    .saturating_add(u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX));
+                self.shaper.sleep_until(at).await;
+                undo.reservation = None;
+                std::mem::forget(undo);
+                ClusterPath::Forward
+            }
+            Ok(Verdict::Full { retry_after } | Verdict::MaxWait { retry_after }) => {
+                route.refused.fetch_add(1, Ordering::Relaxed);
+                if route.dry_run {
+                    metrics::counter!(m::DRY_RUN_REFUSALS_TOTAL, "route" => route.name.clone())
+                        .increment(1);
+                    return ClusterPath::Forward;
+                }
+                self.finish(&route.name, Outcome::Rejected);
+                let ns = u64::try_from(retry_after.as_nanos()).unwrap_or(u64::MAX);
+                ClusterPath::Respond(reject(&route.name, Rejection::Full { retry_after: ns }))
+            }
+            Err(e) => {
+                let policy = cluster.on_failure;
+                debug!(error = %e, ?policy, "redis failed; applying on_failure");
+                let label = match policy {
+                    OnFailure::Local => "local",
+                    OnFailure::Reject => "reject",
+                    OnFailure::Allow => "allow",
+                };
+                metrics::counter!(m::REDIS_FALLBACKS_TOTAL, "policy" => label).increment(1);
+                match policy {
+                    OnFailure::Local => ClusterPath::Local,
+                    OnFailure::Allow => ClusterPath::Forward,
+                    OnFailure::Reject => {
+                        self.finish(&route.name, Outcome::Overloaded);
+                        ClusterPath::Respond(problem(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "the shared rate-limit store is unavailable; retry later",
+                            Some(Duration::from_secs(1)),
+                        ))
+                    }
+                }
+            }
+        }
     }
 
     /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-
@@ -638,6 +790,30 @@ impl Shared {
         if let Ok(v) = HeaderValue::from_str(&format!("\"{name}\";r={remaining};t={reset}")) {
             headers.insert("ratelimit", v);
         }
+    }
+}
+
+/// How the cluster path wants a request handled.
+enum ClusterPath {
+    Forward,
+    Respond(Response<ProxyBody>),
+    /// Redis failed and `on_failure = "local"`: shape with the local engine.
+    Local,
+}
+
+/// Withdraws a cluster reservation if the held request is dropped.
+struct Undo<'a> {
+    cluster: &'a Cluster,
+    reservation: Option<Reservation>,
+    gone: CountOnDrop<'a>,
+}
+
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if let Some(r) = self.reservation.take() {
+            self.cluster.cancel(r);
+        }
+        let _ = &self.gone;
     }
 }
 
@@ -728,6 +904,20 @@ impl Handle {
         self.0.draining.load(Ordering::Acquire)
     }
 
+    /// Why the instance should not get traffic now, if it should not:
+    /// draining, or Redis failing while `on_failure = "reject"`.
+    pub fn not_ready(&self) -> Option<&'static str> {
+        if self.is_draining() {
+            return Some("draining");
+        }
+        match &self.0.cluster {
+            Some(c) if !c.is_healthy() && c.on_failure == OnFailure::Reject => {
+                Some("redis unavailable")
+            }
+            _ => None,
+        }
+    }
+
     /// Set the queue gauges from the engine (before a scrape).
     pub fn refresh_gauges(&self) {
         let (clients, queued) = self.0.shaper.stats();
@@ -809,6 +999,7 @@ impl Handle {
                 "loaded_at_unix": shared.loaded_at.load(Ordering::Relaxed),
             },
             "draining": self.is_draining(),
+            "redis": self.0.cluster.as_ref().map(|c| if c.is_healthy() { "ok" } else { "failing" }),
             "routes": routes,
             "clients": clients,
             "queued": queued,

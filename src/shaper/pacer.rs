@@ -12,6 +12,8 @@
 //! many clients leaving at different instants do not wake the thread once
 //! each.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -63,8 +65,44 @@ impl<K> Clone for Shaper<K> {
 /// between the departure it woke for and the moment it released it.
 pub type LagObserver = Box<dyn Fn(Duration) + Send + Sync>;
 
+/// A precise wake-up at an absolute instant (cluster mode: a departure
+/// scheduled elsewhere, released by this pacer).
+struct Timer {
+    at: Nanos,
+    seq: u64,
+    tx: oneshot::Sender<()>,
+}
+
+impl PartialEq for Timer {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+
+impl Eq for Timer {}
+
+impl PartialOrd for Timer {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Timer {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(other.at, other.seq))
+    }
+}
+
+#[derive(Default)]
+struct Timers {
+    heap: BinaryHeap<Reverse<Timer>>,
+    seq: u64,
+}
+
 struct Inner<K> {
     engine: Mutex<Engine<K, oneshot::Sender<()>>>,
+    /// Locked after `engine` when both are needed, never before.
+    timers: Mutex<Timers>,
     lag: OnceLock<LagObserver>,
     origin: Instant,
     /// The instant the pacer will next wake for a release (`u64::MAX`: none).
@@ -143,6 +181,7 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
     pub fn start(limits: Limits) -> std::io::Result<Shaper<K>> {
         let inner = Arc::new(Inner {
             engine: Mutex::new(Engine::new(limits)),
+            timers: Mutex::new(Timers::default()),
             lag: OnceLock::new(),
             origin: Instant::now(),
             target: AtomicU64::new(u64::MAX),
@@ -247,6 +286,27 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
             .collect()
     }
 
+    /// Resolve at `at` (on the shaper's clock), released by the pacer
+    /// thread with the same precision as queued departures.
+    pub async fn sleep_until(&self, at: Nanos) {
+        let (tx, rx) = oneshot::channel();
+        let wake = {
+            let mut t = lock(&self.inner.timers);
+            t.seq += 1;
+            let seq = t.seq;
+            t.heap.push(Reverse(Timer { at, seq, tx }));
+            at < self.inner.target.load(Ordering::Acquire)
+        };
+        if wake {
+            self.inner.target.store(at, Ordering::Release);
+            if let Some(t) = self.inner.thread.get() {
+                t.unpark();
+            }
+        }
+        // An error means the shaper stopped: return, the caller decides.
+        let _ = rx.await;
+    }
+
     /// Decide an arrival now. A refusal is answered at once; a request that
     /// must wait gets a [`Waiting`] to await.
     pub fn admit(&self, route: RouteId, key: K, cost: u32) -> Result<Admitted, Rejection> {
@@ -332,7 +392,16 @@ fn run<K: Hash + Eq>(inner: &Inner<K>) {
                 e.expire(now);
                 next_sweep = now + SWEEP;
             }
-            let release = e.next_release();
+            let mut timers = lock(&inner.timers);
+            while timers.heap.peek().is_some_and(|t| t.0.at <= now) {
+                if let Some(Reverse(t)) = timers.heap.pop() {
+                    out.push(t.tx);
+                }
+            }
+            let release = match (e.next_release(), timers.heap.peek()) {
+                (Some(r), Some(t)) => Some(r.min(t.0.at)),
+                (r, t) => r.or(t.map(|t| t.0.at)),
+            };
             inner
                 .target
                 .store(release.unwrap_or(u64::MAX), Ordering::Release);

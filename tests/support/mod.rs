@@ -305,3 +305,86 @@ pub fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap().port()
 }
+
+/// A real `redis-server` child on a free loopback port, without
+/// persistence. Ended by PID when dropped.
+pub struct RedisServer {
+    child: Option<Child>,
+    pub port: u16,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        let mut r = RedisServer {
+            child: None,
+            port: closed_port(),
+        };
+        r.restart();
+        r
+    }
+
+    /// Start (again) on the same port and wait until it answers PING.
+    pub fn restart(&mut self) {
+        self.stop();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is needed (bash .ci/run installs it)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.ping() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn ping(&self) -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut buf = [0u8; 16];
+        s.write_all(b"PING\r\n").is_ok()
+            && s.read(&mut buf)
+                .is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Send a signal by name (STOP, CONT, ...) to this redis-server only.
+    pub fn signal(&self, name: &str) {
+        if let Some(c) = &self.child {
+            let _ = Command::new("kill")
+                .args(["-s", name, &c.id().to_string()])
+                .status();
+        }
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.signal("CONT");
+        self.stop();
+    }
+}

@@ -1,0 +1,232 @@
+//! Cluster mode end to end: a real redis-server, two or three real sluice
+//! instances, one real downstream.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use support::{Downstream, RedisServer, Sluice, client, get};
+
+fn config(ds: SocketAddr, redis: &str, on_failure: &str, instances: u32, timeout: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[admin]
+listen = "127.0.0.1:0"
+
+[cluster]
+redis = "{redis}"
+timeout = "{timeout}"
+on_failure = "{on_failure}"
+instances = {instances}
+
+[[upstream]]
+name = "api"
+url = "http://{ds}"
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "5/s"
+capacity = 10
+"#
+    )
+}
+
+/// One client spreading the DESIGN seed burst over three instances gets the
+/// single-instance outcome: 13 admitted, departures 200 ms apart fleet-wide.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_across_three_instances_is_paced_as_one() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &redis.url(), "reject", 3, "500ms");
+    let fleet = [
+        Sluice::start(&cfg),
+        Sluice::start(&cfg),
+        Sluice::start(&cfg),
+    ];
+    let c = client();
+    for s in &fleet {
+        assert_eq!(
+            get(&c, &s.url("/warm"), &[("x-client", "warm")])
+                .await
+                .status,
+            StatusCode::OK
+        );
+    }
+    let start = Instant::now() + Duration::from_millis(20);
+    let mut tasks = Vec::new();
+    for i in 0..20u64 {
+        tokio::time::sleep_until((start + Duration::from_millis(25 * i)).into()).await;
+        let (c, url) = (
+            c.clone(),
+            fleet[i as usize % 3].url(&format!("/seed/{}", i + 1)),
+        );
+        tasks.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "one")]).await
+        }));
+    }
+    let mut ok = Vec::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let a = t.await.unwrap();
+        match a.status {
+            StatusCode::OK => ok.push(i + 1),
+            StatusCode::TOO_MANY_REQUESTS => assert!(a.headers.contains_key("retry-after")),
+            s => panic!("request {}: {s}", i + 1),
+        }
+    }
+    assert_eq!(
+        &ok[..12],
+        &(1..=12).collect::<Vec<_>>()[..],
+        "admitted {ok:?}"
+    );
+    assert_eq!(ok.len(), 13, "admitted {ok:?}");
+    let arrivals: Vec<Instant> = ds
+        .seen()
+        .iter()
+        .filter(|s| s.path.starts_with("/seed/"))
+        .map(|s| s.at)
+        .collect();
+    assert_eq!(arrivals.len(), 13);
+    let mut sorted = arrivals.clone();
+    sorted.sort();
+    for w in sorted.windows(2) {
+        let gap = w[1] - w[0];
+        // 1/r minus the pacing tolerance (loopback Redis latency differences
+        // between instances plus scheduling jitter on a loaded machine).
+        assert!(
+            gap >= Duration::from_millis(185) && gap <= Duration::from_millis(280),
+            "gap {gap:?}"
+        );
+    }
+}
+
+/// Redis restarting mid-run: requests follow on_failure = "local" (shaped
+/// locally at r / instances) and cluster shaping resumes once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restart_falls_back_locally_then_recovers() {
+    let mut redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &redis.url(), "local", 2, "200ms");
+    let a = Sluice::start(&cfg);
+    let c = client();
+    assert_eq!(
+        get(&c, &a.url("/before"), &[("x-client", "k")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    redis.stop();
+    // Local fallback at 5/s / 2 instances: 2.5/s, capacity 10.
+    let t = Instant::now();
+    assert_eq!(
+        get(&c, &a.url("/during/1"), &[("x-client", "z")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        get(&c, &a.url("/during/2"), &[("x-client", "z")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let paced = t.elapsed();
+    assert!(
+        paced >= Duration::from_millis(350) && paced < Duration::from_secs(3),
+        "local pace: {paced:?}"
+    );
+    let metrics =
+        String::from_utf8_lossy(&get(&c, &a.admin_url("/metrics"), &[]).await.body).into_owned();
+    assert!(
+        metrics.contains("sluice_redis_fallbacks_total{policy=\"local\"}"),
+        "{metrics}"
+    );
+
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let _ = get(&c, &a.url("/after"), &[("x-client", "fresh")]).await;
+        let m =
+            String::from_utf8_lossy(&get(&c, &a.admin_url("/status"), &[]).await.body).into_owned();
+        if m.contains("\"redis\":\"ok\"") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "did not recover: {m}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Back on Redis: the schedule is shared again (a second instance sees
+    // the first's client as busy).
+    let b = Sluice::start(&cfg);
+    assert_eq!(
+        get(&c, &a.url("/shared/1"), &[("x-client", "s")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let t = Instant::now();
+    assert_eq!(
+        get(&c, &b.url("/shared/2"), &[("x-client", "s")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(150),
+        "the second instance must wait for the shared slot"
+    );
+}
+
+/// A Redis that stops answering (SIGSTOP) makes requests follow on_failure
+/// within the timeout instead of hanging, /readyz reflects it, and all is
+/// well again after SIGCONT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_redis_follows_on_failure_within_the_timeout() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&config(ds.addr, &redis.url(), "reject", 1, "150ms"));
+    let c = client();
+    assert_eq!(
+        get(&c, &s.url("/ok"), &[("x-client", "k")]).await.status,
+        StatusCode::OK
+    );
+    redis.signal("STOP");
+    for i in 0..3 {
+        let t = Instant::now();
+        let a = get(&c, &s.url(&format!("/stopped/{i}")), &[("x-client", "k")]).await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(a.headers.contains_key("retry-after"));
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "took {:?} with Redis stopped",
+            t.elapsed()
+        );
+    }
+    assert_eq!(
+        get(&c, &s.admin_url("/readyz"), &[]).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    redis.signal("CONT");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if get(&c, &s.url("/again"), &[("x-client", "new")])
+            .await
+            .status
+            == StatusCode::OK
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "did not recover after SIGCONT");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        get(&c, &s.admin_url("/readyz"), &[]).await.status,
+        StatusCode::OK
+    );
+    assert!(ds.seen().iter().all(|x| !x.path.starts_with("/stopped/")));
+}
