@@ -21,9 +21,12 @@
 //! spaced c/R apart: earliest-due-first is what shares R fairly.
 //!
 //! A release that comes late by less than one interval keeps the absolute
-//! schedule (lateness is jitter, never drift); a release so late that the
-//! next slot has already passed restarts the schedule from the release, so a
-//! stalled pacer never produces a catch-up burst.
+//! schedule (lateness is jitter, never drift); a release a whole interval or
+//! more late (the pacer stalled) restarts the schedule from the release, so
+//! a stalled pacer never produces a catch-up burst.
+//!
+//! Each waiting entry keeps the interval it was admitted under: a policy
+//! change (reload) applies to new arrivals only.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -224,15 +227,12 @@ struct Entry<P> {
     payload: Option<P>,
 }
 
-/// Advance a schedule after a release scheduled at `at` and performed at
-/// `now`: the absolute grid is kept unless the next slot has already passed.
-fn next_slot(at: Nanos, step: Nanos, now: Nanos) -> Nanos {
-    let next = at.saturating_add(step);
-    if next > now {
-        next
-    } else {
-        now.saturating_add(step)
-    }
+/// Whether a release scheduled at `at` and performed at `now` came a
+/// whole `step` or more late: the pacer stalled, and the schedule restarts
+/// from the release rather than making up the missed slots in a burst.
+/// Anything less late keeps the absolute grid (jitter, never drift).
+fn stalled(at: Nanos, step: Nanos, now: Nanos) -> bool {
+    now.saturating_sub(at) >= step
 }
 
 impl<K: Hash + Eq, P> Engine<K, P> {
@@ -735,16 +735,19 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             c.waiting_cost -= cost;
             self.queued -= 1;
             if let Some(cap) = u.cap {
-                u.next = next_slot(at, cost.saturating_mul(cap), now);
+                let gap = cost.saturating_mul(cap);
+                let from = if stalled(at, gap, now) { now } else { at };
+                u.next = from.saturating_add(gap);
             }
             // The departing unit moves the client's schedule from the
-            // scheduled departure, never from `now` (no drift)...
-            let tau = policy.tolerance();
-            c.tat = next_slot(
-                c.tat.max(at),
-                cost.saturating_mul(step),
-                now.saturating_add(tau),
-            );
+            // scheduled departure, never from `now` (no drift), unless the
+            // pacer stalled a whole interval.
+            let gap = cost.saturating_mul(step);
+            c.tat = if stalled(at, gap, now) {
+                now.saturating_add(policy.tolerance()).saturating_add(gap)
+            } else {
+                c.tat.max(at).saturating_add(gap)
+            };
             if let Some(p) = entry.payload {
                 out.push(p);
             }
