@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::StatusCode;
-use support::{Downstream, Sluice, client, closed_port, get, send};
+use support::{Downstream, Sluice, assert_between, assert_gaps, client, closed_port, get, send};
 
 fn config(upstream: &str, rate: &str, capacity: u32) -> String {
     format!(
@@ -90,17 +90,12 @@ async fn seed_example_end_to_end() {
         .map(|s| s.at)
         .collect();
     assert_eq!(arrivals.len(), 13);
-    for w in arrivals.windows(2) {
-        let gap = w[1] - w[0];
-        assert!(
-            gap >= Duration::from_millis(180) && gap <= Duration::from_millis(270),
-            "downstream gap {gap:?}"
-        );
-    }
-    let span = arrivals[12] - arrivals[0];
-    assert!(
-        span >= Duration::from_millis(2_380) && span <= Duration::from_millis(2_500),
-        "span {span:?}"
+    assert_gaps(&arrivals, 180, 270);
+    assert_between(
+        arrivals[12] - arrivals[0],
+        2_380,
+        2_500,
+        "span of 12 intervals",
     );
 }
 

@@ -388,3 +388,21 @@ impl Drop for RedisServer {
         self.stop();
     }
 }
+
+/// Assert that every gap between consecutive instants of `times` (in time
+/// order) lies within `[lo_ms, hi_ms]` milliseconds.
+pub fn assert_gaps(times: &[Instant], lo_ms: u64, hi_ms: u64) {
+    let mut sorted = times.to_vec();
+    sorted.sort();
+    for w in sorted.windows(2) {
+        assert_between(w[1] - w[0], lo_ms, hi_ms, "gap");
+    }
+}
+
+/// Assert that `d` lies within `[lo_ms, hi_ms]` milliseconds.
+pub fn assert_between(d: Duration, lo_ms: u64, hi_ms: u64, what: &str) {
+    assert!(
+        d >= Duration::from_millis(lo_ms) && d <= Duration::from_millis(hi_ms),
+        "{what} {d:?} outside [{lo_ms} ms, {hi_ms} ms]"
+    );
+}
