@@ -55,4 +55,76 @@ pub enum Command {
     },
     /// Print the man page (roff), e.g. `sluice man > /usr/local/share/man/man1/sluice.1`.
     Man,
+    /// Show shaping at work: a built-in downstream, sluice in front of it,
+    /// and three clients (steady, bursty, flood); a live chart of input,
+    /// output and queue level, then a summary and an SVG plot.
+    Demo(DemoArgs),
+    /// Run a recorded arrival trace (CSV: time,key,cost) through the
+    /// shaping engine in virtual time; write one row per request and an
+    /// SVG plot.
+    Simulate(SimulateArgs),
+}
+
+/// `sluice demo`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoArgs {
+    /// How long the clients send (then queued requests drain).
+    #[arg(long, value_parser = parse_duration, default_value = "15s")]
+    pub duration: std::time::Duration,
+
+    /// Per-client rate r, as in the config ("5/s", "300/m").
+    #[arg(long, value_parser = parse_rate_text, default_value = "5/s")]
+    pub rate: String,
+
+    /// Per-client capacity b: requests that may wait.
+    #[arg(long, default_value_t = 10)]
+    pub capacity: u32,
+
+    /// Where to write the SVG plot.
+    #[arg(long, default_value = "sluice-demo.svg")]
+    pub out: PathBuf,
+}
+
+/// `sluice simulate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimulateArgs {
+    /// The arrival trace: CSV with a header `time,key,cost` (time in
+    /// seconds, e.g. 0.025; cost optional, default 1).
+    #[arg(long)]
+    pub arrivals: PathBuf,
+
+    /// Per-client rate r ("5/s", "300/m", "0.5/s", "10/h", "100/d").
+    #[arg(long)]
+    pub rate: crate::shaper::Rate,
+
+    /// Per-client capacity b, in cost units (0 = pure policing).
+    #[arg(long)]
+    pub capacity: u32,
+
+    /// Requests that may pass un-paced after idle (nginx `delay=`).
+    #[arg(long, default_value_t = 0)]
+    pub burst: u32,
+
+    /// Write one row per request here (default: standard output).
+    #[arg(long)]
+    pub out_csv: Option<PathBuf>,
+
+    /// Write the SVG plot here.
+    #[arg(long)]
+    pub out_svg: Option<PathBuf>,
+}
+
+fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if d < std::time::Duration::from_secs(1) {
+        return Err("must be at least 1s".into());
+    }
+    Ok(d)
+}
+
+/// A rate as the config writes it, checked but kept as text.
+fn parse_rate_text(text: &str) -> Result<String, String> {
+    text.parse::<crate::shaper::Rate>()
+        .map(|_| text.trim().to_string())
+        .map_err(|e| e.to_string())
 }

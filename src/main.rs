@@ -66,6 +66,20 @@ fn main() -> ExitCode {
             };
             run(config, cfg)
         }
+        Command::Demo(args) => match sluice::demo::run(&args) {
+            Ok(_) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("sluice demo: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Simulate(args) => match sluice::simulate::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("sluice simulate: {e}");
+                ExitCode::from(e.exit_code())
+            }
+        },
     }
 }
 

@@ -20,6 +20,9 @@ fn help_and_version_work_everywhere() {
         &["run", "--help"],
         &["check", "--help"],
         &["completions", "--help"],
+        &["demo", "--help"],
+        &["simulate", "--help"],
+        &["man", "--help"],
     ] {
         let (ok, out) = sluice(args);
         assert!(ok && out.contains("Usage: sluice"), "{args:?}: {out}");
