@@ -1,0 +1,373 @@
+//! End-to-end load tool for the sluice vs nginx `limit_req` comparison
+//! (driven by `benches/vs-nginx/run.sh`). Loopback only; every loop is
+//! bounded in count and time.
+//!
+//! `e2e downstream PORT`   a fast HTTP/1.1 downstream that records arrival
+//!                         times; `GET /__arrivals` returns them (µs, one
+//!                         per line) and clears the record.
+//! `e2e SCENARIO URL DOWNSTREAM_PORT [ARGS]` runs one scenario against the
+//!                         proxy at URL and prints one JSON line.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::json;
+use tokio::net::{TcpListener, TcpStream};
+
+type Fail = Box<dyn std::error::Error + Send + Sync>;
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("e2e: runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result = rt.block_on(dispatch(args));
+    if let Err(e) = result {
+        eprintln!("e2e: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn dispatch(args: Vec<String>) -> Result<(), Fail> {
+    let arg = |i: usize| {
+        args.get(i)
+            .cloned()
+            .ok_or_else(|| format!("missing argument {i}: see the module doc"))
+    };
+    let num = |i: usize| -> Result<u64, Fail> { Ok(arg(i)?.parse::<u64>()?) };
+    match args.first().map(String::as_str) {
+        Some("downstream") => downstream(num(1)? as u16).await,
+        Some("seed") => seed(&arg(1)?, num(2)? as u16).await,
+        Some("pacing") => pacing(&arg(1)?, num(2)? as u16, num(3)?, num(4)?).await,
+        Some("passthrough") => passthrough(&arg(1)?, num(3)?, Duration::from_secs(num(4)?)).await,
+        Some("flood") => flood(&arg(1)?, num(3)?, Duration::from_secs(num(4)?)).await,
+        Some("many") => many(&arg(1)?, num(2)? as u16, num(3)?).await,
+        _ => Err(
+            "usage: e2e downstream PORT | e2e (seed|pacing|passthrough|flood|many) URL DS_PORT ..."
+                .into(),
+        ),
+    }
+}
+
+// === the downstream ===
+
+async fn downstream(port: u16) -> Result<(), Fail> {
+    let listener = TcpListener::bind(("127.0.0.1", port)).await?;
+    let start = Instant::now();
+    let log: Arc<Mutex<Vec<u64>>> = Arc::default();
+    // Bounded: a downstream left running ends by itself after 30 minutes.
+    let deadline = tokio::time::sleep(Duration::from_secs(1_800));
+    tokio::pin!(deadline);
+    loop {
+        let (stream, _) = tokio::select! {
+            a = listener.accept() => a?,
+            _ = &mut deadline => return Ok(()),
+        };
+        let _ = stream.set_nodelay(true);
+        let log = log.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let log = log.clone();
+                async move {
+                    let body = if req.uri().path() == "/__arrivals" {
+                        let mut l = log.lock().map_err(|_| "poisoned")?;
+                        let text: String = l.iter().map(|t| format!("{t}\n")).collect();
+                        l.clear();
+                        Bytes::from(text)
+                    } else {
+                        let at = start.elapsed().as_micros() as u64;
+                        log.lock().map_err(|_| "poisoned")?.push(at);
+                        Bytes::from_static(b"ok")
+                    };
+                    Ok::<_, &'static str>(Response::new(Full::new(body)))
+                }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+async fn arrivals(ds_port: u16) -> Result<Vec<u64>, Fail> {
+    let c = client();
+    let url = format!("http://127.0.0.1:{ds_port}/__arrivals");
+    let resp = c.request(Request::get(url).body(Empty::new())?).await?;
+    let body = resp.into_body().collect().await?.to_bytes();
+    let mut v: Vec<u64> = String::from_utf8_lossy(&body)
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect();
+    v.sort_unstable();
+    Ok(v)
+}
+
+// === clients ===
+
+fn client() -> Client<HttpConnector, Empty<Bytes>> {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(1_024)
+        .build(http)
+}
+
+async fn get(
+    c: &Client<HttpConnector, Empty<Bytes>>,
+    url: &str,
+    key: &str,
+) -> Result<StatusCode, Fail> {
+    let req = Request::get(url)
+        .header("x-client", key)
+        .body(Empty::new())?;
+    let resp = c.request(req).await?;
+    let status = resp.status();
+    let _ = resp.into_body().collect().await?;
+    Ok(status)
+}
+
+fn pct(sorted: &[u64], p: f64) -> u64 {
+    sorted
+        .get(((sorted.len().saturating_sub(1)) as f64 * p).round() as usize)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// DESIGN section 1 seed: one client, 20 requests 25 ms apart.
+async fn seed(url: &str, ds_port: u16) -> Result<(), Fail> {
+    let c = client();
+    let _ = arrivals(ds_port).await?;
+    let start = Instant::now() + Duration::from_millis(20);
+    let mut tasks = Vec::new();
+    for i in 0..20u64 {
+        tokio::time::sleep_until((start + Duration::from_millis(25 * i)).into()).await;
+        let (c, url) = (c.clone(), format!("{url}/seed/{i}"));
+        tasks.push(tokio::spawn(async move { get(&c, &url, "seed").await }));
+    }
+    let mut admitted = Vec::new();
+    let mut refused = 0;
+    for (i, t) in tasks.into_iter().enumerate() {
+        match t.await?? {
+            StatusCode::OK => admitted.push(i + 1),
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => refused += 1,
+            s => return Err(format!("seed request {}: {s}", i + 1).into()),
+        }
+    }
+    let times = arrivals(ds_port).await?;
+    let gaps: Vec<u64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+    println!(
+        "{}",
+        json!({"scenario": "seed", "admitted": admitted, "admitted_count": admitted.len(), "refused": refused,
+               "gap_min_ms": gaps.iter().min().map(|g| *g as f64 / 1e3),
+               "gap_max_ms": gaps.iter().max().map(|g| *g as f64 / 1e3),
+               "last_ms": times.last().zip(times.first()).map(|(l, f)| (l - f) as f64 / 1e3)})
+    );
+    Ok(())
+}
+
+/// A full queue paced at `rate`/s: the downstream's inter-arrival deviation
+/// from 1/r.
+async fn pacing(url: &str, ds_port: u16, rate: u64, n: u64) -> Result<(), Fail> {
+    let c = client();
+    let _ = arrivals(ds_port).await?;
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let (c, url) = (c.clone(), format!("{url}/pace/{i}"));
+        tasks.push(tokio::spawn(async move { get(&c, &url, "pace").await }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        if matches!(t.await, Ok(Ok(StatusCode::OK))) {
+            ok += 1;
+        }
+    }
+    let times = arrivals(ds_port).await?;
+    let t = 1_000_000 / rate;
+    // Skip the first 10 intervals: connection set-up of the flood.
+    let mut dev: Vec<u64> = times
+        .windows(2)
+        .skip(10)
+        .map(|w| (w[1] - w[0]).abs_diff(t))
+        .collect();
+    dev.sort_unstable();
+    println!(
+        "{}",
+        json!({"scenario": "pacing", "rate": rate, "forwarded": ok, "intervals": dev.len(),
+               "p50_us": pct(&dev, 0.5), "p99_us": pct(&dev, 0.99), "max_us": dev.last()})
+    );
+    Ok(())
+}
+
+/// `conns` keep-alive connections, each its own client key (never shaped),
+/// sending back to back for `dur`.
+async fn passthrough(url: &str, conns: u64, dur: Duration) -> Result<(), Fail> {
+    let lat = Arc::new(Mutex::new(Vec::new()));
+    let until = Instant::now() + dur;
+    let mut tasks = Vec::new();
+    for k in 0..conns {
+        let (url, lat) = (url.to_string(), lat.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            let mut sender = connect(&url).await?;
+            while Instant::now() < until {
+                let t = Instant::now();
+                match send(&mut sender, &url, &format!("p{k}")).await {
+                    Ok(StatusCode::OK) => mine.push(t.elapsed().as_micros() as u64),
+                    Ok(_) => {}
+                    // The proxy closed the keep-alive connection: reconnect.
+                    Err(_) => sender = connect(&url).await?,
+                }
+            }
+            lat.lock().map_err(|_| "poisoned")?.extend(mine);
+            Ok::<_, Fail>(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let mut l = lat.lock().map_err(|_| "poisoned")?.clone();
+    l.sort_unstable();
+    println!(
+        "{}",
+        json!({"scenario": "passthrough", "connections": conns, "requests_per_s": l.len() as f64 / dur.as_secs_f64(),
+               "p50_us": pct(&l, 0.5), "p99_us": pct(&l, 0.99)})
+    );
+    Ok(())
+}
+
+/// `conns` keep-alive connections hammering one key: responses per second
+/// by status.
+async fn flood(url: &str, conns: u64, dur: Duration) -> Result<(), Fail> {
+    let refused = Arc::new(AtomicU64::new(0));
+    let ok = Arc::new(AtomicU64::new(0));
+    let until = Instant::now() + dur;
+    let mut tasks = Vec::new();
+    for _ in 0..conns {
+        let (url, refused, ok) = (url.to_string(), refused.clone(), ok.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut sender = connect(&url).await?;
+            while Instant::now() < until {
+                match send(&mut sender, &url, "flood").await {
+                    Ok(StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE) => {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(_) => {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // The proxy closed the keep-alive connection: reconnect.
+                    Err(_) => sender = connect(&url).await?,
+                }
+            }
+            Ok::<_, Fail>(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let secs = dur.as_secs_f64();
+    println!(
+        "{}",
+        json!({"scenario": "flood", "connections": conns,
+               "refused_per_s": refused.load(Ordering::Relaxed) as f64 / secs,
+               "forwarded_per_s": ok.load(Ordering::Relaxed) as f64 / secs})
+    );
+    Ok(())
+}
+
+/// `clients` distinct clients, each on its own keep-alive connection,
+/// sending 2 requests: the first departs at once, the second queues, so
+/// all clients have one request queued at the same time.
+async fn many(url: &str, ds_port: u16, clients: u64) -> Result<(), Fail> {
+    let _ = arrivals(ds_port).await?;
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for k in 0..clients {
+        let url = url.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut sender = connect(&url).await?;
+            let mut statuses = Vec::new();
+            for _ in 0..2 {
+                statuses.push(send(&mut sender, &url, &format!("m{k}")).await?);
+            }
+            Ok::<_, Fail>(statuses)
+        }));
+    }
+    let (mut ok, mut other, mut failed) = (0u64, 0u64, 0u64);
+    for t in tasks {
+        match t.await {
+            Ok(Ok(statuses)) => {
+                for s in statuses {
+                    if s == StatusCode::OK {
+                        ok += 1;
+                    } else {
+                        other += 1;
+                    }
+                }
+            }
+            _ => failed += 1,
+        }
+    }
+    println!(
+        "{}",
+        json!({"scenario": "many", "clients": clients, "ok": ok, "refused": other, "failed_clients": failed,
+               "seconds": t0.elapsed().as_secs_f64()})
+    );
+    Ok(())
+}
+
+// === one connection, sequential requests ===
+
+type Sender = hyper::client::conn::http1::SendRequest<Empty<Bytes>>;
+
+async fn connect(url: &str) -> Result<Sender, Fail> {
+    let authority = url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .ok_or("bad url")?
+        .to_string();
+    let stream = TcpStream::connect(&authority).await?;
+    stream.set_nodelay(true)?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    Ok(sender)
+}
+
+async fn send(sender: &mut Sender, url: &str, key: &str) -> Result<StatusCode, Fail> {
+    let path = url
+        .trim_start_matches("http://")
+        .split_once('/')
+        .map_or("/", |x| x.1);
+    let host = url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap_or("");
+    let req = Request::get(format!("/{path}"))
+        .header("host", host)
+        .header("x-client", key)
+        .body(Empty::new())?;
+    sender.ready().await?;
+    let resp = sender.send_request(req).await?;
+    let status = resp.status();
+    let _ = resp.into_body().collect().await?;
+    Ok(status)
+}
