@@ -20,10 +20,12 @@
 //! (global rate R) releases the earliest due head at each of its own slots,
 //! spaced c/R apart: earliest-due-first is what shares R fairly.
 //!
-//! A release that comes late by less than one interval keeps the absolute
-//! schedule (lateness is jitter, never drift); a release a whole interval or
-//! more late (the pacer stalled) restarts the schedule from the release, so
-//! a stalled pacer never produces a catch-up burst.
+//! A departure less than one interval after its due time keeps the
+//! client's absolute schedule (pacer jitter, or a short wait for an upstream
+//! slot: lateness is jitter, never drift, and a light client under a cap
+//! keeps its exact rate); a departure a whole interval or more late (a
+//! stalled pacer, or a client backlogged behind the cap) restarts the
+//! schedule from the release: never a catch-up burst.
 //!
 //! Each waiting entry keeps the interval it was admitted under: a policy
 //! change (reload) applies to new arrivals only.
@@ -739,14 +741,20 @@ impl<K: Hash + Eq, P> Engine<K, P> {
                 let from = if stalled(at, gap, now) { now } else { at };
                 u.next = from.saturating_add(gap);
             }
-            // The departing unit moves the client's schedule from the
-            // scheduled departure, never from `now` (no drift), unless the
-            // pacer stalled a whole interval.
+            // The departing unit moves the client's schedule along its own
+            // grid, never from `now` (no drift), as long as it left less than
+            // one of its intervals after its due time: pacer jitter, or a
+            // short wait for an upstream slot (so a light client under a cap
+            // keeps its exact rate). A departure a whole interval or more
+            // late (the pacer stalled, or the client is backlogged behind the
+            // cap) restarts the client's schedule from the release: no
+            // catch-up burst, and fresh due times keep the cap's sharing fair.
             let gap = cost.saturating_mul(step);
-            c.tat = if stalled(at, gap, now) {
-                now.saturating_add(policy.tolerance()).saturating_add(gap)
+            let tau = policy.tolerance();
+            c.tat = if stalled(head.due, gap, now) {
+                now.saturating_add(tau).saturating_add(gap)
             } else {
-                c.tat.max(at).saturating_add(gap)
+                c.tat.max(head.due.saturating_add(tau)).saturating_add(gap)
             };
             if let Some(p) = entry.payload {
                 out.push(p);
