@@ -212,6 +212,15 @@ fn render(path: &Path, problems: &[Problem]) -> String {
         .join("\n")
 }
 
+/// How a route or upstream is named in problems: by its name when it has
+/// one (`route 'api'`), else by its place in the file (`route[2]`).
+fn element_path(kind: &str, index: usize, name: Option<&str>) -> String {
+    match name {
+        Some(n) if !n.trim().is_empty() => format!("{kind} '{n}'"),
+        _ => format!("{kind}[{index}]"),
+    }
+}
+
 // === defaults ===
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -520,9 +529,20 @@ impl Validator {
                 None
             }
             Err(e) => {
+                use humantime::DurationError as E;
+                let why = match e {
+                    E::UnknownUnit { unit, .. } if unit.is_empty() => {
+                        " (a unit is required: ms, s, m, h or d)".to_owned()
+                    }
+                    E::UnknownUnit { unit, .. } => {
+                        format!(" (unknown unit '{unit}'; use ms, s, m, h or d)")
+                    }
+                    E::NumberOverflow => " (too large or too precise)".to_owned(),
+                    E::InvalidCharacter(_) | E::NumberExpected(_) | E::Empty => String::new(),
+                };
                 self.problem(
                     path,
-                    format!("'{text}' is not a duration such as 250ms or 2s ({e})"),
+                    format!("'{text}' is not a duration such as 250ms or 2s{why}"),
                 );
                 None
             }
@@ -530,10 +550,7 @@ impl Validator {
     }
 
     fn upstream(&mut self, index: usize, raw: RawUpstream) -> Option<Upstream> {
-        let path = match &raw.name {
-            Some(n) => format!("upstream '{n}'"),
-            None => format!("upstream[{index}]"),
-        };
+        let path = element_path("upstream", index, raw.name.as_deref());
         let name = match raw.name {
             Some(n) if !n.trim().is_empty() => Some(n),
             Some(_) => {
@@ -584,34 +601,49 @@ impl Validator {
         })
     }
 
+    /// An absolute `http` or `https` URL naming a host, without path,
+    /// query or credentials; each violation is its own problem.
     fn upstream_url(&mut self, path: &str, text: &str) -> Option<http::Uri> {
+        if text.trim().is_empty() {
+            self.problem(
+                path,
+                "url must not be empty: give one such as http://127.0.0.1:9000",
+            );
+            return None;
+        }
         let uri = match text.parse::<http::Uri>() {
             Ok(u) => u,
             Err(e) => {
-                self.problem(path, format!("url '{text}': {e}"));
+                self.problem(path, format!("url '{text}': is not a URL ({e})"));
                 return None;
             }
         };
+        let Some(authority) = uri.authority().filter(|_| uri.scheme().is_some()) else {
+            // A relative or scheme-less URL: the rest of the checks would
+            // only restate this.
+            self.problem(
+                path,
+                format!("url '{text}': must start with http:// or https://"),
+            );
+            return None;
+        };
         let mut ok = true;
-        match uri.scheme_str() {
-            Some("http" | "https") => {}
-            Some(other) => {
-                self.problem(
-                    path,
-                    format!("url '{text}': scheme '{other}' must be http or https"),
-                );
-                ok = false;
-            }
-            None => {
-                self.problem(
-                    path,
-                    format!("url '{text}': must start with http:// or https://"),
-                );
-                ok = false;
-            }
+        if let Some(other) = uri.scheme_str().filter(|s| !matches!(*s, "http" | "https")) {
+            self.problem(
+                path,
+                format!("url '{text}': scheme '{other}' must be http or https"),
+            );
+            ok = false;
         }
-        if uri.host().is_none_or(str::is_empty) {
+        if authority.host().is_empty() {
             self.problem(path, format!("url '{text}': a host is required"));
+            ok = false;
+        }
+        if authority.as_str().contains('@') {
+            self.problem(
+                path,
+                format!("url '{text}': must not contain user info (user:password@)"),
+            );
             ok = false;
         }
         if !matches!(uri.path(), "" | "/") {
@@ -635,10 +667,7 @@ impl Validator {
         upstreams: &[Option<String>],
         trusted_proxies: bool,
     ) -> Option<Route> {
-        let path = match &raw.name {
-            Some(n) => format!("route '{n}'"),
-            None => format!("route[{index}]"),
-        };
+        let path = element_path("route", index, raw.name.as_deref());
         let name = match raw.name {
             Some(n) if n.is_empty() => {
                 self.problem(&path, "name must not be empty");
@@ -729,15 +758,18 @@ impl Validator {
                     let known: Vec<String> = upstreams
                         .iter()
                         .flatten()
+                        .filter(|n| !n.trim().is_empty())
                         .map(|n| format!("'{n}'"))
                         .collect();
-                    self.problem(
-                        &path,
+                    let message = if known.is_empty() {
+                        format!("upstream '{u}' does not exist (no upstream has a name)")
+                    } else {
                         format!(
                             "upstream '{u}' does not exist (known: {})",
                             known.join(", ")
-                        ),
-                    );
+                        )
+                    };
+                    self.problem(&path, message);
                     None
                 }
             },

@@ -112,7 +112,15 @@ fn bad_duration_is_invalid() {
     );
     assert_problem(
         &text,
-        "upstream 'api': connect_timeout: '2 parsecs' is not a duration",
+        "upstream 'api': connect_timeout: '2 parsecs' is not a duration such as 250ms or 2s (unknown unit 'parsecs'; use ms, s, m, h or d)",
+    );
+}
+
+#[test]
+fn duration_without_unit_is_invalid() {
+    assert_problem(
+        &format!("[server]\nheader_read_timeout = \"10\"\n{MINIMAL}"),
+        "server.header_read_timeout: '10' is not a duration such as 250ms or 2s (a unit is required: ms, s, m, h or d)",
     );
 }
 
@@ -174,26 +182,26 @@ fn no_routes_is_invalid() {
 }
 
 #[test]
-fn unknown_field_names_its_line_and_table() {
+fn unknown_field_names_its_line_and_route() {
     let text = MINIMAL.replace("capacity = 10", "capacity = 10\nrat = \"5/s\"");
     let p = Config::from_toml(&text).unwrap_err();
     assert_eq!(p.len(), 1);
     assert_eq!(p[0].line, Some(12));
     assert!(
-        p[0].to_string()
-            .starts_with("route[0].rat: unknown field `rat`"),
+        p[0].to_string().starts_with(
+            "route 'default': unknown field 'rat', expected one of 'name', 'match', 'upstream'"
+        ),
         "{}",
         p[0]
     );
 }
 
 #[test]
-fn wrong_type_names_the_field() {
+fn wrong_type_names_the_field_and_what_it_should_be() {
     let p = Config::from_toml(&MINIMAL.replace("\"5/s\"", "5")).unwrap_err();
-    assert!(
-        p[0].to_string().starts_with("route[0].rate: invalid type"),
-        "{}",
-        p[0]
+    assert_eq!(
+        p[0].to_string(),
+        "route 'default': rate: invalid type: integer '5', expected a rate such as \"5/s\" or \"300/m\""
     );
 }
 
@@ -337,4 +345,416 @@ fn bad_method_is_invalid() {
         "capacity = 10\nmatch = { methods = [\"G E T\"] }",
     );
     assert_problem(&text, "match.methods: 'G E T' is not an HTTP method");
+}
+
+#[test]
+fn unknown_table_is_refused() {
+    let p = Config::from_toml(&format!("{MINIMAL}\n[limit]\nmax_queued = 5\n")).unwrap_err();
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].line, Some(13));
+    assert!(
+        p[0].to_string()
+            .starts_with("unknown field 'limit', expected one of 'server'"),
+        "{}",
+        p[0]
+    );
+}
+
+#[test]
+fn syntax_error_names_its_line_and_key() {
+    let p = Config::from_toml(&MINIMAL.replace("capacity = 10", "capacity = = 10")).unwrap_err();
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].line, Some(11));
+    assert_eq!(
+        p[0].to_string(),
+        "route 'default': capacity: extra '=', expected nothing"
+    );
+}
+
+#[test]
+fn duplicate_key_names_the_key() {
+    let text =
+        format!("[server]\nlisten = [\"127.0.0.1:1\"]\nlisten = [\"127.0.0.1:2\"]\n{MINIMAL}");
+    let p = Config::from_toml(&text).unwrap_err();
+    assert_eq!(p[0].line, Some(3));
+    assert_eq!(p[0].to_string(), "server: duplicate key 'listen'");
+}
+
+#[test]
+fn parse_error_in_route_without_name_names_it_by_index() {
+    let p = Config::from_toml(
+        &MINIMAL
+            .replace("name = \"default\"\n", "")
+            .replace("capacity = 10", "capacity = \"ten\""),
+    )
+    .unwrap_err();
+    assert!(
+        p[0].to_string().starts_with(
+            "route[0]: capacity: invalid type: string \"ten\", expected a whole number"
+        ),
+        "{}",
+        p[0]
+    );
+}
+
+#[test]
+fn error_in_multi_line_array_names_the_element() {
+    let text = format!("[server]\nlisten = [\n  \"127.0.0.1:1\",\n  8080,\n]\n{MINIMAL}");
+    let p = Config::from_toml(&text).unwrap_err();
+    assert_eq!(p[0].line, Some(4));
+    assert!(
+        p[0].to_string().starts_with(
+            "server.listen[1]: invalid type: integer '8080', expected an address with a port"
+        ),
+        "{}",
+        p[0]
+    );
+}
+
+#[test]
+fn error_in_inline_table_names_the_inner_key() {
+    let text = MINIMAL.replace("key = \"ip\"", "key = \"ip\"\nmatch = { path_prefix = 5 }");
+    assert_eq!(
+        problems(&text),
+        ["route 'default': match.path_prefix: invalid type: integer '5', expected a string"]
+    );
+}
+
+#[test]
+fn key_of_wrong_type_says_what_a_key_is() {
+    assert_problem(
+        &MINIMAL.replace("key = \"ip\"", "key = 5"),
+        "route 'default': key: invalid type: integer '5', expected a key such as \"ip\", \"global\" or \"header:X-Client\", or a list of them",
+    );
+}
+
+#[test]
+fn cost_table_with_unknown_field_names_it() {
+    assert_problem(
+        &MINIMAL.replace(
+            "capacity = 10",
+            "capacity = 10\ncost = { header = \"X-Cost\", maximum = 9 }",
+        ),
+        "route 'default': cost: unknown field 'maximum', expected one of 'header', 'default', 'max'",
+    );
+}
+
+#[test]
+fn fractional_capacity_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("capacity = 10", "capacity = 10.5"),
+        "route 'default': capacity: invalid type: floating point '10.5', expected a whole number",
+    );
+}
+
+#[test]
+fn capacity_beyond_u32_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("capacity = 10", "capacity = 4_294_967_296"),
+        "route 'default': capacity: 4294967296 must be a whole number >= 0 and <= 4294967295",
+    );
+    assert_problem(
+        &MINIMAL.replace("capacity = 10", "capacity = 99999999999999999999"),
+        "route 'default': capacity: 99999999999999999999 is out of range",
+    );
+}
+
+#[test]
+fn integers_may_use_underscores() {
+    let c = Config::from_toml(&format!("{MINIMAL}\n[limits]\nmax_clients = 2_000_000\n")).unwrap();
+    assert_eq!(c.limits.max_clients, 2_000_000);
+}
+
+#[test]
+fn duration_written_as_a_number_is_invalid() {
+    assert_problem(
+        &format!("[server]\nheader_read_timeout = 10\n{MINIMAL}"),
+        "server.header_read_timeout: invalid type: integer '10', expected a duration such as \"2s\" or \"250ms\"",
+    );
+}
+
+#[test]
+fn sub_second_durations_are_valid() {
+    let c = Config::from_toml(&format!(
+        "[server]\nheader_read_timeout = \"250ms\"\n{MINIMAL}"
+    ))
+    .unwrap();
+    assert_eq!(c.server.header_read_timeout, Duration::from_millis(250));
+}
+
+#[test]
+fn upstream_url_without_scheme_is_one_problem() {
+    for url in ["127.0.0.1:9000", "/api"] {
+        assert_eq!(
+            problems(&MINIMAL.replace("http://127.0.0.1:9000", url)),
+            [format!(
+                "upstream 'api': url '{url}': must start with http:// or https://"
+            )]
+        );
+    }
+}
+
+#[test]
+fn upstream_url_with_query_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("http://127.0.0.1:9000", "http://127.0.0.1:9000/?a=1"),
+        "upstream 'api': url 'http://127.0.0.1:9000/?a=1': must not have a query",
+    );
+}
+
+#[test]
+fn upstream_url_with_credentials_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("http://127.0.0.1:9000", "http://me:secret@127.0.0.1:9000"),
+        "must not contain user info (user:password@)",
+    );
+}
+
+#[test]
+fn empty_upstream_url_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("http://127.0.0.1:9000", ""),
+        "upstream 'api': url must not be empty",
+    );
+}
+
+#[test]
+fn https_upstream_with_trailing_slash_is_valid() {
+    let c =
+        Config::from_toml(&MINIMAL.replace("http://127.0.0.1:9000", "https://api.example.com/"))
+            .unwrap();
+    assert_eq!(c.upstreams[0].url.scheme_str(), Some("https"));
+}
+
+#[test]
+fn upstream_url_violations_are_each_explained() {
+    let found = problems(&MINIMAL.replace("http://127.0.0.1:9000", "ftp://127.0.0.1:9000/x?y"));
+    assert_eq!(found.len(), 3, "{found:?}");
+}
+
+#[test]
+fn duplicate_listen_addresses_are_invalid() {
+    assert_problem(
+        &format!("[server]\nlisten = [\"127.0.0.1:1\", \"127.0.0.1:1\"]\n{MINIMAL}"),
+        "server.listen: '127.0.0.1:1' is listed twice",
+    );
+}
+
+#[test]
+fn empty_listen_is_invalid() {
+    assert_problem(
+        &format!("[server]\nlisten = []\n{MINIMAL}"),
+        "server.listen: at least one address is required",
+    );
+}
+
+#[test]
+fn several_listeners_including_ipv6_are_valid() {
+    let c = Config::from_toml(&format!(
+        "[server]\nlisten = [\"127.0.0.1:1\", \"[::1]:1\"]\n{MINIMAL}"
+    ))
+    .unwrap();
+    assert_eq!(c.server.listen.len(), 2);
+}
+
+#[test]
+fn header_size_below_hyper_minimum_is_invalid() {
+    assert_problem(
+        &format!("[server]\nmax_header_size = 8191\n{MINIMAL}"),
+        "server.max_header_size: 8191 is out of range: must be 8192 to 1048576 bytes",
+    );
+    assert!(problems(&format!("[server]\nmax_header_size = 8192\n{MINIMAL}")).is_empty());
+}
+
+#[test]
+fn zero_max_connections_is_invalid() {
+    assert_problem(
+        &format!("[server]\nmax_connections = 0\n{MINIMAL}"),
+        "server.max_connections: 0 is out of range: must be a whole number >= 1",
+    );
+}
+
+#[test]
+fn zero_max_clients_is_invalid() {
+    assert_problem(
+        &format!("{MINIMAL}\n[limits]\nmax_clients = 0\n"),
+        "limits.max_clients: 0 is out of range: must be a whole number >= 1",
+    );
+}
+
+#[test]
+fn no_upstreams_is_invalid() {
+    let text = MINIMAL.replace(
+        "[[upstream]]\nname = \"api\"\nurl = \"http://127.0.0.1:9000\"\n",
+        "",
+    );
+    assert_problem(&text, "upstream: at least one [[upstream]] is required");
+}
+
+#[test]
+fn empty_route_name_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("name = \"default\"", "name = \"\""),
+        "route[0]: name must not be empty",
+    );
+}
+
+#[test]
+fn empty_upstream_name_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("name = \"api\"", "name = \"\""),
+        "upstream[0]: name must not be empty",
+    );
+}
+
+#[test]
+fn missing_route_fields_are_each_reported() {
+    let text = "[[upstream]]\nname = \"api\"\nurl = \"http://127.0.0.1:9000\"\n[[route]]\n";
+    assert_eq!(
+        problems(text),
+        [
+            "route[0]: name is required",
+            "route[0]: upstream is required",
+            "route[0]: key is required: \"ip\", \"forwarded\", \"global\", \"header:NAME\" or a list of them",
+            "route[0]: rate is required, such as \"5/s\"",
+            "route[0]: capacity is required (a whole number >= 0)",
+        ]
+    );
+}
+
+#[test]
+fn missing_upstream_url_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("url = \"http://127.0.0.1:9000\"\n", ""),
+        "upstream 'api': url is required, such as http://127.0.0.1:9000",
+    );
+}
+
+#[test]
+fn bad_upstream_rate_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace(
+            "url = \"http://127.0.0.1:9000\"",
+            "url = \"http://127.0.0.1:9000\"\nrate = \"fast\"",
+        ),
+        "upstream 'api': rate 'fast': expected the form N/UNIT, such as 5/s or 300/m",
+    );
+}
+
+#[test]
+fn bad_on_missing_key_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace(
+            "key = \"ip\"",
+            "key = \"header:X-Client\"\non_missing_key = \"allow\"",
+        ),
+        "route 'default': on_missing_key 'allow' must be \"reject\" or \"ip\"",
+    );
+}
+
+#[test]
+fn global_key_and_ip_fallback_are_read() {
+    let c = Config::from_toml(
+        &MINIMAL.replace("key = \"ip\"", "key = \"global\"\non_missing_key = \"ip\""),
+    )
+    .unwrap();
+    assert_eq!(c.routes[0].key, KeySpec(vec![KeyPart::Global]));
+    assert_eq!(c.routes[0].on_missing_key, OnMissingKey::Ip);
+}
+
+#[test]
+fn zero_capacity_is_valid() {
+    let c = Config::from_toml(&MINIMAL.replace("capacity = 10", "capacity = 0")).unwrap();
+    assert_eq!(c.routes[0].capacity, 0);
+}
+
+#[test]
+fn route_upstream_is_resolved_by_name() {
+    let text = format!(
+        "[[upstream]]\nname = \"other\"\nurl = \"http://127.0.0.1:9001\"\n{}",
+        MINIMAL
+    );
+    assert_eq!(Config::from_toml(&text).unwrap().routes[0].upstream, 1);
+}
+
+#[test]
+fn invalid_config_error_prints_one_line_per_problem_naming_the_file() {
+    let text = MINIMAL
+        .replace("\"5/s\"", "\"5/x\"")
+        .replace("upstream = \"api\"", "upstream = \"nope\"");
+    let e = ConfigError::Invalid {
+        path: PathBuf::from("config/bad.toml"),
+        problems: Config::from_toml(&text).unwrap_err(),
+    };
+    assert_eq!(
+        e.to_string(),
+        "config/bad.toml: route 'default': upstream 'nope' does not exist (known: 'api')\n\
+         config/bad.toml: route 'default': rate '5/x': unit must be s, m, h or d"
+    );
+}
+
+#[test]
+fn parse_error_prints_file_and_line() {
+    let e = ConfigError::Invalid {
+        path: PathBuf::from("config/bad.toml"),
+        problems: Config::from_toml(&MINIMAL.replace("capacity = 10", "capacity = 10\nrat = 1"))
+            .unwrap_err(),
+    };
+    let text = e.to_string();
+    assert!(
+        text.starts_with("config/bad.toml:12: route 'default': unknown field 'rat'"),
+        "{text}"
+    );
+    assert_eq!(text.lines().count(), 1);
+}
+
+#[test]
+fn unreadable_file_is_reported_with_its_path() {
+    let e = Config::load(Path::new("/nonexistent/sluice.toml")).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("/nonexistent/sluice.toml: cannot read: "),
+        "{e}"
+    );
+}
+
+#[test]
+fn shipped_example_is_valid_and_states_the_defaults() {
+    let shipped = Config::from_toml(include_str!("../../config/sluice.toml")).unwrap();
+    let defaults = Config::from_toml(MINIMAL).unwrap();
+    let (s, d) = (&shipped.server, &defaults.server);
+    assert_eq!(s.listen, d.listen);
+    assert_eq!(s.header_read_timeout, d.header_read_timeout);
+    assert_eq!(s.max_header_size, d.max_header_size);
+    assert_eq!(s.max_connections, d.max_connections);
+    assert_eq!(s.drain_timeout, d.drain_timeout);
+    assert_eq!(s.trusted_proxies, d.trusted_proxies);
+    let (s, d) = (&shipped.upstreams[0], &defaults.upstreams[0]);
+    assert_eq!(s.url, d.url);
+    assert_eq!(s.rate, d.rate);
+    assert_eq!(s.connect_timeout, d.connect_timeout);
+    assert_eq!(s.request_timeout, d.request_timeout);
+    assert_eq!(s.max_concurrency, d.max_concurrency);
+    let (s, d) = (&shipped.routes[0], &defaults.routes[0]);
+    assert_eq!(s.path_prefix, d.path_prefix);
+    assert_eq!(
+        (s.cost.clone(), s.burst, s.max_wait),
+        (d.cost.clone(), d.burst, d.max_wait)
+    );
+    assert_eq!(
+        (s.dry_run, s.ratelimit_headers),
+        (d.dry_run, d.ratelimit_headers)
+    );
+    assert_eq!(
+        (shipped.limits.max_clients, shipped.limits.max_queued),
+        (defaults.limits.max_clients, defaults.limits.max_queued)
+    );
+}
+
+#[test]
+fn table_defined_twice_names_it() {
+    let text = format!("[route]\nname = \"x\"\n{MINIMAL}");
+    let p = Config::from_toml(&text).unwrap_err();
+    assert_eq!(p[0].line, Some(8));
+    assert_eq!(p[0].to_string(), "route: duplicate key 'route'");
 }
