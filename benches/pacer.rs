@@ -152,6 +152,12 @@ fn main() {
         ("1 client, r = 10,000/s", 10_000.0, 1, 30_000),
         ("1,000 clients, 1,000/s aggregate", 1_000.0, 1_000, 4),
         ("1,000 clients, 10,000/s aggregate", 10_000.0, 1_000, 31),
+        (
+            "1,000 clients x 100 queued (100,000 at once), 10,000/s aggregate",
+            10_000.0,
+            1_000,
+            100,
+        ),
     ] {
         let r = precision(&rt, aggregate, clients, per_client);
         println!(

@@ -724,15 +724,56 @@ fn a_light_client_is_not_starved_by_a_heavy_one() {
 
 #[test]
 fn a_light_client_keeps_its_own_rate_beside_a_backlogged_heavy_one() {
-    // Per-client rate 20/s (< R/2 = 50/s), sending exactly 20/s: fair
-    // sharing gives it all 200 in 10 s with nothing refused. Regression:
-    // each of its departures waited one cap slot behind the heavy client
-    // and D moved from that late departure, so it was served every 60 ms
-    // (166 served, 29 refused); now a wait shorter than its own interval
-    // keeps it on its own grid.
-    let (served, refused, _) = light_beside_heavy("20/s", 50 * MS);
-    assert_eq!(refused, 0, "refused within its own rate");
-    assert!(served >= 199, "served {served} of 200");
+    // A light client (sending 20/s, well below R/2 = 50/s and below its
+    // per-client rate of 40/s) beside a backlogged heavy one is served at
+    // the rate it sends: all 200 in 10 s, nothing refused.
+    //
+    // Sending at exactly its per-client rate r instead cannot keep r under
+    // contention: each departure the cap delays by d moves D to d + c·T
+    // (DESIGN: "When it departs, D = d + c·T"; "departures never come closer
+    // than c·T"), so it gets 1/(T + d). DESIGN's spacing invariant wins;
+    // see under_a_cap_one_clients_departures_never_come_closer_than_c_times_t.
+    let (served, refused, _) = light_beside_heavy("40/s", 50 * MS);
+    assert_eq!(refused, 0, "refused below its own rate");
+    assert_eq!(served, 200);
+}
+
+#[test]
+fn under_a_cap_one_clients_departures_never_come_closer_than_c_times_t() {
+    // R = 100/s (a slot every 10 ms); the client's own T = 25 ms. Client 1
+    // takes the cap's slot at 0, so client 2's first request waits for the
+    // slot at 10 ms. It departed at d = 10 ms, so D = d + T = 35 ms: its
+    // second request may not leave before 35 ms (DESIGN: "When it departs,
+    // D = d + c·T"; "Departures never come closer than c·T").
+    let mut sim = Sim::with(policy("40/s", 5), ROOMY, Some(rate("100/s")));
+    assert_eq!(sim.arrive(1, 1, 0).1, Admission::Depart);
+    let (a, _) = sim.arrive(2, 1, 0);
+    let (b, _) = sim.arrive(2, 1, 0);
+    sim.run_to(S);
+    assert_eq!(sim.departure_of(a), Some(10 * MS));
+    let second = sim.departure_of(b).unwrap();
+    assert!(
+        second >= 10 * MS + 25 * MS,
+        "second departure {} ms after the first, T = 25 ms",
+        (second - 10 * MS) as f64 / MS as f64
+    );
+}
+
+#[test]
+fn under_a_cap_a_burst_still_lets_n_pass_without_the_clients_own_pacing() {
+    // burst = 3 at 5/s (τ = 2 T = 400 ms) under R = 100/s: after idle,
+    // three requests pass at the cap's slots (0, 10, 20 ms); only the
+    // fourth waits for the client's own schedule. By the rules: #1 at 0
+    // sets D = T; #2 at 10 ms has D − τ <= 10 ms, D = max(D, 10 ms) + T =
+    // 2 T; #3 at 20 ms has D − τ = 0, D = 3 T; #4 waits for D − τ = T.
+    let mut p = policy("5/s", 10);
+    p.burst = 3;
+    let mut sim = Sim::with(p, ROOMY, Some(rate("100/s")));
+    for _ in 0..4 {
+        sim.arrive(1, 1, 0);
+    }
+    sim.run_to(10 * S);
+    assert_eq!(sim.departure_times(), vec![0, 10 * MS, 20 * MS, T5]);
 }
 
 #[test]

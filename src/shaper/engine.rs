@@ -20,12 +20,14 @@
 //! (global rate R) releases the earliest due head at each of its own slots,
 //! spaced c/R apart: earliest-due-first is what shares R fairly.
 //!
-//! A departure less than one interval after its due time keeps the
-//! client's absolute schedule (pacer jitter, or a short wait for an upstream
-//! slot: lateness is jitter, never drift, and a light client under a cap
-//! keeps its exact rate); a departure a whole interval or more late (a
-//! stalled pacer, or a client backlogged behind the cap) restarts the
-//! schedule from the release: never a catch-up burst.
+//! A release that comes late by less than one interval keeps the absolute
+//! schedule (lateness is jitter, never drift); a release a whole interval or
+//! more late (the pacer stalled) restarts the schedule from the release, so
+//! a stalled pacer never produces a catch-up burst. Under an upstream cap a
+//! client's next slot counts from its actual departure (D = d + c·T), so
+//! its departures never come closer than c·T; a light client is served at
+//! the rate it sends, waiting at most one upstream slot per heavier client
+//! due before it.
 //!
 //! Each waiting entry keeps the interval it was admitted under: a policy
 //! change (reload) applies to new arrivals only.
@@ -741,20 +743,19 @@ impl<K: Hash + Eq, P> Engine<K, P> {
                 let from = if stalled(at, gap, now) { now } else { at };
                 u.next = from.saturating_add(gap);
             }
-            // The departing unit moves the client's schedule along its own
-            // grid, never from `now` (no drift), as long as it left less than
-            // one of its intervals after its due time: pacer jitter, or a
-            // short wait for an upstream slot (so a light client under a cap
-            // keeps its exact rate). A departure a whole interval or more
-            // late (the pacer stalled, or the client is backlogged behind the
-            // cap) restarts the client's schedule from the release: no
-            // catch-up burst, and fresh due times keep the cap's sharing fair.
+            // The departing unit moves the client's schedule from its
+            // departure (D = d + c·T, DESIGN 1): from the scheduled release,
+            // never from `now`, so pacer jitter never drifts the grid; a
+            // departure the upstream cap delayed counts from when it went, so
+            // one client's departures never come closer than c·T. A release
+            // a whole interval or more late (the pacer stalled) restarts from
+            // the release: never a catch-up burst.
             let gap = cost.saturating_mul(step);
             let tau = policy.tolerance();
-            c.tat = if stalled(head.due, gap, now) {
+            c.tat = if stalled(at, gap, now) {
                 now.saturating_add(tau).saturating_add(gap)
             } else {
-                c.tat.max(head.due.saturating_add(tau)).saturating_add(gap)
+                c.tat.max(at).saturating_add(gap)
             };
             if let Some(p) = entry.payload {
                 out.push(p);
