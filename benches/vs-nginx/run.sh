@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # sluice vs nginx limit_req (burst, no nodelay), side by side on this
-# machine, loopback only, in one run. Prints a markdown table and writes it
-# to benches/vs-nginx/results.md. Every process it starts is ended by PID.
+# machine, loopback only, in one run. Prints a markdown table with the
+# machine, versions and ratios, writes it to benches/vs-nginx/results.md and
+# into BENCHMARKS.md (between its vs-nginx markers). Every process it starts
+# is ended by PID.
 #
 #   bash benches/vs-nginx/run.sh
 set -euo pipefail
@@ -120,3 +122,18 @@ done
 echo "{\"proxy\":\"direct\",\"rss_kib\":0,\"result\":$("$E2E" passthrough "http://127.0.0.1:$DS/x" "$DS" 16 5)}" | tee -a "$OUT"
 
 python3 benches/vs-nginx/table.py "$OUT" "$($NGINX -v 2>&1)" "$(rustc -V)" | tee benches/vs-nginx/results.md
+# Put the table into BENCHMARKS.md, between its vs-nginx markers.
+python3 - <<'PY'
+import re
+doc = open("BENCHMARKS.md").read()
+table = open("benches/vs-nginx/results.md").read()
+begin = "<!-- vs-nginx:begin (written by benches/vs-nginx/run.sh) -->\n"
+end = "<!-- vs-nginx:end -->"
+if begin in doc and end in doc:
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    open("BENCHMARKS.md", "w").write(head + begin + table + end + tail)
+    print("BENCHMARKS.md updated")
+else:
+    print("BENCHMARKS.md has no vs-nginx markers; table left in benches/vs-nginx/results.md")
+PY
