@@ -452,7 +452,7 @@ fn idle_state_is_dropped_and_a_returning_client_is_new() {
 #[test]
 fn a_slow_client_keeps_its_state_while_its_schedule_is_in_the_future() {
     // 10/h: T = 6 min. Many other clients come and go meanwhile.
-    let hour_t = 360 * S; // one interval of 10/h
+    let six_min = 360 * S; // one interval of 10/h
     let mut sim = Sim::new(policy("10/h", 0));
     assert_eq!(sim.arrive(1, 1, 0).1, Admission::Depart);
     for i in 0..1_000u32 {
@@ -466,8 +466,29 @@ fn a_slow_client_keeps_its_state_while_its_schedule_is_in_the_future() {
     assert!(sim.e.view(sim.route, &1, t).is_some(), "still held");
     // The second request within its interval is not passed at once.
     let retry = full_retry_after(&sim.arrive(1, 1, t).1);
-    assert_eq!(retry, hour_t - t);
-    assert_eq!(sim.arrive(1, 1, hour_t).1, Admission::Depart);
+    assert_eq!(retry, six_min - t);
+    assert_eq!(sim.arrive(1, 1, six_min).1, Admission::Depart);
+}
+
+#[test]
+fn a_slow_client_gets_exactly_its_rate_over_the_hour() {
+    // 10/h policing (b = 0), one request a minute for an hour while 6,000
+    // other clients come and go and states expire: exactly 10 pass, one
+    // every 6 minutes, never an early one from a forgotten state.
+    let mut sim = Sim::new(policy("10/h", 0));
+    let mut passed = Vec::new();
+    for minute in 0..60u64 {
+        let t = minute * 60 * S;
+        for j in 0..100u32 {
+            let other = 1_000 + (minute as u32) * 100 + j;
+            sim.arrive(other, 1, t + u64::from(j) * MS);
+        }
+        sim.run_to(t + S);
+        if sim.arrive(1, 1, t + S).1 == Admission::Depart {
+            passed.push(minute);
+        }
+    }
+    assert_eq!(passed, vec![0, 6, 12, 18, 24, 30, 36, 42, 48, 54]);
 }
 
 // === Global bounds ===
@@ -789,4 +810,61 @@ fn an_idle_client_under_a_free_cap_departs_at_once() {
     assert_eq!(sim.departure_of(id), Some(20 * MS));
     // Free again later: no added latency.
     assert_eq!(sim.arrive(4, 1, 2 * S).1, Admission::Depart);
+}
+
+#[test]
+fn under_a_cap_a_queued_request_is_never_told_a_departure_before_its_arrival() {
+    // DESIGN: a request arriving at a may depart at d = max(a, D). R =
+    // 100/s, the client's own T = 1 ms. #1 takes the cap's slot at 0; #2
+    // and #3 wait for the cap (slots 10 and 20 ms). #4 at 5 ms is told
+    // 1 ms + 2 x 1 ms = 3 ms: before it arrived. It really leaves at 30 ms.
+    let mut sim = Sim::with(policy("1000/s", 10), ROOMY, Some(rate("100/s")));
+    sim.arrive(1, 1, 0);
+    sim.arrive(1, 1, 0);
+    sim.arrive(1, 1, 0);
+    let (id, a) = sim.arrive(1, 1, 5 * MS);
+    sim.run_to(S);
+    assert_eq!(sim.departure_of(id), Some(30 * MS));
+    assert!(queued_at(&a) >= 5 * MS, "told {a:?} at 5 ms");
+}
+
+#[test]
+fn under_a_cap_max_wait_refuses_a_request_the_cap_holds_past_max_wait() {
+    // R = 10/s: after client 1 departs at 0 no request reaches the upstream
+    // before 100 ms. Client 2 (idle, max_wait 50 ms) arrives at 0: its
+    // departure is at least 100 ms > 0 + 50 ms, so DESIGN refuses it at
+    // admission. The engine admits it (told departure 0) and it waits
+    // 100 ms.
+    let mut p = policy("1000/s", 10);
+    p.max_wait = Some(50 * MS);
+    let mut sim = Sim::with(p, ROOMY, Some(rate("10/s")));
+    assert_eq!(sim.arrive(1, 1, 0).1, Admission::Depart);
+    let (id, a) = sim.arrive(2, 1, 0);
+    sim.run_to(S);
+    assert!(
+        matches!(a, Admission::Rejected(Rejection::MaxWait { .. })),
+        "admitted ({a:?}), departed at {:?}",
+        sim.departure_of(id)
+    );
+}
+
+#[test]
+fn under_a_cap_retry_after_is_the_time_until_the_queue_accepts() {
+    // R = 10/s (a slot every 100 ms), the client's own T = 1 ms, b = 2. #1
+    // takes the slot at 0; #2 and #3 wait for the slots at 100 and 200
+    // ms. #4 at 5 ms is refused; the queue accepts again when #2 leaves at
+    // 100 ms, so retry_after = 95 ms. The engine says 1 ns (its walk starts
+    // from #2's own due time, 1 ms, already past), and a retry then is
+    // refused again.
+    let mut sim = Sim::with(policy("1000/s", 2), ROOMY, Some(rate("10/s")));
+    sim.arrive(1, 1, 0);
+    sim.arrive(1, 1, 0);
+    sim.arrive(1, 1, 0);
+    let retry = full_retry_after(&sim.arrive(1, 1, 5 * MS).1);
+    let again = sim.arrive(1, 1, 5 * MS + retry).1;
+    assert!(
+        matches!(again, Admission::Queued { .. }),
+        "retry_after {retry} ns, then {again:?}"
+    );
+    assert_eq!(retry, 95 * MS);
 }

@@ -138,10 +138,24 @@ pub enum Probe {
     Reject(Rejection),
 }
 
+/// An upstream cap as admission sees it: its next free slot and its
+/// interval per cost unit.
+#[derive(Clone, Copy)]
+struct CapView {
+    next: Nanos,
+    step: Nanos,
+}
+
 /// The rules' verdict for one arrival, before any state changes.
 enum Decision {
     Depart,
-    Queue { departure: Nanos },
+    /// Wait: `due` is when the client's own schedule lets it go (the
+    /// fairness order under a cap); `departure` the estimate told to the
+    /// caller, bounded below by the cap's slots.
+    Queue {
+        due: Nanos,
+        departure: Nanos,
+    },
     Reject(Rejection),
 }
 
@@ -345,10 +359,12 @@ impl<K: Hash + Eq, P> Engine<K, P> {
     /// The rules of DESIGN section 1 for one arrival, read-only. `client`
     /// is `None` for a client with no state (idle); `free` says whether the
     /// upstream's cap has a slot now with nobody due ahead.
+    #[allow(clippy::too_many_arguments)]
     fn decide(
         client: Option<&Client<K, P>>,
         policy: &Policy,
         free: bool,
+        cap: Option<CapView>,
         cost: u32,
         now: Nanos,
         queued: usize,
@@ -364,13 +380,20 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             return Decision::Depart;
         }
         // It has to wait: capacity, then max_wait, then the global bound.
-        let departure = if waiting == 0 {
+        // Under an upstream cap each unit waiting ahead also needs one of
+        // the cap's slots: a lower bound on the departure.
+        let own = if waiting == 0 {
             earliest
         } else {
             due.saturating_add(waiting_cost.saturating_mul(step))
         };
+        let departure = match cap {
+            Some(c) => own.max(c.next.saturating_add(waiting_cost.saturating_mul(c.step))),
+            None => own,
+        }
+        .max(now);
         if waiting_cost + u64::from(cost) > u64::from(policy.capacity) {
-            let at = client.map_or(now, |c| Self::accepts_at(c, policy, cost));
+            let at = client.map_or(now, |c| Self::accepts_at(c, policy, cap, cost));
             return Decision::Reject(Rejection::Full {
                 retry_after: at.saturating_sub(now).max(1),
             });
@@ -385,7 +408,10 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         if queued >= max_queued {
             return Decision::Reject(Rejection::TooManyQueued);
         }
-        Decision::Queue { departure }
+        Decision::Queue {
+            due: own.max(now),
+            departure,
+        }
     }
 
     /// Decide an arrival of `cost` units for `key` on `route` at `now`.
@@ -421,10 +447,15 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         let Some(client) = self.slots[slot as usize].client.as_mut() else {
             return Admission::Rejected(Rejection::TooManyClients);
         };
+        let cap = self.upstreams[upstream.0 as usize].cap.map(|step| CapView {
+            next: self.upstreams[upstream.0 as usize].next,
+            step,
+        });
         let decision = Self::decide(
             Some(client),
             &policy,
             free,
+            cap,
             cost,
             now,
             self.queued,
@@ -451,7 +482,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
                 self.forget_if_idle(slot, now);
                 Admission::Rejected(rejection)
             }
-            Decision::Queue { departure } => {
+            Decision::Queue { due, departure } => {
                 self.seq += 1;
                 let seq = self.seq;
                 let becomes_head = client.waiting == 0;
@@ -466,9 +497,9 @@ impl<K: Hash + Eq, P> Engine<K, P> {
                 client.waiting_cost += u64::from(cost);
                 self.queued += 1;
                 if becomes_head {
-                    client.due = departure;
+                    client.due = due;
                     let head = HeadRef {
-                        due: departure,
+                        due,
                         seq,
                         slot,
                         generation,
@@ -513,10 +544,15 @@ impl<K: Hash + Eq, P> Engine<K, P> {
                         .is_none_or(|Reverse(h)| head_is_live(&self.slots, h) && h.due > now)
             }
         };
+        let cap = upstream.cap.map(|step| CapView {
+            next: upstream.next,
+            step,
+        });
         let decision = Self::decide(
             client,
             &route_state.policy,
             free,
+            cap,
             cost,
             now,
             self.queued,
@@ -524,7 +560,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         );
         match decision {
             Decision::Depart => Probe::Depart,
-            Decision::Queue { departure } => Probe::Queue { departure },
+            Decision::Queue { departure, .. } => Probe::Queue { departure },
             Decision::Reject(r) => Probe::Reject(r),
         }
     }
@@ -534,30 +570,43 @@ impl<K: Hash + Eq, P> Engine<K, P> {
     /// `capacity − cost`, or, for a cost the queue can never hold, the time
     /// the client is idle again. Exact without an upstream cap; a lower
     /// bound with one.
-    fn accepts_at(client: &Client<K, P>, policy: &Policy, cost: u32) -> Nanos {
+    fn accepts_at(
+        client: &Client<K, P>,
+        policy: &Policy,
+        cap: Option<CapView>,
+        cost: u32,
+    ) -> Nanos {
         let step = policy.rate.interval_nanos();
         let capacity = u64::from(policy.capacity);
         let cost = u64::from(cost);
         if client.waiting == 0 {
             return client.tat.saturating_sub(policy.tolerance());
         }
+        // When the waiting units ahead of `done` units have left: on the
+        // client's own grid, and (with a cap) on the upstream's.
+        let leaves = |done: u64| {
+            let own = client.due.saturating_add(done.saturating_mul(step));
+            match cap {
+                Some(c) => own.max(c.next.saturating_add(done.saturating_mul(c.step))),
+                None => own,
+            }
+        };
         if cost > capacity {
-            return client
-                .due
-                .saturating_add(client.waiting_cost.saturating_mul(step));
+            return leaves(client.waiting_cost);
         }
         // Walk departures from the head until enough cost has gone; at most
         // `cost` units need to go since waiting_cost <= capacity.
         let mut waiting = client.waiting_cost;
-        let mut at = client.due;
+        let mut done = 0;
         for entry in client.queue.iter().filter(|e| e.payload.is_some()) {
+            let at = leaves(done);
             waiting -= u64::from(entry.cost);
             if waiting + cost <= capacity {
                 return at;
             }
-            at = at.saturating_add(u64::from(entry.cost).saturating_mul(step));
+            done += u64::from(entry.cost);
         }
-        at
+        leaves(done)
     }
 
     /// Whether a capped upstream has a free slot now with nobody due ahead.
