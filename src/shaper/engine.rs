@@ -207,6 +207,16 @@ struct UpstreamState {
     heads: BinaryHeap<Reverse<HeadRef>>,
 }
 
+impl UpstreamState {
+    /// The cap as admission sees it, when there is one.
+    fn cap_view(&self) -> Option<CapView> {
+        self.cap.map(|step| CapView {
+            next: self.next,
+            step,
+        })
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct HeadRef {
     due: Nanos,
@@ -447,10 +457,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         let Some(client) = self.slots[slot as usize].client.as_mut() else {
             return Admission::Rejected(Rejection::TooManyClients);
         };
-        let cap = self.upstreams[upstream.0 as usize].cap.map(|step| CapView {
-            next: self.upstreams[upstream.0 as usize].next,
-            step,
-        });
+        let cap = self.upstreams[upstream.0 as usize].cap_view();
         let decision = Self::decide(
             Some(client),
             &policy,
@@ -544,10 +551,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
                         .is_none_or(|Reverse(h)| head_is_live(&self.slots, h) && h.due > now)
             }
         };
-        let cap = upstream.cap.map(|step| CapView {
-            next: upstream.next,
-            step,
-        });
+        let cap = upstream.cap_view();
         let decision = Self::decide(
             client,
             &route_state.policy,
