@@ -29,6 +29,21 @@ fn sluice(args: &[&str]) -> Output {
         .expect("run sluice")
 }
 
+/// `sluice simulate --arrivals ARRIVALS --rate RATE --capacity CAPACITY EXTRA...`
+fn simulate_cli(arrivals: &str, rate: &str, capacity: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "simulate",
+        "--arrivals",
+        arrivals,
+        "--rate",
+        rate,
+        "--capacity",
+        capacity,
+    ];
+    args.extend_from_slice(extra);
+    sluice(&args)
+}
+
 fn seed() -> Vec<Arrival> {
     let text = std::fs::read_to_string(data("seed.csv")).expect("read seed.csv");
     parse_arrivals(&text).expect("seed.csv parses")
@@ -140,19 +155,17 @@ fn command_writes_one_row_per_request_and_a_valid_plot() {
     let csv = tmp("seed-out.csv");
     let svg = tmp("seed-out.svg");
     let seed = data("seed.csv");
-    let out = sluice(&[
-        "simulate",
-        "--arrivals",
+    let out = simulate_cli(
         seed.to_str().unwrap(),
-        "--rate",
         "5/s",
-        "--capacity",
         "10",
-        "--out-csv",
-        csv.to_str().unwrap(),
-        "--out-svg",
-        svg.to_str().unwrap(),
-    ]);
+        &[
+            "--out-csv",
+            csv.to_str().unwrap(),
+            "--out-svg",
+            svg.to_str().unwrap(),
+        ],
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -202,15 +215,7 @@ fn command_writes_one_row_per_request_and_a_valid_plot() {
 #[test]
 fn csv_goes_to_standard_output_without_out_csv() {
     let seed = data("seed.csv");
-    let out = sluice(&[
-        "simulate",
-        "--arrivals",
-        seed.to_str().unwrap(),
-        "--rate",
-        "5/s",
-        "--capacity",
-        "0",
-    ]);
+    let out = simulate_cli(seed.to_str().unwrap(), "5/s", "0", &[]);
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.starts_with("index,time,key,cost,outcome,departure,retry_after\n"));
@@ -222,15 +227,7 @@ fn csv_goes_to_standard_output_without_out_csv() {
 #[test]
 fn bad_csv_is_refused_with_every_problem_and_its_line() {
     let bad = data("bad.csv");
-    let out = sluice(&[
-        "simulate",
-        "--arrivals",
-        bad.to_str().unwrap(),
-        "--rate",
-        "5/s",
-        "--capacity",
-        "10",
-    ]);
+    let out = simulate_cli(bad.to_str().unwrap(), "5/s", "10", &[]);
     assert_eq!(out.status.code(), Some(2));
     assert!(out.stdout.is_empty(), "no partial output");
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -246,15 +243,7 @@ fn bad_csv_is_refused_with_every_problem_and_its_line() {
 fn missing_header_or_file_is_a_clear_error() {
     let headerless = tmp("headerless.csv");
     std::fs::write(&headerless, "0.0,alice,1\n").unwrap();
-    let out = sluice(&[
-        "simulate",
-        "--arrivals",
-        headerless.to_str().unwrap(),
-        "--rate",
-        "5/s",
-        "--capacity",
-        "10",
-    ]);
+    let out = simulate_cli(headerless.to_str().unwrap(), "5/s", "10", &[]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -263,27 +252,11 @@ fn missing_header_or_file_is_a_clear_error() {
     );
     let _ = std::fs::remove_file(headerless);
 
-    let out = sluice(&[
-        "simulate",
-        "--arrivals",
-        "/nonexistent/trace.csv",
-        "--rate",
-        "5/s",
-        "--capacity",
-        "10",
-    ]);
+    let out = simulate_cli("/nonexistent/trace.csv", "5/s", "10", &[]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
 
-    let out = sluice(&[
-        "simulate",
-        "--arrivals",
-        "x.csv",
-        "--rate",
-        "5/x",
-        "--capacity",
-        "10",
-    ]);
+    let out = simulate_cli("x.csv", "5/x", "10", &[]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unit must be s, m, h or d"));
 }
