@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use sluice::cluster::{Ask, Cluster};
 use sluice::config::{ClusterConfig, OnFailure};
-use sluice::shaper::{Limits, Policy, Rate, Shaper};
+use sluice::pacer::Shaper;
+use sluice::shaper::{Limits, Policy, Rate};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -11,7 +11,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sluice::shaper::{Admitted, Limits, Policy, Rate, Shaper};
+use sluice::pacer::{Admitted, Shaper};
+use sluice::shaper::{Limits, Policy, Rate};
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {

@@ -16,7 +16,9 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tracing::{debug, info, warn};
 
-use crate::proxy::Handle;
+use crate::http::Handle;
+use crate::metrics::Outcome;
+use crate::shaper::{Probe, Rejection};
 
 /// Serve the admin endpoints on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, server: Handle, metrics: PrometheusHandle) {
@@ -100,7 +102,29 @@ fn bucket(req: &Request<Incoming>, path: &str, server: &Handle) -> Response<Full
         );
     };
     match server.bucket(route, &key, cost) {
-        Some(doc) => text(StatusCode::OK, "application/json", doc.to_string()),
+        Some(b) => {
+            let (verdict, admitted, retry_after_ms) = match b.probe {
+                Probe::Depart => ("depart", true, None),
+                Probe::Queue { .. } => ("queue", true, None),
+                Probe::Reject(
+                    Rejection::Full { retry_after } | Rejection::MaxWait { retry_after },
+                ) => ("reject", false, Some(retry_after.div_ceil(1_000_000))),
+                Probe::Reject(_) => ("overloaded", false, None),
+            };
+            let view = b.view;
+            let doc = serde_json::json!({
+                "route": b.route,
+                "key": key,
+                "cost": cost,
+                "waiting": view.map_or(0, |v| v.waiting),
+                "waiting_cost": view.map_or(0, |v| v.waiting_cost),
+                "next_departure_ms": view.map_or(0, |v| v.next_departure.saturating_sub(b.now) / 1_000_000),
+                "admitted_now": admitted,
+                "verdict": verdict,
+                "retry_after_ms": retry_after_ms,
+            });
+            text(StatusCode::OK, "application/json", doc.to_string())
+        }
         None => text(
             StatusCode::NOT_FOUND,
             "text/plain",
@@ -124,6 +148,54 @@ fn percent_decode(s: &str) -> Option<String> {
         }
     }
     String::from_utf8(out).ok()
+}
+
+/// The `/status` document: routes, config version and load time, totals,
+/// and the 20 deepest queues.
+fn status(server: &Handle) -> serde_json::Value {
+    let (clients, queued) = server.stats();
+    let (version, loaded_at) = server.version();
+    let (deepest, now) = server.deepest(20);
+    let deepest: Vec<serde_json::Value> = deepest
+        .into_iter()
+        .map(|q| {
+            serde_json::json!({
+                "route": q.route,
+                "key": q.key,
+                "waiting": q.view.waiting,
+                "waiting_cost": q.view.waiting_cost,
+                "drains_in_ms": q.view.next_departure.saturating_sub(now) / 1_000_000,
+            })
+        })
+        .collect();
+    let routes: Vec<serde_json::Value> = server
+        .routes()
+        .into_iter()
+        .map(|r| {
+            serde_json::json!({
+                "name": r.name,
+                "protocol": r.protocol,
+                "path_prefix": r.path_prefix,
+                "upstream": r.upstream,
+                "rate_per_second": r.rate_per_second,
+                "capacity": r.capacity,
+            })
+        })
+        .collect();
+    let totals: serde_json::Map<String, serde_json::Value> = Outcome::ALL
+        .iter()
+        .map(|&o| (o.as_str().to_owned(), server.total(o).into()))
+        .collect();
+    serde_json::json!({
+        "config": { "version": version, "loaded_at_unix": loaded_at },
+        "draining": server.is_draining(),
+        "redis": server.backend_healthy().map(|ok| if ok { "ok" } else { "failing" }),
+        "routes": routes,
+        "clients": clients,
+        "queued": queued,
+        "totals": totals,
+        "deepest_queues": deepest,
+    })
 }
 
 fn answer(
@@ -155,7 +227,7 @@ fn answer(
         "/status" => text(
             StatusCode::OK,
             "application/json",
-            server.status().to_string(),
+            status(server).to_string(),
         ),
         path if path.starts_with("/buckets/") => bucket(req, path, server),
         _ => text(

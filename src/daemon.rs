@@ -10,8 +10,8 @@ use tokio::signal::unix::{SignalKind, signal};
 use tracing::{error, info, warn};
 
 use crate::config::Config;
+use crate::http::{Handle, ServeError, Server};
 use crate::metrics as m;
-use crate::proxy::{Handle, ServeError, Server};
 
 /// Why the daemon could not start.
 #[derive(Debug, thiserror::Error)]

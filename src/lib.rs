@@ -7,13 +7,15 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod admission;
 pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod daemon;
 pub mod demo;
+pub mod http;
 pub mod metrics;
+pub mod pacer;
 pub mod plot;
-pub mod proxy;
 pub mod shaper;
 pub mod simulate;

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 
-/// Requests by route and outcome (see [`Outcome`]).
+/// Requests by route, protocol and outcome (see [`Outcome`]).
 pub const REQUESTS_TOTAL: &str = "sluice_requests_total";
 /// Requests a dry-run route would have refused (and forwarded anyway).
 pub const DRY_RUN_REFUSALS_TOTAL: &str = "sluice_dry_run_refusals_total";
@@ -52,6 +52,17 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in index order.
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Forwarded,
+        Outcome::Rejected,
+        Outcome::Overloaded,
+        Outcome::Cancelled,
+        Outcome::Expired,
+        Outcome::UpstreamError,
+        Outcome::Invalid,
+    ];
+
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -64,12 +75,6 @@ impl Outcome {
             Outcome::Invalid => "invalid",
         }
     }
-}
-
-/// Count one request's outcome.
-pub fn count(route: &str, outcome: Outcome) {
-    metrics::counter!(REQUESTS_TOTAL, "route" => route.to_owned(), "outcome" => outcome.as_str())
-        .increment(1);
 }
 
 /// Seconds, for latency histograms: 10 µs to 60 s.
@@ -104,7 +109,7 @@ fn describe() {
     describe_counter!(
         REQUESTS_TOTAL,
         Unit::Count,
-        "Requests by route and outcome."
+        "Requests by route, protocol and outcome."
     );
     describe_gauge!(
         QUEUED_REQUESTS,

@@ -325,10 +325,13 @@ fn csv_field(text: &str) -> String {
 /// Run `arrivals` through the engine with `policy`, a perfect pacer and no
 /// global bounds. Returns one outcome per arrival, in the same order.
 pub fn simulate(arrivals: &[Arrival], policy: Policy) -> Vec<Outcome> {
-    let mut engine: Engine<String, usize> = Engine::new(Limits {
-        max_clients: usize::MAX,
-        max_queued: usize::MAX,
-    });
+    let engine: Engine<String, usize> = Engine::new(
+        Limits {
+            max_clients: usize::MAX,
+            max_queued: usize::MAX,
+        },
+        1,
+    );
     let upstream = engine.add_upstream(None);
     let route = engine.add_route(policy, upstream);
 
@@ -338,7 +341,7 @@ pub fn simulate(arrivals: &[Arrival], policy: Policy) -> Vec<Outcome> {
 
     let mut outcomes: Vec<Option<Outcome>> = vec![None; arrivals.len()];
     let mut released = Vec::new();
-    let mut release_until = |engine: &mut Engine<String, usize>,
+    let mut release_until = |engine: &Engine<String, usize>,
                              outcomes: &mut Vec<Option<Outcome>>,
                              limit: Option<Nanos>| {
         while let Some(at) = engine.next_release() {
@@ -355,7 +358,7 @@ pub fn simulate(arrivals: &[Arrival], policy: Policy) -> Vec<Outcome> {
 
     for &i in &order {
         let a = &arrivals[i];
-        release_until(&mut engine, &mut outcomes, Some(a.time));
+        release_until(&engine, &mut outcomes, Some(a.time));
         let outcome = match engine.admit(route, a.key.clone(), a.cost, a.time, || i) {
             Admission::Depart => Some(Outcome::Depart { departure: a.time }),
             Admission::Queued { .. } => None,
@@ -371,7 +374,7 @@ pub fn simulate(arrivals: &[Arrival], policy: Policy) -> Vec<Outcome> {
         };
         outcomes[i] = outcome;
     }
-    release_until(&mut engine, &mut outcomes, None);
+    release_until(&engine, &mut outcomes, None);
 
     outcomes
         .into_iter()

@@ -15,6 +15,11 @@ const ROOMY: Limits = Limits {
     max_queued: 100_000,
 };
 
+/// Shards in every engine here: several, so that clients of one capped
+/// upstream live in different shards and the cap's arbitration is what
+/// keeps them in order.
+const SHARDS: usize = 4;
+
 fn rate(s: &str) -> Rate {
     s.parse().expect("valid rate")
 }
@@ -43,7 +48,7 @@ impl Sim {
     }
 
     fn with(policy: Policy, limits: Limits, cap: Option<Rate>) -> Sim {
-        let mut e = Engine::new(limits);
+        let e = Engine::new(limits, SHARDS);
         let upstream = e.add_upstream(cap);
         let route = e.add_route(policy, upstream);
         Sim {
@@ -200,7 +205,7 @@ fn late_releases_keep_departures_on_the_absolute_grid() {
     // A pacer that calls release_due T/3 late every time: the schedule
     // must stay on k·T (lateness is jitter, never drift).
     let t = T5;
-    let mut e: Engine<u32, u32> = Engine::new(ROOMY);
+    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
     let up = e.add_upstream(None);
     let r = e.add_route(policy("5/s", 1_000), up);
     for id in 0..200 {
@@ -226,29 +231,66 @@ fn late_releases_keep_departures_on_the_absolute_grid() {
     assert_eq!(released, 100);
 }
 
+/// Releases `e` with a pacer that is on time except once: the release due
+/// at `stall_at` happens `late` later. Returns every departure instant.
+fn run_with_one_stall(e: &Engine<u32, u32>, stall_at: u64, late: u64, until: u64) -> Vec<u64> {
+    let mut times = Vec::new();
+    let mut out = Vec::new();
+    while let Some(at) = e.next_release() {
+        let call = if at == stall_at { at + late } else { at };
+        if call > until {
+            break;
+        }
+        out.clear();
+        e.release_due(call, &mut out);
+        times.extend(out.iter().map(|_| call));
+    }
+    times
+}
+
 #[test]
-fn a_late_release_does_not_burst_to_catch_up() {
+fn a_late_release_is_made_up_no_faster_than_twice_the_rate() {
+    // DESIGN 1, late releases: the client keeps its grid and catches up,
+    // never two departures closer than c·T/2, and its long-run rate stays
+    // exactly r.
     let t = T5;
-    let mut e: Engine<u32, u32> = Engine::new(ROOMY);
+    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
     let up = e.add_upstream(None);
     let r = e.add_route(policy("5/s", 100), up);
-    for id in 0..20 {
+    for id in 0..60 {
         let _ = e.admit(r, 1, 1, 0, || id);
     }
-    assert_eq!(e.next_release(), Some(t));
-    // The pacer comes back 3.5 T late with three slots "missed".
-    let late = t + 7 * t / 2;
-    let mut out = Vec::new();
-    e.release_due(late, &mut out);
-    assert_eq!(out, vec![1], "exactly one, no catch-up burst");
-    assert_eq!(e.next_release(), Some(late + t), "one interval after it");
-    // And from there on, paced again at exactly T.
-    out.clear();
-    e.release_due(late + t - 1, &mut out);
-    assert!(out.is_empty());
-    e.release_due(late + t, &mut out);
-    assert_eq!(out, vec![2]);
-    assert_eq!(e.next_release(), Some(late + 2 * t));
+    // The pacer comes back 3.5 T late for the slot at T: three slots missed.
+    let times = run_with_one_stall(&e, t, 7 * t / 2, 40 * t);
+    assert_eq!(times[0], t + 7 * t / 2, "the late one, alone (no burst)");
+    let g = gaps(&times);
+    assert!(g.iter().all(|&gap| gap >= t / 2), "gaps {g:?}");
+    assert_eq!(&g[..6], &[t / 2; 6], "made up at twice the rate");
+    // Back on the absolute grid k·T: slot 8 goes at 8 T, and so on.
+    assert!(times.contains(&(8 * t)), "{times:?}");
+    for w in times.windows(2).skip(7) {
+        assert_eq!(w[1] - w[0], t, "on the grid again: {times:?}");
+    }
+    // Long-run rate: the slots 1..=39 all went by 39 T (slot 0 went at once).
+    assert_eq!(times.iter().filter(|&&x| x <= 39 * t).count(), 39);
+}
+
+#[test]
+fn a_stall_longer_than_the_whole_backlog_restarts_the_schedule() {
+    // A release later than b·T: catching up would only burst, so the grid
+    // restarts from the release.
+    let t = T5;
+    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
+    let up = e.add_upstream(None);
+    let r = e.add_route(policy("5/s", 10), up);
+    for id in 0..11 {
+        let _ = e.admit(r, 1, 1, 0, || id);
+    }
+    let late = 10 * t + t / 4;
+    let times = run_with_one_stall(&e, t, late, 100 * t);
+    assert_eq!(times.len(), 10);
+    assert_eq!(times[0], t + late);
+    assert!(gaps(&times).iter().all(|&g| g == t), "{times:?}");
 }
 
 // === Capacity ===

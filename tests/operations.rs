@@ -100,7 +100,7 @@ fn parse_prometheus(text: &str) -> HashMap<String, f64> {
 fn requests(samples: &HashMap<String, f64>, outcome: &str) -> f64 {
     samples
         .get(&format!(
-            "sluice_requests_total{{route=\"default\",outcome=\"{outcome}\"}}"
+            "sluice_requests_total{{route=\"default\",protocol=\"http\",outcome=\"{outcome}\"}}"
         ))
         .copied()
         .unwrap_or(0.0)

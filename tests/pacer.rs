@@ -3,7 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use sluice::shaper::{AcquireError, Limits, Policy, Rate, Rejection, Shaper};
+use sluice::pacer::{AcquireError, Shaper};
+use sluice::shaper::{Limits, Policy, Rate, Rejection};
 
 const LIMITS: Limits = Limits {
     max_clients: 1_000,

@@ -95,7 +95,9 @@ async fn routes_match_by_host_path_and_method_first_match_wins() {
     let metrics = get(&c, &s.admin_url("/metrics"), &[]).await.body;
     let text = String::from_utf8_lossy(&metrics);
     for (r, n) in [("exact", 1), ("posts", 1), ("host", 1), ("api", 1)] {
-        let line = format!("sluice_requests_total{{route=\"{r}\",outcome=\"forwarded\"}} {n}");
+        let line = format!(
+            "sluice_requests_total{{route=\"{r}\",protocol=\"http\",outcome=\"forwarded\"}} {n}"
+        );
         assert!(text.contains(&line), "missing {line}\n{text}");
     }
     let nf = get(&c, &s.url("/nowhere"), &[]).await;
@@ -410,11 +412,13 @@ async fn dry_run_forwards_everything_and_counts_refusals() {
         String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
     // 1 departs, 1 would wait, 3 would be refused.
     assert!(
-        text.contains("sluice_dry_run_refusals_total{route=\"default\"} 3"),
+        text.contains("sluice_dry_run_refusals_total{route=\"default\",protocol=\"http\"} 3"),
         "{text}"
     );
     assert!(
-        text.contains("sluice_requests_total{route=\"default\",outcome=\"forwarded\"} 5"),
+        text.contains(
+            "sluice_requests_total{route=\"default\",protocol=\"http\",outcome=\"forwarded\"} 5"
+        ),
         "{text}"
     );
 }

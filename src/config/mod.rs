@@ -40,6 +40,8 @@ pub struct Server {
     pub header_read_timeout: Duration,
     pub max_header_size: usize,
     pub max_connections: usize,
+    /// Worker threads (one runtime each); `None`: one per core.
+    pub workers: Option<usize>,
     /// On SIGTERM, how long queued requests keep departing at their pace
     /// before the rest are answered 503.
     pub drain_timeout: Duration,
@@ -229,6 +231,7 @@ const DEFAULT_MAX_HEADER_SIZE: usize = 16 * 1024;
 const MIN_HEADER_SIZE: usize = 8 * 1024;
 const MAX_HEADER_SIZE: usize = 1024 * 1024;
 const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+const MAX_WORKERS: usize = 1024;
 const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -469,6 +472,9 @@ impl Validator {
             raw.max_connections,
             DEFAULT_MAX_CONNECTIONS,
         );
+        let workers = raw
+            .workers
+            .map(|n| self.bounded("server.workers", n, 1, MAX_WORKERS));
         let drain_timeout = self.duration(
             "server.drain_timeout",
             raw.drain_timeout.as_deref(),
@@ -495,9 +501,25 @@ impl Validator {
             header_read_timeout: header_read_timeout?,
             max_header_size,
             max_connections,
+            workers,
             drain_timeout: drain_timeout?,
             trusted_proxies,
         })
+    }
+
+    /// A whole number from `min` to `max` (reported, and `min` used, when
+    /// outside).
+    fn bounded(&mut self, path: &str, n: i64, min: usize, max: usize) -> usize {
+        match usize::try_from(n) {
+            Ok(n) if (min..=max).contains(&n) => n,
+            _ => {
+                self.problem(
+                    path,
+                    format!("{n} is out of range: must be a whole number from {min} to {max}"),
+                );
+                min
+            }
+        }
     }
 
     /// A whole number >= 1, or the default when absent.

@@ -62,6 +62,8 @@ pub struct RawServer {
     pub max_header_size: Option<i64>,
     #[serde(default, deserialize_with = "whole")]
     pub max_connections: Option<i64>,
+    #[serde(default, deserialize_with = "whole")]
+    pub workers: Option<i64>,
     #[serde(default, deserialize_with = "duration")]
     pub drain_timeout: Option<String>,
     pub trusted_proxies: Option<Vec<String>>,

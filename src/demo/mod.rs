@@ -28,8 +28,8 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::cli::DemoArgs;
 use crate::config::Config;
+use crate::http::{Handle, ServeError, Server};
 use crate::plot;
-use crate::proxy::{Handle, ServeError, Server};
 use crate::simulate::human_interval;
 pub use display::Style;
 pub use record::ClientSummary;
@@ -336,7 +336,7 @@ async fn sample_queues(
         for (i, name) in names.iter().enumerate() {
             let level = handle
                 .bucket(ROUTE, name, 1)
-                .and_then(|b| b.get("waiting_cost").and_then(serde_json::Value::as_u64))
+                .and_then(|b| b.view.map(|v| v.waiting_cost))
                 .unwrap_or(0);
             recorder.sampled(at, i, level);
         }

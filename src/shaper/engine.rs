@@ -2,8 +2,8 @@
 //! schedule, and the fair upstream-wide cap (DESIGN section 1).
 //!
 //! Everything here takes `now` as an argument: no clock, no I/O, no async
-//! runtime. The pacer (`super::pacer`) drives it in real time; tests drive
-//! it with explicit instants.
+//! runtime, no threads of its own. The pacer drives it in real time from
+//! any number of threads; tests drive it with explicit instants.
 //!
 //! # Model
 //!
@@ -11,34 +11,37 @@
 //! its next cost unit may go, D in the design, pushed back by `burst`
 //! tolerance when configured) and a FIFO of waiting entries. The head of a
 //! non-empty queue is *due* at `max(arrival, tat − τ)`; when it departs at
-//! `d`, `tat = max(tat, d) + c·T`. Departure times are therefore computed at
-//! release, never stored per entry, which is what lets a cancelled request
-//! give its slot to the next one in line.
+//! `d`, `tat = max(tat, d) + c·T`. Departure times are computed at release,
+//! never stored per entry, which is what lets a cancelled request give its
+//! slot to the next one in line.
 //!
-//! Due heads wait in their upstream's heap, ordered by due time (ties by
-//! arrival). An uncapped upstream releases every due head; a capped one
-//! (global rate R) releases the earliest due head at each of its own slots,
-//! spaced c/R apart: earliest-due-first is what shares R fairly.
+//! # Shards and the cap arbiter
 //!
-//! A release that comes late by less than one interval keeps the absolute
-//! schedule (lateness is jitter, never drift); a release a whole interval or
-//! more late (the pacer stalled) restarts the schedule from the release, so
-//! a stalled pacer never produces a catch-up burst. Under an upstream cap a
-//! client's next slot counts from its actual departure (D = d + c·T), so
-//! its departures never come closer than c·T; a light client is served at
-//! the rate it sends, waiting at most one upstream slot per heavier client
-//! due before it.
+//! Clients live in shards chosen by hash(route, key), each behind its own
+//! lock, so admissions from several cores do not serialize on one lock.
+//! Heads on an uncapped upstream wait in their shard's heap; heads on a
+//! capped upstream (global rate R) wait in that upstream's [`Cap`], shared
+//! by every shard, which grants its slots (spaced c/R apart) earliest due
+//! first across all shards: that is what shares R fairly. Locks are always
+//! taken shard first, then cap.
+//!
+//! # Late releases
+//!
+//! A release that comes late keeps the client's absolute grid and is made
+//! up by the following ones, never two closer than c·T/2; a release later
+//! than the client's whole backlog (b·T) restarts its schedule from the
+//! release instead (DESIGN section 1).
 //!
 //! Each waiting entry keeps the interval it was admitted under: a policy
 //! change (reload) applies to new arrivals only.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
 use std::hash::{BuildHasher, Hash};
-
-use hashbrown::HashTable;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::rate::{Nanos, Rate};
+use super::shard::{Cap, Shard, ShardRoute};
 
 /// Per-route shaping policy, validated by the caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +69,7 @@ impl Policy {
     }
 
     /// The GCRA tolerance τ that `burst` grants, in nanoseconds.
-    fn tolerance(&self) -> Nanos {
+    pub(super) fn tolerance(&self) -> Nanos {
         Nanos::from(self.burst.saturating_sub(1)).saturating_mul(self.rate.interval_nanos())
     }
 }
@@ -82,7 +85,7 @@ pub struct Limits {
 
 /// Identifies a route registered with [`Engine::add_route`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct RouteId(u32);
+pub struct RouteId(pub(super) u32);
 
 /// Identifies an upstream registered with [`Engine::add_upstream`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -91,9 +94,24 @@ pub struct UpstreamId(u32);
 /// Names a waiting request, for [`Engine::cancel`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Ticket {
-    slot: u32,
-    generation: u32,
-    seq: u64,
+    pub(super) shard: u32,
+    pub(super) entry: u32,
+    pub(super) generation: u32,
+}
+
+/// What the releaser must look at: one shard's uncapped heads, or one
+/// capped upstream's heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Target {
+    Shard(u32),
+    Cap(u32),
+}
+
+/// The releaser must look at `target` at `at`, earlier than it was told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wake {
+    pub target: Target,
+    pub at: Nanos,
 }
 
 /// The engine's answer to an arrival.
@@ -101,13 +119,15 @@ pub struct Ticket {
 pub enum Admission {
     /// Depart now: no added latency.
     Depart,
-    /// Admitted to wait; the payload comes back from [`Engine::release_due`]
+    /// Admitted to wait; the payload comes back from [`Engine::release`]
     /// when the request may depart.
     Queued {
         ticket: Ticket,
         /// The departure this client's own schedule gives; the exact one
         /// unless an upstream cap delays it further.
         departure: Nanos,
+        /// Set when the releaser must be told to look earlier.
+        wake: Option<Wake>,
     },
     /// Refused.
     Rejected(Rejection),
@@ -138,27 +158,6 @@ pub enum Probe {
     Reject(Rejection),
 }
 
-/// An upstream cap as admission sees it: its next free slot and its
-/// interval per cost unit.
-#[derive(Clone, Copy)]
-struct CapView {
-    next: Nanos,
-    step: Nanos,
-}
-
-/// The rules' verdict for one arrival, before any state changes.
-enum Decision {
-    Depart,
-    /// Wait: `due` is when the client's own schedule lets it go (the
-    /// fairness order under a cap); `departure` the estimate told to the
-    /// caller, bounded below by the cap's slots.
-    Queue {
-        due: Nanos,
-        departure: Nanos,
-    },
-    Reject(Rejection),
-}
-
 /// Read-only view of one client, for status and bucket queries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClientView {
@@ -170,764 +169,435 @@ pub struct ClientView {
     pub next_departure: Nanos,
 }
 
-// === impl Engine ===
+// === impl Budget ===
 
-/// The shaping engine. `K` is the client key; `P` is an opaque payload held
-/// for each waiting request and handed back at release (the pacer uses a
-/// oneshot sender).
-pub struct Engine<K, P> {
-    limits: Limits,
-    routes: Vec<RouteState>,
-    upstreams: Vec<UpstreamState>,
-    index: HashTable<u32>,
-    hasher: foldhash::fast::RandomState,
-    slots: Vec<Slot<K, P>>,
-    free: Vec<u32>,
-    clients: usize,
-    queued: usize,
-    seq: u64,
-    /// Clients with an empty queue whose `tat` is still in the future, by
-    /// the time they may be forgotten.
-    expiry: BinaryHeap<Reverse<(Nanos, u32, u32)>>,
-}
-
+/// The global bounds, counted across shards with atomics (no lock).
 #[derive(Debug)]
-struct RouteState {
-    policy: Policy,
-    upstream: UpstreamId,
+pub struct Budget {
+    clients: AtomicUsize,
+    queued: AtomicUsize,
+    max_clients: AtomicUsize,
+    max_queued: AtomicUsize,
 }
 
-#[derive(Debug)]
-struct UpstreamState {
-    /// Interval per cost unit of the global cap; `None` when uncapped.
-    cap: Option<Nanos>,
-    /// The upstream's next free slot (capped only).
-    next: Nanos,
-    /// Due heads: (due, seq of the head, slot, generation).
-    heads: BinaryHeap<Reverse<HeadRef>>,
-}
-
-impl UpstreamState {
-    /// The cap as admission sees it, when there is one.
-    fn cap_view(&self) -> Option<CapView> {
-        self.cap.map(|step| CapView {
-            next: self.next,
-            step,
-        })
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-struct HeadRef {
-    due: Nanos,
-    seq: u64,
-    slot: u32,
-    generation: u32,
-}
-
-struct Slot<K, P> {
-    generation: u32,
-    client: Option<Client<K, P>>,
-}
-
-struct Client<K, P> {
-    key: K,
-    hash: u64,
-    route: RouteId,
-    /// The schedule value D (theoretical arrival time of the next unit).
-    tat: Nanos,
-    /// When the head is due (meaningful while the queue has a live head).
-    due: Nanos,
-    waiting_cost: u64,
-    waiting: usize,
-    queue: VecDeque<Entry<P>>,
-    in_expiry: bool,
-}
-
-struct Entry<P> {
-    seq: u64,
-    arrival: Nanos,
-    cost: u32,
-    /// The interval per cost unit when it was admitted: a policy change
-    /// (reload) applies to new arrivals, never to requests already waiting.
-    step: Nanos,
-    /// `None` once cancelled (a tombstone skipped at release).
-    payload: Option<P>,
-}
-
-/// Whether a release scheduled at `at` and performed at `now` came a
-/// whole `step` or more late: the pacer stalled, and the schedule restarts
-/// from the release rather than making up the missed slots in a burst.
-/// Anything less late keeps the absolute grid (jitter, never drift).
-fn stalled(at: Nanos, step: Nanos, now: Nanos) -> bool {
-    now.saturating_sub(at) >= step
-}
-
-impl<K: Hash + Eq, P> Engine<K, P> {
-    /// An engine with no routes.
-    pub fn new(limits: Limits) -> Engine<K, P> {
-        Engine {
-            limits,
-            routes: Vec::new(),
-            upstreams: Vec::new(),
-            index: HashTable::new(),
-            hasher: foldhash::fast::RandomState::default(),
-            slots: Vec::new(),
-            free: Vec::new(),
-            clients: 0,
-            queued: 0,
-            seq: 0,
-            expiry: BinaryHeap::new(),
+impl Budget {
+    fn new(limits: Limits) -> Budget {
+        Budget {
+            clients: AtomicUsize::new(0),
+            queued: AtomicUsize::new(0),
+            max_clients: AtomicUsize::new(limits.max_clients),
+            max_queued: AtomicUsize::new(limits.max_queued),
         }
     }
 
-    /// Register an upstream, optionally with a global rate cap shared fairly
-    /// by all clients of the routes that use it.
-    pub fn add_upstream(&mut self, cap: Option<Rate>) -> UpstreamId {
-        let id = UpstreamId(self.upstreams.len() as u32);
-        self.upstreams.push(UpstreamState {
-            cap: cap.map(Rate::interval_nanos),
-            next: 0,
-            heads: BinaryHeap::new(),
-        });
-        id
+    fn take(count: &AtomicUsize, max: &AtomicUsize) -> bool {
+        let max = max.load(Ordering::Relaxed);
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
     }
 
-    /// Register a route. Panics never: an unknown upstream id cannot be
-    /// constructed outside this engine.
-    pub fn add_route(&mut self, policy: Policy, upstream: UpstreamId) -> RouteId {
-        let id = RouteId(self.routes.len() as u32);
-        self.routes.push(RouteState { policy, upstream });
-        id
+    pub(super) fn take_client(&self) -> bool {
+        Self::take(&self.clients, &self.max_clients)
     }
 
-    /// Change a route's policy for future admissions; waiting requests keep
-    /// their place.
-    pub fn set_policy(&mut self, route: RouteId, policy: Policy) {
-        if let Some(r) = self.routes.get_mut(route.0 as usize) {
-            r.policy = policy;
-        }
+    pub(super) fn give_client(&self) {
+        self.clients.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Change the global bounds (existing state above them is kept and
-    /// drains naturally).
-    pub fn set_limits(&mut self, limits: Limits) {
-        self.limits = limits;
+    pub(super) fn has_client_room(&self) -> bool {
+        self.clients.load(Ordering::Acquire) < self.max_clients.load(Ordering::Relaxed)
     }
 
-    /// Change an upstream's global cap.
-    pub fn set_upstream_cap(&mut self, upstream: UpstreamId, cap: Option<Rate>) {
-        if let Some(u) = self.upstreams.get_mut(upstream.0 as usize) {
-            u.cap = cap.map(Rate::interval_nanos);
-        }
+    /// Reserve room for one more waiting request (the admission layer
+    /// also counts requests held for a shared schedule here).
+    pub fn take_queued(&self) -> bool {
+        Self::take(&self.queued, &self.max_queued)
+    }
+
+    /// Give back room taken with [`Budget::take_queued`].
+    pub fn give_queued(&self) {
+        self.queued.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    pub(super) fn has_queue_room(&self) -> bool {
+        self.queued.load(Ordering::Acquire) < self.max_queued.load(Ordering::Relaxed)
+    }
+
+    /// Requests waiting (or held), over all clients.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::Acquire)
     }
 
     /// Client states held.
     pub fn clients(&self) -> usize {
-        self.clients
+        self.clients.load(Ordering::Acquire)
     }
 
-    /// Requests waiting, over all clients.
+    fn set(&self, limits: Limits) {
+        self.max_clients
+            .store(limits.max_clients, Ordering::Relaxed);
+        self.max_queued.store(limits.max_queued, Ordering::Relaxed);
+    }
+}
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every operation re-validates what it reads, so a lock poisoned by a
+    // panic elsewhere is still safe to use.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+// === impl Engine ===
+
+/// The shaping engine. `K` is the client key; `P` is an opaque payload held
+/// for each waiting request and handed back at release (the pacer uses a
+/// oneshot sender). Every method takes `&self`: shards and caps are locked
+/// inside, briefly, never while calling out.
+pub struct Engine<K, P> {
+    shards: Box<[Mutex<Shard<K, P>>]>,
+    hasher: foldhash::fast::RandomState,
+    budget: Budget,
+    /// The cap of each upstream (`None`: uncapped), by [`UpstreamId`].
+    upstreams: Mutex<Vec<Option<Arc<Mutex<Cap>>>>>,
+    /// Every route as registered, by [`RouteId`]; each shard keeps a copy.
+    routes: Mutex<Vec<ShardRoute>>,
+}
+
+impl<K: Hash + Eq, P> Engine<K, P> {
+    /// An engine with no routes and `shards` shards (at least one).
+    pub fn new(limits: Limits, shards: usize) -> Engine<K, P> {
+        let hasher = foldhash::fast::RandomState::default();
+        let shards = (0..shards.clamp(1, 1024) as u32)
+            .map(|i| Mutex::new(Shard::new(i, hasher.clone())))
+            .collect();
+        Engine {
+            shards,
+            hasher,
+            budget: Budget::new(limits),
+            upstreams: Mutex::new(Vec::new()),
+            routes: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// How many shards there are.
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The global counters, shared with the admission layer.
+    pub fn budget(&self) -> &Budget {
+        &self.budget
+    }
+
+    /// Register an upstream, capped at a global rate shared fairly by all
+    /// clients of its routes, or uncapped. Whether an upstream is capped
+    /// is fixed; its cap's rate can change ([`Engine::set_upstream_rate`]).
+    pub fn add_upstream(&self, cap: Option<Rate>) -> UpstreamId {
+        let mut ups = lock(&self.upstreams);
+        ups.push(cap.map(|r| Arc::new(Mutex::new(Cap::new(r.interval_nanos())))));
+        UpstreamId((ups.len() - 1) as u32)
+    }
+
+    /// Change a capped upstream's rate (an uncapped one stays uncapped).
+    pub fn set_upstream_rate(&self, upstream: UpstreamId, rate: Rate) {
+        let cap = lock(&self.upstreams)
+            .get(upstream.0 as usize)
+            .cloned()
+            .flatten();
+        if let Some(cap) = cap {
+            lock(&cap).step = rate.interval_nanos();
+        }
+    }
+
+    /// Register a route on an upstream.
+    pub fn add_route(&self, policy: Policy, upstream: UpstreamId) -> RouteId {
+        let cap = lock(&self.upstreams)
+            .get(upstream.0 as usize)
+            .cloned()
+            .flatten()
+            .map(|c| (upstream.0, c));
+        let route = ShardRoute { policy, cap };
+        let mut routes = lock(&self.routes);
+        routes.push(route.clone());
+        for shard in self.shards.iter() {
+            lock(shard).routes.push(route.clone());
+        }
+        RouteId((routes.len() - 1) as u32)
+    }
+
+    /// Change a route's policy for future admissions; waiting requests keep
+    /// their place and their interval.
+    pub fn set_policy(&self, route: RouteId, policy: Policy) {
+        let mut routes = lock(&self.routes);
+        let Some(r) = routes.get_mut(route.0 as usize) else {
+            return;
+        };
+        r.policy = policy;
+        for shard in self.shards.iter() {
+            if let Some(r) = lock(shard).routes.get_mut(route.0 as usize) {
+                r.policy = policy;
+            }
+        }
+    }
+
+    /// Change the global bounds (state above them is kept and drains).
+    pub fn set_limits(&self, limits: Limits) {
+        self.budget.set(limits);
+    }
+
+    /// Client states held.
+    pub fn clients(&self) -> usize {
+        self.budget.clients()
+    }
+
+    /// Requests waiting, over all clients (and requests the admission
+    /// layer holds against the same budget).
     pub fn queued(&self) -> usize {
-        self.queued
+        self.budget.queued()
     }
 
     fn hash(&self, route: RouteId, key: &K) -> u64 {
         self.hasher.hash_one((route.0, key))
     }
 
-    fn find(&self, route: RouteId, key: &K, hash: u64) -> Option<u32> {
-        let slots = &self.slots;
-        self.index
-            .find(hash, |&s| {
-                slots[s as usize]
-                    .client
-                    .as_ref()
-                    .is_some_and(|c| c.route == route && c.key == *key)
-            })
-            .copied()
+    fn shard_of(&self, hash: u64) -> &Mutex<Shard<K, P>> {
+        // hashbrown uses the low bits for the bucket and the top seven for
+        // its tags: take the shard from bits in between.
+        let i = ((hash >> 32) as usize) % self.shards.len();
+        &self.shards[i]
     }
 
-    /// Look at one client without changing anything.
-    pub fn view(&self, route: RouteId, key: &K, now: Nanos) -> Option<ClientView> {
-        let policy = self.routes.get(route.0 as usize)?.policy;
-        let slot = self.find(route, key, self.hash(route, key))?;
-        let c = self.slots[slot as usize].client.as_ref()?;
-        let next_departure = if c.waiting > 0 {
-            c.due
-                .saturating_add(c.waiting_cost.saturating_mul(policy.rate.interval_nanos()))
-        } else {
-            c.tat.saturating_sub(policy.tolerance()).max(now)
-        };
-        Some(ClientView {
-            waiting_cost: c.waiting_cost,
-            waiting: c.waiting,
-            next_departure,
-        })
-    }
-
-    /// The rules of DESIGN section 1 for one arrival, read-only. `client`
-    /// is `None` for a client with no state (idle); `free` says whether the
-    /// upstream's cap has a slot now with nobody due ahead.
-    #[allow(clippy::too_many_arguments)]
-    fn decide(
-        client: Option<&Client<K, P>>,
-        policy: &Policy,
-        free: bool,
-        cap: Option<CapView>,
-        cost: u32,
-        now: Nanos,
-        queued: usize,
-        max_queued: usize,
-    ) -> Decision {
-        let step = policy.rate.interval_nanos();
-        let (tat, waiting, waiting_cost, due) =
-            client.map_or((0, 0, 0, 0), |c| (c.tat, c.waiting, c.waiting_cost, c.due));
-        // Idle (nothing waiting, schedule reached): depart at once if the
-        // upstream has a free slot.
-        let earliest = tat.saturating_sub(policy.tolerance()).max(now);
-        if waiting == 0 && earliest == now && free {
-            return Decision::Depart;
-        }
-        // It has to wait: capacity, then max_wait, then the global bound.
-        // Under an upstream cap each unit waiting ahead also needs one of
-        // the cap's slots: a lower bound on the departure.
-        let own = if waiting == 0 {
-            earliest
-        } else {
-            due.saturating_add(waiting_cost.saturating_mul(step))
-        };
-        let departure = match cap {
-            Some(c) => own.max(c.next.saturating_add(waiting_cost.saturating_mul(c.step))),
-            None => own,
-        }
-        .max(now);
-        if waiting_cost + u64::from(cost) > u64::from(policy.capacity) {
-            let at = client.map_or(now, |c| Self::accepts_at(c, policy, cap, cost));
-            return Decision::Reject(Rejection::Full {
-                retry_after: at.saturating_sub(now).max(1),
-            });
-        }
-        if let Some(max_wait) = policy.max_wait
-            && departure > now.saturating_add(max_wait)
-        {
-            return Decision::Reject(Rejection::MaxWait {
-                retry_after: departure - max_wait - now,
-            });
-        }
-        if queued >= max_queued {
-            return Decision::Reject(Rejection::TooManyQueued);
-        }
-        Decision::Queue {
-            due: own.max(now),
-            departure,
-        }
+    fn cap(&self, up: u32) -> Option<Arc<Mutex<Cap>>> {
+        lock(&self.upstreams).get(up as usize).cloned().flatten()
     }
 
     /// Decide an arrival of `cost` units for `key` on `route` at `now`.
     /// `payload` is called only when the request is queued.
     pub fn admit(
-        &mut self,
+        &self,
         route: RouteId,
         key: K,
         cost: u32,
         now: Nanos,
         payload: impl FnOnce() -> P,
     ) -> Admission {
-        let Some(route_state) = self.routes.get(route.0 as usize) else {
-            return Admission::Rejected(Rejection::TooManyClients);
-        };
-        let policy = route_state.policy;
-        let upstream = route_state.upstream;
         let hash = self.hash(route, &key);
-        let slot = match self.find(route, &key, hash) {
-            Some(slot) => slot,
-            None => {
-                if self.clients >= self.limits.max_clients {
-                    self.expire(now);
-                    if self.clients >= self.limits.max_clients {
-                        return Admission::Rejected(Rejection::TooManyClients);
-                    }
-                }
-                self.insert(route, key, hash)
-            }
+        let mut shard = lock(self.shard_of(hash));
+        let cap = match shard.routes.get(route.0 as usize) {
+            Some(r) => r.cap.as_ref().map(|c| c.1.clone()),
+            None => return Admission::Rejected(Rejection::TooManyClients),
         };
-        let free = self.upstream_free(upstream, now);
-        let generation = self.slots[slot as usize].generation;
-        let Some(client) = self.slots[slot as usize].client.as_mut() else {
-            return Admission::Rejected(Rejection::TooManyClients);
-        };
-        let cap = self.upstreams[upstream.0 as usize].cap_view();
-        let decision = Self::decide(
-            Some(client),
-            &policy,
-            free,
-            cap,
+        let mut cap = cap.as_ref().map(|c| lock(c));
+        shard.admit(
+            route,
+            key,
+            hash,
             cost,
             now,
-            self.queued,
-            self.limits.max_queued,
-        );
-        let step = policy.rate.interval_nanos();
-        match decision {
-            Decision::Depart => {
-                client.tat = client
-                    .tat
-                    .max(now)
-                    .saturating_add(u64::from(cost).saturating_mul(step));
-                if let Some(cap) = self.upstreams[upstream.0 as usize].cap {
-                    let u = &mut self.upstreams[upstream.0 as usize];
-                    u.next = u
-                        .next
-                        .max(now)
-                        .saturating_add(u64::from(cost).saturating_mul(cap));
-                }
-                self.schedule_expiry(slot);
-                Admission::Depart
-            }
-            Decision::Reject(rejection) => {
-                self.forget_if_idle(slot, now);
-                Admission::Rejected(rejection)
-            }
-            Decision::Queue { due, departure } => {
-                self.seq += 1;
-                let seq = self.seq;
-                let becomes_head = client.waiting == 0;
-                client.queue.push_back(Entry {
-                    seq,
-                    arrival: now,
-                    cost,
-                    step,
-                    payload: Some(payload()),
-                });
-                client.waiting += 1;
-                client.waiting_cost += u64::from(cost);
-                self.queued += 1;
-                if becomes_head {
-                    client.due = due;
-                    let head = HeadRef {
-                        due,
-                        seq,
-                        slot,
-                        generation,
-                    };
-                    self.upstreams[upstream.0 as usize]
-                        .heads
-                        .push(Reverse(head));
-                }
-                Admission::Queued {
-                    ticket: Ticket {
-                        slot,
-                        generation,
-                        seq,
-                    },
-                    departure,
-                }
-            }
-        }
+            cap.as_deref_mut(),
+            &self.budget,
+            payload,
+        )
     }
 
     /// What [`Engine::admit`] would answer now, without changing anything
-    /// (for the bucket query). With an upstream cap whose heap holds stale
-    /// entries it may say "queue" where admit would depart at once.
+    /// (for the bucket query).
     pub fn probe(&self, route: RouteId, key: &K, cost: u32, now: Nanos) -> Probe {
-        let Some(route_state) = self.routes.get(route.0 as usize) else {
-            return Probe::Reject(Rejection::TooManyClients);
-        };
-        let client = self
-            .find(route, key, self.hash(route, key))
-            .and_then(|slot| self.slots[slot as usize].client.as_ref());
-        if client.is_none() && self.clients >= self.limits.max_clients {
-            return Probe::Reject(Rejection::TooManyClients);
-        }
-        let upstream = &self.upstreams[route_state.upstream.0 as usize];
-        let free = match upstream.cap {
-            None => true,
-            Some(_) => {
-                upstream.next <= now
-                    && upstream
-                        .heads
-                        .peek()
-                        .is_none_or(|Reverse(h)| head_is_live(&self.slots, h) && h.due > now)
-            }
-        };
-        let cap = upstream.cap_view();
-        let decision = Self::decide(
-            client,
-            &route_state.policy,
-            free,
-            cap,
-            cost,
-            now,
-            self.queued,
-            self.limits.max_queued,
-        );
-        match decision {
-            Decision::Depart => Probe::Depart,
-            Decision::Queue { departure, .. } => Probe::Queue { departure },
-            Decision::Reject(r) => Probe::Reject(r),
+        let hash = self.hash(route, key);
+        let shard = lock(self.shard_of(hash));
+        let cap = shard
+            .routes
+            .get(route.0 as usize)
+            .and_then(|r| r.cap.as_ref().map(|c| c.1.clone()));
+        let cap = cap.as_ref().map(|c| lock(c));
+        shard.probe(route, key, hash, cost, now, cap.as_deref(), &self.budget)
+    }
+
+    /// Look at one client without changing anything.
+    pub fn view(&self, route: RouteId, key: &K, now: Nanos) -> Option<ClientView> {
+        let hash = self.hash(route, key);
+        lock(self.shard_of(hash)).view(route, key, hash, now)
+    }
+
+    /// Withdraw a waiting request: it will never be released, and the next
+    /// one in line takes its slot. Returns its payload, or `None` when the
+    /// ticket was already released (or cancelled).
+    pub fn cancel(&self, ticket: Ticket, now: Nanos) -> Option<P> {
+        let mut shard = lock(self.shards.get(ticket.shard as usize)?);
+        let route = shard.ticket_route(ticket)?;
+        let cap = shard
+            .routes
+            .get(route.0 as usize)
+            .and_then(|r| r.cap.as_ref().map(|c| c.1.clone()));
+        let mut cap = cap.as_ref().map(|c| lock(c));
+        shard.cancel(ticket, now, cap.as_deref_mut(), &self.budget)
+    }
+
+    /// Release what `target` has due at `now`, appending payloads to `out`
+    /// in departure order; returns when the target next has work (and
+    /// counts on being told, through [`Wake`], of anything earlier).
+    pub fn release(&self, target: Target, now: Nanos, out: &mut Vec<P>) -> Option<Nanos> {
+        match target {
+            Target::Shard(i) => lock(self.shards.get(i as usize)?).release(now, &self.budget, out),
+            Target::Cap(up) => self.release_cap(up, now, out),
         }
     }
 
-    /// When a client's queue would accept a request of `cost` (for
-    /// Retry-After): the departure that brings the waiting cost down to
-    /// `capacity − cost`, or, for a cost the queue can never hold, the time
-    /// the client is idle again. Exact without an upstream cap; a lower
-    /// bound with one.
-    fn accepts_at(
-        client: &Client<K, P>,
-        policy: &Policy,
-        cap: Option<CapView>,
-        cost: u32,
-    ) -> Nanos {
-        let step = policy.rate.interval_nanos();
-        let capacity = u64::from(policy.capacity);
-        let cost = u64::from(cost);
-        if client.waiting == 0 {
-            return client.tat.saturating_sub(policy.tolerance());
-        }
-        // When the waiting units ahead of `done` units have left: on the
-        // client's own grid, and (with a cap) on the upstream's.
-        let leaves = |done: u64| {
-            let own = client.due.saturating_add(done.saturating_mul(step));
-            match cap {
-                Some(c) => own.max(c.next.saturating_add(done.saturating_mul(c.step))),
-                None => own,
-            }
-        };
-        if cost > capacity {
-            return leaves(client.waiting_cost);
-        }
-        // Walk departures from the head until enough cost has gone; at most
-        // `cost` units need to go since waiting_cost <= capacity.
-        let mut waiting = client.waiting_cost;
-        let mut done = 0;
-        for entry in client.queue.iter().filter(|e| e.payload.is_some()) {
-            let at = leaves(done);
-            waiting -= u64::from(entry.cost);
-            if waiting + cost <= capacity {
-                return at;
-            }
-            done += u64::from(entry.cost);
-        }
-        leaves(done)
-    }
-
-    /// Whether a capped upstream has a free slot now with nobody due ahead.
-    fn upstream_free(&mut self, upstream: UpstreamId, now: Nanos) -> bool {
-        self.clean_heads(upstream);
-        let u = &self.upstreams[upstream.0 as usize];
-        match u.cap {
-            None => true,
-            Some(_) => u.next <= now && u.heads.peek().is_none_or(|h| h.0.due > now),
-        }
-    }
-
-    /// Drop stale entries from the top of an upstream's heap.
-    fn clean_heads(&mut self, upstream: UpstreamId) {
-        let Some(u) = self.upstreams.get_mut(upstream.0 as usize) else {
-            return;
-        };
-        while let Some(Reverse(h)) = u.heads.peek() {
-            if head_is_live(&self.slots, h) {
-                break;
-            }
-            u.heads.pop();
-        }
-    }
-
-    fn insert(&mut self, route: RouteId, key: K, hash: u64) -> u32 {
-        let client = Client {
-            key,
-            hash,
-            route,
-            tat: 0,
-            due: 0,
-            waiting_cost: 0,
-            waiting: 0,
-            queue: VecDeque::new(),
-            in_expiry: false,
-        };
-        let slot = match self.free.pop() {
-            Some(s) => {
-                self.slots[s as usize].client = Some(client);
-                s
-            }
-            None => {
-                self.slots.push(Slot {
-                    generation: 0,
-                    client: Some(client),
-                });
-                (self.slots.len() - 1) as u32
-            }
-        };
-        let slots = &self.slots;
-        self.index.insert_unique(hash, slot, |&s| {
-            slots[s as usize].client.as_ref().map_or(0, |c| c.hash)
-        });
-        self.clients += 1;
-        slot
-    }
-
-    fn remove(&mut self, slot: u32) {
-        let Some(client) = self.slots[slot as usize].client.take() else {
-            return;
-        };
-        if let Ok(entry) = self.index.find_entry(client.hash, |&s| s == slot) {
-            entry.remove();
-        }
-        let s = &mut self.slots[slot as usize];
-        s.generation = s.generation.wrapping_add(1);
-        self.free.push(slot);
-        self.clients -= 1;
-    }
-
-    /// Forget a client that holds nothing (a fresh state made for an
-    /// arrival that was then refused), otherwise make sure it will expire.
-    fn forget_if_idle(&mut self, slot: u32, now: Nanos) {
-        let idle = self.slots[slot as usize]
-            .client
-            .as_ref()
-            .is_some_and(|c| c.waiting == 0 && c.tat <= now);
-        if idle {
-            self.remove(slot);
-        }
-    }
-
-    fn schedule_expiry(&mut self, slot: u32) {
-        let s = &mut self.slots[slot as usize];
-        if let Some(c) = s.client.as_mut()
-            && !c.in_expiry
-        {
-            c.in_expiry = true;
-            self.expiry.push(Reverse((c.tat, slot, s.generation)));
-        }
-    }
-
-    /// Forget clients whose queue is empty and whose schedule has passed.
-    pub fn expire(&mut self, now: Nanos) {
-        while let Some(&Reverse((at, slot, generation))) = self.expiry.peek() {
-            if at > now {
-                break;
-            }
-            self.expiry.pop();
-            let s = &mut self.slots[slot as usize];
-            if s.generation != generation {
+    /// Grant a capped upstream's slots due by `now`, earliest due head
+    /// first across every shard.
+    fn release_cap(&self, up: u32, now: Nanos, out: &mut Vec<P>) -> Option<Nanos> {
+        let cap = self.cap(up)?;
+        loop {
+            // Which shard holds the earliest head (cap lock alone) ...
+            let shard = {
+                let mut c = lock(&cap);
+                match c.next_release() {
+                    Some(at) if at <= now => c.heads.peek().map(|h| h.0.shard),
+                    next => {
+                        c.armed = next.unwrap_or(Nanos::MAX);
+                        return next;
+                    }
+                }
+            };
+            let Some(index) = shard else {
+                continue;
+            };
+            let Some(shard) = self.shards.get(index as usize) else {
+                // Cannot happen: heads name shards of this engine.
+                lock(&cap).heads.pop();
+                continue;
+            };
+            // ... then shard and cap, in lock order, and check again.
+            let mut shard = lock(shard);
+            let mut c = lock(&cap);
+            let Some(&Reverse(head)) = c.heads.peek() else {
+                continue;
+            };
+            let at = head.due.max(c.next);
+            if head.shard != index || at > now {
                 continue;
             }
-            let Some(c) = s.client.as_mut() else { continue };
-            c.in_expiry = false;
-            if c.waiting > 0 {
-                // It will be re-armed when its queue empties.
+            if !shard.head_is_live(&head) {
+                c.heads.pop();
                 continue;
             }
-            if c.tat <= now {
-                self.remove(slot);
-            } else {
-                c.in_expiry = true;
-                self.expiry.push(Reverse((c.tat, slot, generation)));
-            }
+            c.heads.pop();
+            shard.depart(head, now, Some(&mut c), &self.budget, out);
         }
     }
 
-    /// When [`Engine::expire`] next has work, if ever.
-    pub fn next_expiry(&self) -> Option<Nanos> {
-        self.expiry.peek().map(|r| r.0.0)
+    /// Every target, for a releaser that looks at all of them.
+    pub fn targets(&self) -> Vec<Target> {
+        let shards = (0..self.shards.len() as u32).map(Target::Shard);
+        let caps: Vec<Target> = lock(&self.upstreams)
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.is_some())
+            .map(|(i, _)| Target::Cap(i as u32))
+            .collect();
+        shards.chain(caps).collect()
     }
 
     /// When [`Engine::release_due`] next has work, if ever.
-    pub fn next_release(&mut self) -> Option<Nanos> {
+    pub fn next_release(&self) -> Option<Nanos> {
         let mut next: Option<Nanos> = None;
-        for u in 0..self.upstreams.len() {
-            let id = UpstreamId(u as u32);
-            self.clean_heads(id);
-            let u = &self.upstreams[u];
-            if let Some(Reverse(h)) = u.heads.peek() {
-                let at = if u.cap.is_some() {
-                    h.due.max(u.next)
-                } else {
-                    h.due
-                };
+        for target in self.targets() {
+            let at = match target {
+                Target::Shard(i) => lock(&self.shards[i as usize]).next_release(),
+                Target::Cap(up) => self.cap_next_release(up),
+            };
+            if let Some(at) = at {
                 next = Some(next.map_or(at, |n| n.min(at)));
             }
         }
         next
     }
 
-    /// Release every request due at `now`, appending their payloads to
-    /// `out` in departure order.
-    pub fn release_due(&mut self, now: Nanos, out: &mut Vec<P>) {
-        for u in 0..self.upstreams.len() {
-            self.release_upstream(UpstreamId(u as u32), now, out);
-        }
-    }
-
-    fn release_upstream(&mut self, upstream: UpstreamId, now: Nanos, out: &mut Vec<P>) {
+    /// A capped upstream's next release, dropping stale heads on top.
+    fn cap_next_release(&self, up: u32) -> Option<Nanos> {
+        let cap = self.cap(up)?;
         loop {
-            self.clean_heads(upstream);
-            let u = &mut self.upstreams[upstream.0 as usize];
-            let Some(&Reverse(head)) = u.heads.peek() else {
-                return;
-            };
-            let at = match u.cap {
-                Some(_) => head.due.max(u.next),
-                None => head.due,
-            };
-            if at > now {
-                return;
-            }
-            u.heads.pop();
-            let Some(c) = self.slots[head.slot as usize].client.as_mut() else {
+            let index = lock(&cap).heads.peek().map(|h| h.0.shard)?;
+            let shard = lock(self.shards.get(index as usize)?);
+            let mut c = lock(&cap);
+            let &Reverse(head) = c.heads.peek()?;
+            if head.shard != index {
                 continue;
-            };
-            let Some(entry) = c.queue.pop_front() else {
-                continue;
-            };
-            let Some(policy) = self.routes.get(c.route.0 as usize).map(|r| r.policy) else {
-                continue;
-            };
-            let step = entry.step;
-            let cost = u64::from(entry.cost);
-            c.waiting -= 1;
-            c.waiting_cost -= cost;
-            self.queued -= 1;
-            if let Some(cap) = u.cap {
-                let gap = cost.saturating_mul(cap);
-                let from = if stalled(at, gap, now) { now } else { at };
-                u.next = from.saturating_add(gap);
             }
-            // The departing unit moves the client's schedule from its
-            // departure (D = d + c·T, DESIGN 1): from the scheduled release,
-            // never from `now`, so pacer jitter never drifts the grid; a
-            // departure the upstream cap delayed counts from when it went, so
-            // one client's departures never come closer than c·T. A release
-            // a whole interval or more late (the pacer stalled) restarts from
-            // the release: never a catch-up burst.
-            let gap = cost.saturating_mul(step);
-            let tau = policy.tolerance();
-            c.tat = if stalled(at, gap, now) {
-                now.saturating_add(tau).saturating_add(gap)
-            } else {
-                c.tat.max(at).saturating_add(gap)
-            };
-            if let Some(p) = entry.payload {
-                out.push(p);
+            if shard.head_is_live(&head) {
+                return c.next_release();
             }
-            self.promote_head(head.slot, now);
+            c.heads.pop();
         }
     }
 
-    /// After the head left (or was cancelled), drop leading tombstones and
-    /// put the new head, if any, in its upstream's heap.
-    fn promote_head(&mut self, slot: u32, now: Nanos) {
-        let generation = self.slots[slot as usize].generation;
-        let Some(c) = self.slots[slot as usize].client.as_mut() else {
-            return;
-        };
-        while c.queue.front().is_some_and(|e| e.payload.is_none()) {
-            c.queue.pop_front();
+    /// Release every request due at `now` on every target, appending
+    /// payloads to `out` (for single-threaded drivers and tests).
+    pub fn release_due(&self, now: Nanos, out: &mut Vec<P>) {
+        for target in self.targets() {
+            self.release(target, now, out);
         }
-        let Some(route) = self.routes.get(c.route.0 as usize) else {
-            return;
-        };
-        let tau = route.policy.tolerance();
-        match c.queue.front() {
-            Some(next) => {
-                c.due = c.tat.saturating_sub(tau).max(next.arrival);
-                let head = HeadRef {
-                    due: c.due,
-                    seq: next.seq,
-                    slot,
-                    generation,
-                };
-                self.upstreams[route.upstream.0 as usize]
-                    .heads
-                    .push(Reverse(head));
-            }
-            None => {
-                if c.tat <= now {
-                    self.remove(slot);
-                } else {
-                    self.schedule_expiry(slot);
-                }
-            }
+    }
+
+    /// Forget idle clients of one shard whose schedule has passed; returns
+    /// when that shard next has some to forget.
+    pub fn expire_shard(&self, shard: usize, now: Nanos) -> Option<Nanos> {
+        let mut s = lock(self.shards.get(shard)?);
+        s.expire(now, &self.budget);
+        s.next_expiry()
+    }
+
+    /// When [`Engine::expire`] next has work, if ever.
+    pub fn next_expiry(&self) -> Option<Nanos> {
+        self.shards
+            .iter()
+            .filter_map(|s| lock(s).next_expiry())
+            .min()
+    }
+
+    /// Forget idle clients whose schedule has passed, in every shard.
+    pub fn expire(&self, now: Nanos) {
+        for i in 0..self.shards.len() {
+            self.expire_shard(i, now);
         }
     }
 
     /// Withdraw every waiting request (shutdown past the drain timeout),
     /// appending their payloads to `out`. Client schedules are kept.
-    pub fn withdraw_all(&mut self, now: Nanos, out: &mut Vec<P>) {
-        for slot in 0..self.slots.len() {
-            let Some(c) = self.slots[slot].client.as_mut() else {
-                continue;
-            };
-            if c.waiting == 0 {
-                continue;
-            }
-            out.extend(c.queue.drain(..).filter_map(|e| e.payload));
-            self.queued -= c.waiting;
-            c.waiting = 0;
-            c.waiting_cost = 0;
-            self.promote_head(slot as u32, now);
+    pub fn withdraw_all(&self, now: Nanos, out: &mut Vec<P>) {
+        for shard in self.shards.iter() {
+            lock(shard).withdraw_all(now, &self.budget, out);
         }
     }
 
     /// The `n` clients with the most cost waiting, deepest first, as
-    /// (route, key, view). Walks every client: for status pages, not for
-    /// the request path.
-    pub fn deepest(&self, n: usize, now: Nanos) -> Vec<(RouteId, &K, ClientView)> {
-        let mut all: Vec<(RouteId, &K, ClientView)> = self
-            .slots
-            .iter()
-            .filter_map(|s| s.client.as_ref())
-            .filter(|c| c.waiting > 0)
-            .filter_map(|c| {
-                let policy = self.routes.get(c.route.0 as usize)?.policy;
-                let next_departure = c
-                    .due
-                    .saturating_add(c.waiting_cost.saturating_mul(policy.rate.interval_nanos()));
-                let view = ClientView {
-                    waiting_cost: c.waiting_cost,
-                    waiting: c.waiting,
-                    next_departure: next_departure.max(now),
-                };
-                Some((c.route, &c.key, view))
-            })
-            .collect();
-        all.sort_by_key(|e| std::cmp::Reverse(e.2.waiting_cost));
-        all.truncate(n);
-        all
-    }
-
-    /// Withdraw a waiting request: it will never be released, and the next
-    /// one in line takes its slot. Returns its payload, or `None` when the
-    /// ticket was already released (or cancelled).
-    pub fn cancel(&mut self, ticket: Ticket, now: Nanos) -> Option<P> {
-        let s = self.slots.get_mut(ticket.slot as usize)?;
-        if s.generation != ticket.generation {
-            return None;
+    /// (route, key, view). Visits shards a bounded number of slots per
+    /// lock, so admissions never wait on this walk for long.
+    pub fn deepest(&self, n: usize, now: Nanos) -> Vec<(RouteId, K, ClientView)>
+    where
+        K: Clone,
+    {
+        const CHUNK: usize = 4096;
+        let mut best: Vec<(RouteId, K, ClientView)> = Vec::new();
+        for shard in self.shards.iter() {
+            let mut from = Some(0);
+            while let Some(start) = from {
+                from = lock(shard).scan_waiting(start, CHUNK, now, |route, key, view| {
+                    if best.len() < n {
+                        best.push((route, key.clone(), view));
+                    } else if let Some(min) = best
+                        .iter_mut()
+                        .min_by_key(|e| e.2.waiting_cost)
+                        .filter(|m| m.2.waiting_cost < view.waiting_cost)
+                    {
+                        *min = (route, key.clone(), view);
+                    }
+                });
+            }
         }
-        let c = s.client.as_mut()?;
-        let i = c.queue.binary_search_by_key(&ticket.seq, |e| e.seq).ok()?;
-        let entry = c.queue.get_mut(i)?;
-        let payload = entry.payload.take()?;
-        c.waiting -= 1;
-        c.waiting_cost -= u64::from(entry.cost);
-        self.queued -= 1;
-        if i == 0 {
-            // Its heap entry goes stale; the next one takes the same slot.
-            c.queue.pop_front();
-            self.promote_head(ticket.slot, now);
-        }
-        Some(payload)
+        best.sort_by_key(|e| Reverse(e.2.waiting_cost));
+        best
     }
-}
-
-fn head_is_live<K, P>(slots: &[Slot<K, P>], h: &HeadRef) -> bool {
-    slots.get(h.slot as usize).is_some_and(|s| {
-        s.generation == h.generation
-            && s.client
-                .as_ref()
-                .is_some_and(|c| c.due == h.due && c.queue.front().is_some_and(|e| e.seq == h.seq))
-    })
 }

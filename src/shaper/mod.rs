@@ -1,15 +1,14 @@
-//! The shaping core: per-client bounded FIFO queues, the departure schedule,
-//! the upstream-wide fair cap, and the pacer that releases requests on time.
-//!
-//! `engine` is pure (time is a parameter, no I/O, no async runtime); `pacer`
-//! is the thin real-time shell around it.
+//! The shaping core, pure: per-client bounded FIFO queues, the departure
+//! schedule, the upstream-wide fair cap, and rates. Time is a parameter
+//! everywhere; nothing here reads a clock, blocks on I/O or spawns work.
+//! The pacer (`crate::pacer`) is the real-time shell around it.
 
-pub mod engine;
-pub mod pacer;
+mod engine;
 pub mod rate;
+mod shard;
 
 pub use engine::{
-    Admission, ClientView, Engine, Limits, Policy, Probe, Rejection, RouteId, Ticket, UpstreamId,
+    Admission, Budget, ClientView, Engine, Limits, Policy, Probe, Rejection, RouteId, Target,
+    Ticket, UpstreamId, Wake,
 };
-pub use pacer::{AcquireError, Admitted, LagObserver, Shaper, Waiting};
 pub use rate::{Nanos, Rate, RateError};

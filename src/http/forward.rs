@@ -1,12 +1,13 @@
-//! The upstream side: a pooled keep-alive client per upstream (http, or
-//! https through rustls), request rewriting, and the 502/504 mapping.
+//! The upstream side: a pooled keep-alive client per upstream and worker
+//! (http, or https through rustls), so that a request never leaves the
+//! thread that accepted it; request rewriting, and the 502/504 mapping.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{HOST, HeaderValue};
-use http::uri::{Authority, Scheme};
+use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -14,6 +15,7 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use metrics::Histogram;
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
@@ -23,13 +25,17 @@ use super::response::{ProxyBody, problem};
 use crate::config;
 use crate::metrics::{self as m, Outcome};
 
-/// One configured upstream and its connection pool.
+type Pool = Client<HttpsConnector<HttpConnector>, Incoming>;
+
+/// One configured upstream and its connection pools.
 pub struct Upstream {
     name: String,
     scheme: Scheme,
     authority: Authority,
     request_timeout: Duration,
-    client: Client<HttpsConnector<HttpConnector>, Incoming>,
+    /// This worker's pool: its connections stay on the worker's thread.
+    pool: Pool,
+    duration: Histogram,
     /// `max_concurrency`: a permit per call in flight, held until the
     /// response body has been sent.
     concurrency: Option<Arc<Semaphore>>,
@@ -81,32 +87,35 @@ fn unreachable_config() -> rustls::ClientConfig {
 impl Upstream {
     pub fn new(
         cfg: &config::Upstream,
-        tls: Arc<rustls::ClientConfig>,
+        tls: &Arc<rustls::ClientConfig>,
         concurrency: Option<Arc<Semaphore>>,
     ) -> Result<Upstream, ServeError> {
         let scheme = cfg.url.scheme().cloned().unwrap_or(Scheme::HTTP);
         let authority = cfg.url.authority().cloned().ok_or_else(|| {
             ServeError::Client(format!("upstream '{}': url has no host", cfg.name))
         })?;
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(cfg.connect_timeout));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config((*tls).clone())
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(https);
+        let pool = {
+            let mut http = HttpConnector::new();
+            http.enforce_http(false);
+            http.set_nodelay(true);
+            http.set_connect_timeout(Some(cfg.connect_timeout));
+            let https = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config((**tls).clone())
+                .https_or_http()
+                .enable_http1()
+                .wrap_connector(http);
+            Client::builder(TokioExecutor::new())
+                .pool_timer(TokioTimer::new())
+                .pool_idle_timeout(Duration::from_secs(90))
+                .build(https)
+        };
         Ok(Upstream {
             name: cfg.name.clone(),
             scheme,
             authority,
             request_timeout: cfg.request_timeout,
-            client,
+            pool,
+            duration: metrics::histogram!(m::UPSTREAM_DURATION_SECONDS, "upstream" => cfg.name.clone()),
             concurrency,
         })
     }
@@ -136,12 +145,18 @@ impl Upstream {
                 .authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
-        let path = parts.uri.path_and_query().cloned();
-        let mut uri = Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone());
-        uri = uri.path_and_query(path.as_ref().map_or("/", |p| p.as_str()));
-        parts.uri = match uri.build() {
+        // The target in absolute form; its parts are shared, not copied.
+        let mut target = http::uri::Parts::default();
+        target.scheme = Some(self.scheme.clone());
+        target.authority = Some(self.authority.clone());
+        target.path_and_query = Some(
+            parts
+                .uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")),
+        );
+        parts.uri = match Uri::from_parts(target) {
             Ok(u) => u,
             Err(_) => {
                 let detail = "the request target cannot be forwarded";
@@ -167,9 +182,8 @@ impl Upstream {
             None => None,
         };
         let started = std::time::Instant::now();
-        let result = tokio::time::timeout(self.request_timeout, self.client.request(req)).await;
-        metrics::histogram!(m::UPSTREAM_DURATION_SECONDS, "upstream" => self.name.clone())
-            .record(started.elapsed().as_secs_f64());
+        let result = tokio::time::timeout(self.request_timeout, self.pool.request(req)).await;
+        self.duration.record(started.elapsed().as_secs_f64());
         match result {
             Err(_) => {
                 debug!(upstream = %self.name, "upstream timed out");

@@ -1,5 +1,6 @@
 //! Responses sluice makes itself: RFC 9457 `application/problem+json`
 //! bodies with a short human text, and the shared response body type.
+//! Bodies that are answered often (refusals) are rendered once per route.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -32,29 +33,50 @@ pub fn ceil_secs(nanos: u64) -> u64 {
     nanos.div_ceil(1_000_000_000)
 }
 
-/// A problem+json response.
+/// A problem+json document, rendered once.
+#[derive(Debug, Clone)]
+pub struct Problem {
+    status: StatusCode,
+    body: Bytes,
+}
+
+impl Problem {
+    pub fn new(status: StatusCode, detail: &str) -> Problem {
+        let body = serde_json::json!({
+            "type": "about:blank",
+            "title": status.canonical_reason().unwrap_or("Error"),
+            "status": status.as_u16(),
+            "detail": detail,
+        });
+        Problem {
+            status,
+            body: Bytes::from(body.to_string()),
+        }
+    }
+
+    /// The response, with `Retry-After` when given.
+    pub fn response(&self, retry_after: Option<Duration>) -> Response<ProxyBody> {
+        let mut response = Response::new(full(self.body.clone()));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(wait) = retry_after {
+            headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(wait)));
+        }
+        response
+    }
+}
+
+/// A problem+json response rendered on the spot (rare answers).
 pub fn problem(
     status: StatusCode,
     detail: &str,
     retry_after: Option<Duration>,
 ) -> Response<ProxyBody> {
-    let body = serde_json::json!({
-        "type": "about:blank",
-        "title": status.canonical_reason().unwrap_or("Error"),
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    let mut response = Response::new(full(body.to_string()));
-    *response.status_mut() = status;
-    let headers = response.headers_mut();
-    headers.insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    if let Some(wait) = retry_after {
-        headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(wait)));
-    }
-    response
+    Problem::new(status, detail).response(retry_after)
 }
 
 #[cfg(test)]

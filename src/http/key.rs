@@ -10,10 +10,8 @@ use http::HeaderMap;
 use http::header::HeaderName;
 use ipnet::IpNet;
 
+use crate::admission::{Key, KeyBuf};
 use crate::config::{KeyPart, KeySpec, OnMissingKey};
-
-/// The key the shaper files a request under.
-pub type ClientKey = Box<[u8]>;
 
 /// Longest header value accepted as a key; longer ones are refused (400)
 /// rather than stored.
@@ -21,17 +19,17 @@ pub const MAX_KEY_LEN: usize = 256;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
-fn ip_part(ip: IpAddr, out: &mut Vec<u8>) {
+fn ip_part(ip: IpAddr, out: &mut KeyBuf) {
     out.push(b'i');
     match ip {
-        IpAddr::V4(v4) => out.extend_from_slice(&v4.octets()),
-        IpAddr::V6(v6) => out.extend_from_slice(&v6.octets()),
+        IpAddr::V4(v4) => out.extend(&v4.octets()),
+        IpAddr::V6(v6) => out.extend(&v6.octets()),
     }
 }
 
-fn header_part(value: &[u8], out: &mut Vec<u8>) {
+fn header_part(value: &[u8], out: &mut KeyBuf) {
     out.push(b'h');
-    out.extend_from_slice(value);
+    out.extend(value);
 }
 
 fn is_trusted(ip: IpAddr, trusted: &[IpNet]) -> bool {
@@ -79,8 +77,8 @@ pub fn extract(
     headers: &HeaderMap,
     peer: IpAddr,
     trusted: &[IpNet],
-) -> Result<ClientKey, String> {
-    let one = |part: &KeyPart, out: &mut Vec<u8>| -> Result<(), String> {
+) -> Result<Key, String> {
+    let one = |part: &KeyPart, out: &mut KeyBuf| -> Result<(), String> {
         match part {
             KeyPart::Ip => ip_part(peer, out),
             KeyPart::Forwarded => ip_part(forwarded_client(headers, peer, trusted), out),
@@ -100,55 +98,28 @@ pub fn extract(
         }
         Ok(())
     };
-    let mut key = Vec::new();
+    let mut key = KeyBuf::default();
     match spec.0.as_slice() {
         [single] => one(single, &mut key)?,
         parts => {
             key.push(b'c');
-            let mut part = Vec::new();
+            let mut part = KeyBuf::default();
             for p in parts {
                 part.clear();
                 one(p, &mut part)?;
                 // Each part is at most MAX_KEY_LEN + 1 bytes: a u16 holds it.
-                key.extend_from_slice(&(part.len() as u16).to_be_bytes());
-                key.extend_from_slice(&part);
+                key.extend(&(part.len() as u16).to_be_bytes());
+                key.extend(part.as_bytes());
             }
         }
     }
-    Ok(key.into_boxed_slice())
-}
-
-/// A key as an operator reads it: the address for `ip`/`forwarded`, the
-/// header value (lossily), `*` for `global`, parts joined by `|`.
-pub fn display(key: &[u8]) -> String {
-    match key {
-        [b'i', octets @ ..] if octets.len() == 4 => {
-            IpAddr::from([octets[0], octets[1], octets[2], octets[3]]).to_string()
-        }
-        [b'i', octets @ ..] if octets.len() == 16 => {
-            let mut o = [0u8; 16];
-            o.copy_from_slice(octets);
-            IpAddr::from(o).to_string()
-        }
-        [b'h', value @ ..] => String::from_utf8_lossy(value).into_owned(),
-        [b'c', composite @ ..] => {
-            let mut rest: &[u8] = composite;
-            let mut parts = Vec::new();
-            while let [hi, lo, tail @ ..] = rest {
-                let n = usize::from(u16::from_be_bytes([*hi, *lo])).min(tail.len());
-                parts.push(display(&tail[..n]));
-                rest = &tail[n..];
-            }
-            parts.join("|")
-        }
-        _ => "*".to_owned(),
-    }
+    Ok(key.key())
 }
 
 /// The key for the displayed form `text` (as `/status` shows it), for the
 /// bucket query; `None` when `text` cannot be such a key.
-pub fn from_display(spec: &KeySpec, text: &str) -> Option<ClientKey> {
-    let one = |part: &KeyPart, text: &str, out: &mut Vec<u8>| -> Option<()> {
+pub fn from_display(spec: &KeySpec, text: &str) -> Option<Key> {
+    let one = |part: &KeyPart, text: &str, out: &mut KeyBuf| -> Option<()> {
         match part {
             KeyPart::Ip | KeyPart::Forwarded => ip_part(text.parse().ok()?, out),
             KeyPart::Global => {}
@@ -156,7 +127,7 @@ pub fn from_display(spec: &KeySpec, text: &str) -> Option<ClientKey> {
         }
         Some(())
     };
-    let mut key = Vec::new();
+    let mut key = KeyBuf::default();
     match spec.0.as_slice() {
         [single] => one(single, text, &mut key)?,
         parts => {
@@ -166,14 +137,14 @@ pub fn from_display(spec: &KeySpec, text: &str) -> Option<ClientKey> {
             }
             key.push(b'c');
             for (p, t) in parts.iter().zip(texts) {
-                let mut part = Vec::new();
+                let mut part = KeyBuf::default();
                 one(p, t, &mut part)?;
-                key.extend_from_slice(&(part.len() as u16).to_be_bytes());
-                key.extend_from_slice(&part);
+                key.extend(&(part.len() as u16).to_be_bytes());
+                key.extend(part.as_bytes());
             }
         }
     }
-    Some(key.into_boxed_slice())
+    Some(key.key())
 }
 
 #[cfg(test)]
@@ -203,7 +174,7 @@ mod tests {
             &[],
         )
         .unwrap();
-        assert_eq!(display(&k), "alice");
+        assert_eq!(k.display(), "alice");
     }
 
     #[test]
@@ -212,7 +183,7 @@ mod tests {
         let h = HeaderMap::new();
         assert!(extract(&s, OnMissingKey::Reject, &h, PEER, &[]).is_err());
         let k = extract(&s, OnMissingKey::Ip, &h, PEER, &[]).unwrap();
-        assert_eq!(display(&k), "127.0.0.1");
+        assert_eq!(k.display(), "127.0.0.1");
     }
 
     #[test]
@@ -269,8 +240,8 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("x-tenant", HeaderValue::from_static("acme"));
         let k = extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap();
-        assert_eq!(display(&k), "acme|127.0.0.1");
-        assert_eq!(from_display(&s, "acme|127.0.0.1").as_deref(), Some(&k[..]));
+        assert_eq!(k.display(), "acme|127.0.0.1");
+        assert_eq!(from_display(&s, "acme|127.0.0.1"), Some(k.clone()));
         h.insert("x-tenant", HeaderValue::from_static("other"));
         assert_ne!(extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap(), k);
     }

@@ -1,9 +1,13 @@
-//! Header rewriting for the forward path: hop-by-hop removal (RFC 9110
-//! 7.6.1) and the forwarding headers (`X-Forwarded-*`, `Via`).
+//! Header rewriting: hop-by-hop removal (RFC 9110 7.6.1), the forwarding
+//! headers (`X-Forwarded-*`, `Via`), and the IETF `RateLimit` headers.
 
 use std::net::IpAddr;
 
 use http::Version;
+
+use super::response::ceil_secs;
+use super::route::Route;
+use crate::shaper::{ClientView, Nanos};
 use http::header::{
     CONNECTION, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING, UPGRADE, VIA,
 };
@@ -13,20 +17,15 @@ const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection")
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
 /// Remove the hop-by-hop headers: `Connection` and every header it names,
 /// `Keep-Alive`, `Proxy-Connection`, `TE`, `Transfer-Encoding`, `Upgrade`
 /// (RFC 9110 7.6.1).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+    if headers.contains_key(CONNECTION) {
+        strip_connection_named(headers);
     }
     for name in [
         CONNECTION,
@@ -36,6 +35,20 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         TRANSFER_ENCODING,
         UPGRADE,
     ] {
+        headers.remove(name);
+    }
+}
+
+/// Remove the headers `Connection` names.
+fn strip_connection_named(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
         headers.remove(name);
     }
 }
@@ -70,6 +83,37 @@ pub fn add_forwarded(headers: &mut HeaderMap, peer: IpAddr, host: Option<&Header
     headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
     if let Some(host) = host {
         headers.insert(X_FORWARDED_HOST, host.clone());
+    }
+}
+
+/// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-
+/// headers-10, Structured Fields): the quota is the route's capacity over
+/// the time its rate takes to drain it; remaining is the capacity not
+/// waiting now; reset is the time until this client's queue has drained.
+/// Whole seconds.
+pub fn add_ratelimit_headers(
+    route: &Route,
+    view: Option<ClientView>,
+    now: Nanos,
+    headers: &mut HeaderMap,
+) {
+    let policy = route.rule.policy();
+    let capacity = u64::from(policy.capacity);
+    let window = ceil_secs(policy.rate.interval_nanos().saturating_mul(capacity.max(1)));
+    let (waiting, reset) = match view {
+        Some(v) => (
+            v.waiting_cost,
+            ceil_secs(v.next_departure.saturating_sub(now)),
+        ),
+        None => (0, 0),
+    };
+    let remaining = capacity.saturating_sub(waiting);
+    let name = &route.name;
+    if let Ok(v) = HeaderValue::from_str(&format!("\"{name}\";q={capacity};w={window}")) {
+        headers.insert(RATELIMIT_POLICY, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&format!("\"{name}\";r={remaining};t={reset}")) {
+        headers.insert(RATELIMIT, v);
     }
 }
 

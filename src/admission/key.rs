@@ -1,0 +1,154 @@
+//! Client keys: opaque bytes a front end derives from a request (an
+//! address, a header value, a sender domain, or several joined). Short keys
+//! (most of them: an IPv6 address is 17 bytes) live inline, so filing a
+//! request under its key allocates nothing.
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+
+/// Longest key kept inline.
+const INLINE: usize = 22;
+
+/// A client key. Equality and hashing are over the bytes.
+#[derive(Clone)]
+pub struct Key(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Inline { len: u8, bytes: [u8; INLINE] },
+    Heap(Box<[u8]>),
+}
+
+impl Key {
+    /// The key made of `bytes`.
+    pub fn new(bytes: &[u8]) -> Key {
+        if bytes.len() <= INLINE {
+            let mut inline = [0; INLINE];
+            inline[..bytes.len()].copy_from_slice(bytes);
+            Key(Repr::Inline {
+                len: bytes.len() as u8,
+                bytes: inline,
+            })
+        } else {
+            Key(Repr::Heap(bytes.into()))
+        }
+    }
+
+    /// The key's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match &self.0 {
+            Repr::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            Repr::Heap(b) => b,
+        }
+    }
+}
+
+impl Key {
+    /// The key as an operator reads it: an address for `i` parts, the
+    /// value (lossily) for other tagged parts, `*` for the empty (global)
+    /// key, composite parts joined by `|`.
+    pub fn display(&self) -> String {
+        display(self.as_bytes())
+    }
+}
+
+fn display(key: &[u8]) -> String {
+    match key {
+        [b'i', octets @ ..] if octets.len() == 4 => {
+            std::net::IpAddr::from([octets[0], octets[1], octets[2], octets[3]]).to_string()
+        }
+        [b'i', octets @ ..] if octets.len() == 16 => {
+            let mut o = [0u8; 16];
+            o.copy_from_slice(octets);
+            std::net::IpAddr::from(o).to_string()
+        }
+        [b'c', composite @ ..] => {
+            let mut rest: &[u8] = composite;
+            let mut parts = Vec::new();
+            while let [hi, lo, tail @ ..] = rest {
+                let n = usize::from(u16::from_be_bytes([*hi, *lo])).min(tail.len());
+                parts.push(display(&tail[..n]));
+                rest = &tail[n..];
+            }
+            parts.join("|")
+        }
+        [_, value @ ..] => String::from_utf8_lossy(value).into_owned(),
+        [] => "*".to_owned(),
+    }
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Key) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for Key {}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_bytes().hash(state);
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Key({:?})", self.as_bytes())
+    }
+}
+
+/// Builds a key on the stack; spills to the heap only past 64 bytes.
+#[derive(Default)]
+pub struct KeyBuf {
+    buf: smallvec::SmallVec<[u8; 64]>,
+}
+
+impl KeyBuf {
+    pub fn push(&mut self, byte: u8) {
+        self.buf.push(byte);
+    }
+
+    pub fn extend(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    pub fn clear(&mut self) {
+        self.buf.clear();
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf
+    }
+
+    pub fn key(&self) -> Key {
+        Key::new(&self.buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_and_long_keys_compare_by_bytes() {
+        let short = Key::new(b"abc");
+        assert_eq!(short.as_bytes(), b"abc");
+        let long = vec![7u8; 100];
+        assert_eq!(Key::new(&long).as_bytes(), &long[..]);
+        assert_eq!(Key::new(&[0; INLINE]), Key::new(&[0; INLINE]));
+        assert_ne!(Key::new(b""), Key::new(&[0]));
+    }
+
+    #[test]
+    fn a_key_is_three_words() {
+        assert_eq!(std::mem::size_of::<Key>(), 24);
+    }
+}

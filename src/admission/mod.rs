@@ -1,0 +1,637 @@
+//! The admission layer: one protocol-neutral decision for every front end.
+//!
+//! A front end (HTTP, SMTP) parses its protocol, derives a [`Key`] and a
+//! cost, and asks [`Admission::admit`] with the [`Rule`] its route maps
+//! to. The answer is one [`Verdict`]: go now, wait for a [`Hold`], refused
+//! with a retry-after, or overloaded. Each front end maps that to its own
+//! protocol in one place (HTTP: forward / 429 / 503; SMTP: relay / 451
+//! 4.7.0 / 421 4.3.2).
+//!
+//! Behind it sit the local engine with its pacer and, in cluster mode, the
+//! shared schedule (Redis) with its `on_failure` policy. Front ends reach
+//! neither directly. The layer also owns what is the same for every
+//! protocol: dry-run, `max_wait` while held under an upstream cap, the
+//! queue-wait histogram, and the per-rule outcome counters.
+
+mod key;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use metrics::{Counter, Histogram};
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::cluster::{Ask, Cluster, Reservation};
+use crate::config::{ClusterConfig, OnFailure};
+use crate::metrics::{self as m, Outcome};
+use crate::pacer::{AcquireError, Admitted, LagObserver, Shaper, Waiting};
+pub use crate::shaper::{ClientView, Limits, Nanos, Policy, Probe, Rate};
+use crate::shaper::{Rejection, RouteId, UpstreamId};
+pub use key::{Key, KeyBuf};
+
+/// Why the admission layer could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AdmissionError {
+    #[error("cannot start the pacer thread: {0}")]
+    Pacer(std::io::Error),
+    #[error("cluster: {0}")]
+    Cluster(#[from] crate::cluster::ClusterError),
+}
+
+/// Which front end a rule serves (the `protocol` metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Protocol {
+    Http,
+    Smtp,
+}
+
+impl Protocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Http => "http",
+            Protocol::Smtp => "smtp",
+        }
+    }
+}
+
+/// What a front end asks for when it builds its routes.
+#[derive(Debug, Clone)]
+pub struct RuleSpec<'a> {
+    pub name: &'a str,
+    pub protocol: Protocol,
+    /// The upstream's name: routes sharing it share its cap.
+    pub upstream: &'a str,
+    /// The upstream's global cap, if any.
+    pub cap: Option<Rate>,
+    pub policy: Policy,
+    pub dry_run: bool,
+}
+
+/// A route as the admission layer knows it: engine ids, policy, and the
+/// metric handles resolved once (nothing is allocated per request).
+pub struct Rule {
+    name: String,
+    protocol: Protocol,
+    local: RouteId,
+    /// The local route used while the shared schedule fails with
+    /// `on_failure = "local"` (rate r / instances).
+    fallback: Option<RouteId>,
+    policy: Policy,
+    upstream: String,
+    cap_step: Option<Nanos>,
+    dry_run: bool,
+    outcomes: [Counter; Outcome::ALL.len()],
+    dry_run_refusals: Counter,
+    queue_wait: Histogram,
+    totals: Arc<Totals>,
+    /// Refusals since the last log summary.
+    refused: AtomicU64,
+}
+
+impl Rule {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn protocol(&self) -> Protocol {
+        self.protocol
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Whether the upstream has a global cap.
+    pub fn capped(&self) -> bool {
+        self.cap_step.is_some()
+    }
+
+    /// Count one request's outcome (metrics and `/status` totals).
+    pub fn count(&self, outcome: Outcome) {
+        self.outcomes[outcome as usize].increment(1);
+        self.totals.add(outcome);
+    }
+
+    /// Refusals since the last call (for one log line per interval).
+    pub fn take_refused(&self) -> u64 {
+        self.refused.swap(0, Ordering::Relaxed)
+    }
+
+    fn refuse(&self, outcome: Outcome) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        self.count(outcome);
+    }
+}
+
+/// Why a request was refused with a retry-after (HTTP 429, SMTP 451).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The client's queue is full.
+    Full,
+    /// The departure would come later than arrival + `max_wait`.
+    MaxWait,
+}
+
+/// Why a request was refused for the instance's own sake (HTTP 503, SMTP
+/// 421 4.3.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overload {
+    /// `max_clients` client states are held.
+    Clients,
+    /// `max_queued` requests are waiting.
+    Queued,
+    /// The shared schedule is unreachable and `on_failure = "reject"`.
+    Backend,
+}
+
+/// The one answer to an arrival.
+pub enum Verdict {
+    /// Depart now.
+    Go,
+    /// Wait: await [`Hold::departed`]; dropping the hold withdraws it.
+    Wait(Hold),
+    /// Refused; retry after the given time (at least 1 s when shown).
+    Refused { why: Refusal, retry_after: Duration },
+    /// Refused because the instance is at a global bound.
+    Overloaded(Overload),
+}
+
+/// Why a held request did not depart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum HoldError {
+    /// Shutting down: the drain timeout passed while it waited.
+    #[error("shutting down")]
+    Closed,
+    /// Still waiting when `max_wait` passed (under an upstream cap).
+    #[error("still queued after max_wait")]
+    Expired,
+}
+
+/// A request waiting for its departure. Dropping it (the client went away)
+/// withdraws it, gives its slot to the next in line, and counts it as
+/// cancelled.
+pub struct Hold {
+    rule: Arc<Rule>,
+    kind: Option<HoldKind>,
+    arrival: Instant,
+    max_wait: Option<Duration>,
+    closing: CancellationToken,
+}
+
+enum HoldKind {
+    Local(Waiting),
+    Shared {
+        at: Nanos,
+        shaper: Shaper<Key>,
+        cluster: Arc<Cluster>,
+        reservation: Option<Reservation>,
+    },
+}
+
+impl Hold {
+    /// When the request is expected to depart (a lower bound under an
+    /// upstream cap).
+    pub fn departure(&self) -> Option<Instant> {
+        match self.kind.as_ref()? {
+            HoldKind::Local(w) => Some(w.departure()),
+            HoldKind::Shared { at, shaper, .. } => Some(shaper.instant(*at)),
+        }
+    }
+
+    /// Resolve when the request may depart. Dropping the future before
+    /// it resolves withdraws the request (and counts it as cancelled).
+    pub async fn departed(mut self) -> Result<(), HoldError> {
+        let max_wait = self.max_wait;
+        let closing = self.closing.clone();
+        let result = match self.kind.as_mut() {
+            None => Ok(()),
+            Some(HoldKind::Shared { at, shaper, .. }) => {
+                let (at, shaper) = (*at, shaper.clone());
+                tokio::select! {
+                    () = shaper.sleep_until(at) => Ok(()),
+                    () = closing.cancelled() => Err(HoldError::Closed),
+                }
+            }
+            Some(HoldKind::Local(waiting)) => {
+                let waited = match max_wait {
+                    Some(left) => tokio::time::timeout(left, waiting.wait())
+                        .await
+                        .unwrap_or(Err(AcquireError::Rejected(Rejection::TooManyQueued))),
+                    None => waiting.wait().await,
+                };
+                match waited {
+                    Ok(()) => Ok(()),
+                    Err(AcquireError::Closed) => Err(HoldError::Closed),
+                    Err(AcquireError::Rejected(_)) => Err(HoldError::Expired),
+                }
+            }
+        };
+        // Settled: dropping the hold now withdraws nothing (an expired
+        // local waiter still holds its ticket and is withdrawn here).
+        self.settle();
+        match result {
+            Ok(()) => self
+                .rule
+                .queue_wait
+                .record(self.arrival.elapsed().as_secs_f64()),
+            Err(_) => self.rule.count(Outcome::Expired),
+        }
+        result
+    }
+
+    /// Stop waiting without withdrawing (dry run): the request keeps its
+    /// place in the schedule and is forwarded at once.
+    pub fn detach(mut self) {
+        if let Some(HoldKind::Local(w)) = self.kind.take() {
+            w.detach();
+        } else {
+            self.settle();
+        }
+    }
+
+    /// The wait is over: nothing is counted as cancelled on drop. A local
+    /// waiter that did not depart (max_wait passed) is withdrawn.
+    fn settle(&mut self) {
+        match self.kind.take() {
+            Some(HoldKind::Shared { shaper, .. }) => shaper.budget().give_queued(),
+            Some(HoldKind::Local(waiting)) => drop(waiting),
+            None => {}
+        }
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let Some(kind) = self.kind.take() else {
+            return;
+        };
+        self.rule.count(Outcome::Cancelled);
+        match kind {
+            // Dropping the waiter sends the pacer its cancellation.
+            HoldKind::Local(waiting) => drop(waiting),
+            HoldKind::Shared {
+                shaper,
+                cluster,
+                reservation,
+                ..
+            } => {
+                shaper.budget().give_queued();
+                if let Some(r) = reservation {
+                    cluster.cancel(r);
+                }
+            }
+        }
+    }
+}
+
+/// Outcome totals, for `/status`.
+#[derive(Default)]
+pub struct Totals([AtomicU64; Outcome::ALL.len()]);
+
+impl Totals {
+    pub fn add(&self, o: Outcome) {
+        self.0[o as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn get(&self, o: Outcome) -> u64 {
+        self.0[o as usize].load(Ordering::Relaxed)
+    }
+}
+
+/// Engine ids by name, kept across reloads so that a route that still
+/// exists keeps its queues.
+#[derive(Default)]
+struct Registry {
+    routes: HashMap<(Protocol, String, UpstreamId), RouteId>,
+    /// Upstreams by (protocol, name, capped): whether an upstream is capped
+    /// is fixed for its id, so adding or removing a cap makes a new one.
+    upstreams: HashMap<(Protocol, String, bool), UpstreamId>,
+}
+
+/// The admission layer: local engine and pacer, and the shared schedule in
+/// cluster mode.
+pub struct Admission {
+    shaper: Shaper<Key>,
+    cluster: Option<Arc<Cluster>>,
+    registry: Mutex<Registry>,
+    totals: Arc<Totals>,
+    /// Cancelled when the drain gives up: every hold ends with `Closed`.
+    closing: CancellationToken,
+}
+
+impl Admission {
+    /// Start the pacer and, with `cluster`, the shared-schedule client.
+    pub fn start(
+        limits: Limits,
+        cluster: Option<&ClusterConfig>,
+    ) -> Result<Admission, AdmissionError> {
+        let shaper = Shaper::start(limits).map_err(AdmissionError::Pacer)?;
+        let observe: LagObserver = Box::new({
+            let lag = metrics::histogram!(m::RELEASE_LAG_SECONDS);
+            move |d| lag.record(d.as_secs_f64())
+        });
+        shaper.observe_lag(observe);
+        let cluster = match cluster {
+            Some(c) => Some(Arc::new(Cluster::new(c)?)),
+            None => None,
+        };
+        Ok(Admission {
+            shaper,
+            cluster,
+            registry: Mutex::default(),
+            totals: Arc::default(),
+            closing: CancellationToken::new(),
+        })
+    }
+
+    /// Build rules for a config, reusing engine ids for routes and
+    /// upstreams that keep their name (and, for routes, their upstream).
+    pub fn rules(&self, specs: &[RuleSpec<'_>]) -> Vec<Arc<Rule>> {
+        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        specs
+            .iter()
+            .map(|spec| Arc::new(self.rule(&mut registry, spec)))
+            .collect()
+    }
+
+    fn rule(&self, registry: &mut Registry, spec: &RuleSpec<'_>) -> Rule {
+        let up_key = (spec.protocol, spec.upstream.to_owned(), spec.cap.is_some());
+        let upstream = match registry.upstreams.get(&up_key) {
+            Some(&id) => {
+                if let Some(rate) = spec.cap {
+                    self.shaper.set_upstream_rate(id, rate);
+                }
+                id
+            }
+            None => {
+                let id = self.shaper.add_upstream(spec.cap);
+                registry.upstreams.insert(up_key, id);
+                id
+            }
+        };
+        let mut route = |name: String, policy: Policy| {
+            let key = (spec.protocol, name, upstream);
+            match registry.routes.get(&key) {
+                Some(&id) => {
+                    self.shaper.set_policy(id, policy);
+                    id
+                }
+                None => {
+                    let id = self.shaper.add_route(policy, upstream);
+                    registry.routes.insert(key, id);
+                    id
+                }
+            }
+        };
+        let local = route(spec.name.to_owned(), spec.policy);
+        let fallback = self.cluster.as_ref().map(|c| {
+            let interval = spec
+                .policy
+                .rate
+                .interval_nanos()
+                .saturating_mul(u64::from(c.instances));
+            let policy = Policy {
+                rate: Rate::from_interval_nanos(interval).unwrap_or(spec.policy.rate),
+                ..spec.policy
+            };
+            route(format!("{}\0local", spec.name), policy)
+        });
+        let (name, protocol) = (spec.name.to_owned(), spec.protocol.as_str());
+        let outcomes = Outcome::ALL.map(|o| {
+            metrics::counter!(m::REQUESTS_TOTAL, "route" => name.clone(), "protocol" => protocol, "outcome" => o.as_str())
+        });
+        Rule {
+            name: spec.name.to_owned(),
+            protocol: spec.protocol,
+            local,
+            fallback,
+            policy: spec.policy,
+            upstream: spec.upstream.to_owned(),
+            cap_step: spec.cap.map(Rate::interval_nanos),
+            dry_run: spec.dry_run,
+            outcomes,
+            dry_run_refusals: metrics::counter!(m::DRY_RUN_REFUSALS_TOTAL, "route" => name.clone(), "protocol" => protocol),
+            queue_wait: metrics::histogram!(m::QUEUE_WAIT_SECONDS, "route" => name.clone(), "protocol" => protocol),
+            totals: self.totals.clone(),
+            refused: AtomicU64::new(0),
+        }
+    }
+
+    /// Decide an arrival of `cost` for `key` under `rule`.
+    pub async fn admit(&self, rule: &Arc<Rule>, key: Key, cost: u32) -> Verdict {
+        let arrival = Instant::now();
+        let mut local = rule.local;
+        if let Some(cluster) = &self.cluster {
+            match self.admit_shared(cluster, rule, &key, cost, arrival).await {
+                Shared::Decided(v) => return v,
+                Shared::Local => local = rule.fallback.unwrap_or(rule.local),
+            }
+        }
+        let verdict = match self.shaper.admit(local, key, cost) {
+            Ok(Admitted::Now) => Verdict::Go,
+            Ok(Admitted::Wait(waiting)) => Verdict::Wait(Hold {
+                rule: rule.clone(),
+                kind: Some(HoldKind::Local(waiting)),
+                arrival,
+                // Under an upstream cap the departure is only a lower bound
+                // at admission: max_wait is also enforced while waiting.
+                max_wait: rule
+                    .policy
+                    .max_wait
+                    .filter(|_| rule.capped())
+                    .map(Duration::from_nanos),
+                closing: self.closing.clone(),
+            }),
+            Err(Rejection::Full { retry_after }) => Verdict::Refused {
+                why: Refusal::Full,
+                retry_after: Duration::from_nanos(retry_after),
+            },
+            Err(Rejection::MaxWait { retry_after }) => Verdict::Refused {
+                why: Refusal::MaxWait,
+                retry_after: Duration::from_nanos(retry_after),
+            },
+            Err(Rejection::TooManyClients) => Verdict::Overloaded(Overload::Clients),
+            Err(Rejection::TooManyQueued) => Verdict::Overloaded(Overload::Queued),
+        };
+        self.settle(rule, verdict, arrival)
+    }
+
+    /// Count a verdict, and apply dry-run: decide and count, go anyway.
+    fn settle(&self, rule: &Arc<Rule>, verdict: Verdict, arrival: Instant) -> Verdict {
+        match verdict {
+            Verdict::Go => {
+                rule.queue_wait.record(arrival.elapsed().as_secs_f64());
+                Verdict::Go
+            }
+            Verdict::Wait(hold) if rule.dry_run => {
+                hold.detach();
+                Verdict::Go
+            }
+            Verdict::Refused { .. } | Verdict::Overloaded(_) if rule.dry_run => {
+                rule.refused.fetch_add(1, Ordering::Relaxed);
+                rule.dry_run_refusals.increment(1);
+                debug!(route = %rule.name, "dry run: would have refused");
+                Verdict::Go
+            }
+            Verdict::Refused { why, retry_after } => {
+                rule.refuse(Outcome::Rejected);
+                Verdict::Refused { why, retry_after }
+            }
+            Verdict::Overloaded(o) => {
+                rule.refuse(Outcome::Overloaded);
+                Verdict::Overloaded(o)
+            }
+            wait @ Verdict::Wait(_) => wait,
+        }
+    }
+
+    /// Cluster mode: one round trip to the shared schedule decides; a
+    /// request that must wait is held by our own pacer until its
+    /// departure. When the backend fails, `on_failure` decides.
+    async fn admit_shared(
+        &self,
+        cluster: &Arc<Cluster>,
+        rule: &Arc<Rule>,
+        key: &Key,
+        cost: u32,
+        arrival: Instant,
+    ) -> Shared {
+        let us = |ns: u64| ns / 1_000;
+        let step = rule.policy.rate.interval_nanos();
+        let (k, global) = cluster.keys(
+            &rule.name,
+            key.as_bytes(),
+            rule.capped().then_some(rule.upstream.as_str()),
+        );
+        let ask = Ask {
+            key: k,
+            global,
+            step_us: us(step),
+            capacity: rule.policy.capacity,
+            cost,
+            tau_us: us(u64::from(rule.policy.burst.saturating_sub(1)).saturating_mul(step)),
+            global_step_us: rule.cap_step.map_or(0, us),
+            max_wait_us: rule.policy.max_wait.map_or(0, us),
+        };
+        let verdict = match cluster.admit(ask).await {
+            Ok(crate::cluster::Verdict::Go { delay, reservation }) => {
+                if delay.is_zero() {
+                    Verdict::Go
+                } else if !self.shaper.budget().take_queued() {
+                    cluster.cancel(reservation);
+                    Verdict::Overloaded(Overload::Queued)
+                } else {
+                    let at = self
+                        .shaper
+                        .now()
+                        .saturating_add(u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX));
+                    Verdict::Wait(Hold {
+                        rule: rule.clone(),
+                        kind: Some(HoldKind::Shared {
+                            at,
+                            shaper: self.shaper.clone(),
+                            cluster: cluster.clone(),
+                            reservation: Some(reservation),
+                        }),
+                        arrival,
+                        max_wait: None,
+                        closing: self.closing.clone(),
+                    })
+                }
+            }
+            Ok(crate::cluster::Verdict::Full { retry_after }) => Verdict::Refused {
+                why: Refusal::Full,
+                retry_after,
+            },
+            Ok(crate::cluster::Verdict::MaxWait { retry_after }) => Verdict::Refused {
+                why: Refusal::MaxWait,
+                retry_after,
+            },
+            Err(e) => {
+                let policy = cluster.on_failure;
+                debug!(error = %e, ?policy, "shared schedule failed; applying on_failure");
+                let label = match policy {
+                    OnFailure::Local => "local",
+                    OnFailure::Reject => "reject",
+                    OnFailure::Allow => "allow",
+                };
+                metrics::counter!(m::REDIS_FALLBACKS_TOTAL, "policy" => label).increment(1);
+                match policy {
+                    OnFailure::Local => return Shared::Local,
+                    OnFailure::Allow => Verdict::Go,
+                    OnFailure::Reject => Verdict::Overloaded(Overload::Backend),
+                }
+            }
+        };
+        Shared::Decided(self.settle(rule, verdict, arrival))
+    }
+
+    /// Look at one client of a rule without changing anything.
+    pub fn view(&self, rule: &Rule, key: &Key) -> Option<ClientView> {
+        self.shaper.view(rule.local, key)
+    }
+
+    /// What an arrival would be answered now, without changing anything.
+    pub fn probe(&self, rule: &Rule, key: &Key, cost: u32) -> Probe {
+        self.shaper.probe(rule.local, key, cost)
+    }
+
+    /// The `n` deepest local queues, deepest first, with their rule's
+    /// engine route (see [`Admission::rule_of`]).
+    pub fn deepest(&self, n: usize) -> Vec<(RouteId, Key, ClientView)> {
+        self.shaper.deepest(n)
+    }
+
+    /// Whether `id` (from [`Admission::deepest`]) is `rule`'s route.
+    pub fn is_rule_route(&self, rule: &Rule, id: RouteId) -> bool {
+        rule.local == id || rule.fallback == Some(id)
+    }
+
+    /// The engine's clock, in nanoseconds.
+    pub fn now(&self) -> Nanos {
+        self.shaper.now()
+    }
+
+    /// Client states held and requests waiting (held ones included).
+    pub fn stats(&self) -> (usize, usize) {
+        self.shaper.stats()
+    }
+
+    /// Outcome totals since start.
+    pub fn totals(&self) -> &Totals {
+        &self.totals
+    }
+
+    /// Change the global bounds on clients and queued requests.
+    pub fn set_limits(&self, limits: Limits) {
+        self.shaper.set_limits(limits);
+    }
+
+    /// Answer every waiting request "shutting down" (the drain timed out).
+    pub fn close_waiting(&self) -> usize {
+        self.closing.cancel();
+        self.shaper.close_waiting()
+    }
+
+    /// The shared schedule's state: `None` outside cluster mode.
+    pub fn backend_healthy(&self) -> Option<bool> {
+        self.cluster.as_ref().map(|c| c.is_healthy())
+    }
+
+    /// Whether the instance should refuse traffic because the shared
+    /// schedule fails and `on_failure = "reject"`.
+    pub fn backend_blocks(&self) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|c| !c.is_healthy() && c.on_failure == OnFailure::Reject)
+    }
+}
+
+enum Shared {
+    Decided(Verdict),
+    /// The backend failed and `on_failure = "local"`.
+    Local,
+}

@@ -1,0 +1,282 @@
+//! The HTTP front end: accept connections (HTTP/1.1 and h2c), pick a
+//! route, derive the client key, ask the admission layer, then forward
+//! upstream over a pooled keep-alive client.
+//!
+//! Split by job: [`serve`] (workers, listeners, accept, drain), [`route`]
+//! (the routing table), [`key`] (client keys), [`handler`] (one request's
+//! life and the mapping of verdicts to HTTP), [`forward`] (upstream pools),
+//! [`headers`] and [`response`].
+//!
+//! Layout (the nginx worker model): one worker thread per core, each with
+//! its own current-thread runtime, its own listening sockets on the shared
+//! addresses (`SO_REUSEPORT`), its own copy of the routing table and its
+//! own upstream pools, so that one request's whole life (accept, admit,
+//! forward, answer) stays on one thread. Only a queued request crosses
+//! threads: the pacer thread wakes it at its departure.
+
+mod forward;
+mod handler;
+mod headers;
+mod key;
+pub mod response;
+mod route;
+mod serve;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use arc_swap::ArcSwap;
+use metrics::Counter;
+
+use crate::admission::{Admission, AdmissionError, ClientView, Key, Probe};
+use crate::config::Config;
+use crate::metrics::{self as m, Outcome};
+use route::{App, Concurrency};
+pub use serve::Server;
+
+/// Errors starting or reloading the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Admission(#[from] AdmissionError),
+    #[error("cannot set up the upstream client: {0}")]
+    Client(String),
+    #[error("cannot start worker thread {0}: {1}")]
+    Worker(usize, std::io::Error),
+}
+
+/// State shared by every worker, the admin listener and the signal
+/// handlers.
+pub(crate) struct Shared {
+    admission: Admission,
+    /// Each worker's own routing table (its own pools), swapped on reload.
+    apps: Vec<ArcSwap<App>>,
+    concurrency: Mutex<Concurrency>,
+    tls: Arc<rustls::ClientConfig>,
+    draining: AtomicBool,
+    drain_timeout: Mutex<Duration>,
+    version: AtomicU64,
+    loaded_at: AtomicU64,
+    unrouted: Counter,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    /// The routing table of worker `i` (the first for callers that are not
+    /// a worker).
+    fn app(&self, worker: usize) -> Arc<App> {
+        self.apps
+            .get(worker)
+            .or_else(|| self.apps.first())
+            .map(ArcSwap::load_full)
+            .unwrap_or_else(|| Arc::new(App::empty()))
+    }
+
+    fn count_unrouted(&self) {
+        self.unrouted.increment(1);
+        self.admission.totals().add(Outcome::Invalid);
+    }
+}
+
+/// A handle for reloading, status and readiness, usable while the server
+/// runs.
+#[derive(Clone)]
+pub struct Handle(Arc<Shared>);
+
+/// One route as `/status` shows it.
+#[derive(Debug, Clone)]
+pub struct RouteSummary {
+    pub name: String,
+    pub protocol: &'static str,
+    pub path_prefix: String,
+    pub upstream: String,
+    pub rate_per_second: f64,
+    pub capacity: u32,
+}
+
+/// One queue as `/status` shows it.
+#[derive(Debug, Clone)]
+pub struct QueueSummary {
+    pub route: String,
+    pub key: String,
+    pub view: ClientView,
+}
+
+/// What the bucket query answers.
+#[derive(Debug, Clone)]
+pub struct Bucket {
+    pub route: String,
+    pub view: Option<ClientView>,
+    pub probe: Probe,
+    /// Nanoseconds on the engine's clock (to turn departures into waits).
+    pub now: u64,
+}
+
+impl Handle {
+    /// Swap in a new config. Queued requests keep their place and their
+    /// departure times; new rates and capacities apply to new arrivals.
+    /// Listener addresses and `[server]` limits need a restart.
+    pub fn reload(&self, config: &Config) -> Result<(), ServeError> {
+        let shared = &self.0;
+        let apps = App::build_all(
+            &shared.admission,
+            config,
+            &shared.tls,
+            shared.apps.len(),
+            &mut lock(&shared.concurrency),
+        )?;
+        shared.admission.set_limits(limits(config));
+        *lock(&shared.drain_timeout) = config.server.drain_timeout;
+        for (slot, app) in shared.apps.iter().zip(apps) {
+            slot.store(Arc::new(app));
+        }
+        shared.version.fetch_add(1, Ordering::Relaxed);
+        shared.loaded_at.store(unix_now(), Ordering::Relaxed);
+        metrics::gauge!(m::CONFIG_LOADED_TIMESTAMP_SECONDS).set(unix_now() as f64);
+        Ok(())
+    }
+
+    /// Whether the server is draining (not ready for new traffic).
+    pub fn is_draining(&self) -> bool {
+        self.0.draining.load(Ordering::Acquire)
+    }
+
+    /// Why the instance should not get traffic now, if it should not:
+    /// draining, or the shared schedule failing while `on_failure =
+    /// "reject"`.
+    pub fn not_ready(&self) -> Option<&'static str> {
+        if self.is_draining() {
+            return Some("draining");
+        }
+        self.0
+            .admission
+            .backend_blocks()
+            .then_some("redis unavailable")
+    }
+
+    /// Set the queue gauges from the engine (before a scrape).
+    pub fn refresh_gauges(&self) {
+        let (clients, queued) = self.0.admission.stats();
+        metrics::gauge!(m::ACTIVE_CLIENTS).set(clients as f64);
+        metrics::gauge!(m::QUEUED_REQUESTS).set(queued as f64);
+    }
+
+    /// The config version (1 at start, +1 per reload) and when it loaded.
+    pub fn version(&self) -> (u64, u64) {
+        (
+            self.0.version.load(Ordering::Relaxed),
+            self.0.loaded_at.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Client states held and requests waiting.
+    pub fn stats(&self) -> (usize, usize) {
+        self.0.admission.stats()
+    }
+
+    /// Outcome totals since start.
+    pub fn total(&self, outcome: Outcome) -> u64 {
+        self.0.admission.totals().get(outcome)
+    }
+
+    /// The shared schedule's health: `None` outside cluster mode.
+    pub fn backend_healthy(&self) -> Option<bool> {
+        self.0.admission.backend_healthy()
+    }
+
+    /// The routes of the running config.
+    pub fn routes(&self) -> Vec<RouteSummary> {
+        let app = self.0.app(0);
+        app.routes
+            .iter()
+            .map(|r| RouteSummary {
+                name: r.name.clone(),
+                protocol: r.rule.protocol().as_str(),
+                path_prefix: r.path_prefix().to_owned(),
+                upstream: app
+                    .upstreams
+                    .get(r.upstream)
+                    .map_or_else(String::new, |u| u.name().to_owned()),
+                rate_per_second: r.rule.policy().rate.per_second_f64(),
+                capacity: r.rule.policy().capacity,
+            })
+            .collect()
+    }
+
+    /// The `n` deepest queues, deepest first, with the engine's clock.
+    pub fn deepest(&self, n: usize) -> (Vec<QueueSummary>, u64) {
+        let admission = &self.0.admission;
+        let app = self.0.app(0);
+        let now = admission.now();
+        let queues = admission
+            .deepest(n)
+            .into_iter()
+            .map(|(id, key, view)| QueueSummary {
+                route: app
+                    .routes
+                    .iter()
+                    .find(|r| admission.is_rule_route(&r.rule, id))
+                    .map_or_else(|| "(removed)".to_owned(), |r| r.name.clone()),
+                key: key.display(),
+                view,
+            })
+            .collect();
+        (queues, now)
+    }
+
+    /// The bucket query: a client's waiting cost, next departure, and
+    /// what a request of `cost` would be answered now. Changes nothing.
+    /// `None` when the route does not exist or `key` cannot be its key.
+    pub fn bucket(&self, route: &str, key: &str, cost: u32) -> Option<Bucket> {
+        let admission = &self.0.admission;
+        let app = self.0.app(0);
+        let r = app.routes.iter().find(|r| r.name == route)?;
+        let k: Key = key::from_display(&r.key, key)?;
+        Some(Bucket {
+            route: r.name.clone(),
+            view: admission.view(&r.rule, &k),
+            probe: admission.probe(&r.rule, &k, cost),
+            now: admission.now(),
+        })
+    }
+
+    /// Refusals per route since the last call, for the log summary.
+    fn take_refusals(&self) -> Vec<(String, u64)> {
+        self.0
+            .app(0)
+            .routes
+            .iter()
+            .map(|r| (r.name.clone(), r.rule.take_refused()))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+}
+
+/// The engine's global bounds from a config.
+pub(crate) fn limits(config: &Config) -> crate::admission::Limits {
+    crate::admission::Limits {
+        max_clients: config.limits.max_clients,
+        max_queued: config.limits.max_queued,
+    }
+}
+
+/// The counter for requests that matched no route (`route=""`).
+fn unrouted_counter() -> Counter {
+    metrics::counter!(m::REQUESTS_TOTAL, "route" => "", "protocol" => "http", "outcome" => Outcome::Invalid.as_str())
+}

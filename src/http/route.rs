@@ -1,0 +1,242 @@
+//! The routing table: which route takes a request, and everything the
+//! request path needs from it resolved once per config (admission rule,
+//! key spec, cost, pre-rendered refusals, upstream index).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use http::{HeaderMap, Method, Request, StatusCode};
+use ipnet::IpNet;
+use tokio::sync::Semaphore;
+
+use super::ServeError;
+use super::forward::Upstream;
+use super::response::Problem;
+use crate::admission::Policy;
+use crate::admission::{Admission, Protocol, Rule, RuleSpec};
+use crate::config::{self, Config, Cost, KeySpec, OnMissingKey};
+
+/// A route as the request path sees it.
+#[derive(Clone)]
+pub struct Route {
+    pub name: String,
+    host: Option<String>,
+    path_prefix: String,
+    path: Option<String>,
+    methods: Option<Vec<Method>>,
+    pub rule: Arc<Rule>,
+    /// Index into [`App::upstreams`].
+    pub upstream: usize,
+    pub key: KeySpec,
+    pub on_missing_key: OnMissingKey,
+    cost: Cost,
+    pub ratelimit_headers: bool,
+    /// 429 bodies: queue full, and wait past `max_wait`.
+    pub full: Problem,
+    pub max_wait: Problem,
+    /// 503 body for a request still queued when `max_wait` passed.
+    pub expired: Problem,
+}
+
+/// `max_concurrency` semaphores by upstream name, kept across reloads so
+/// that calls in flight across a reload count against the same cap.
+#[derive(Default)]
+pub struct Concurrency(HashMap<String, (usize, Arc<Semaphore>)>);
+
+impl Concurrency {
+    fn get(&mut self, upstream: &str, limit: usize) -> Arc<Semaphore> {
+        match self.0.get(upstream) {
+            Some((n, sem)) if *n == limit => sem.clone(),
+            _ => {
+                let sem = Arc::new(Semaphore::new(limit));
+                self.0.insert(upstream.to_owned(), (limit, sem.clone()));
+                sem
+            }
+        }
+    }
+}
+
+/// The routing table: swapped whole on reload; requests in flight keep
+/// the table they started with.
+pub struct App {
+    pub routes: Vec<Route>,
+    pub upstreams: Vec<Upstream>,
+    pub trusted_proxies: Vec<IpNet>,
+}
+
+impl Route {
+    /// Whether this route takes `req`: every criterion it has must match.
+    pub fn matches<B>(&self, req: &Request<B>) -> bool {
+        let path = req.uri().path();
+        if !path.starts_with(&self.path_prefix) {
+            return false;
+        }
+        if self.path.as_deref().is_some_and(|p| p != path) {
+            return false;
+        }
+        if self
+            .methods
+            .as_ref()
+            .is_some_and(|m| !m.contains(req.method()))
+        {
+            return false;
+        }
+        match &self.host {
+            None => true,
+            Some(host) => request_host(req).is_some_and(|h| h.eq_ignore_ascii_case(host)),
+        }
+    }
+
+    /// The request's cost: fixed, or read from a header (400 when it is not
+    /// a whole number from 1 to the configured max).
+    pub fn cost(&self, headers: &HeaderMap) -> Result<u32, String> {
+        match &self.cost {
+            Cost::Fixed(n) => Ok(*n),
+            Cost::Header { name, default, max } => match headers.get(name) {
+                None => Ok(*default),
+                Some(v) => match v.to_str().ok().and_then(|t| t.trim().parse::<u32>().ok()) {
+                    Some(n) if (1..=*max).contains(&n) => Ok(n),
+                    _ => Err(format!(
+                        "the {name} header must be a whole number from 1 to {max}"
+                    )),
+                },
+            },
+        }
+    }
+
+    pub fn path_prefix(&self) -> &str {
+        &self.path_prefix
+    }
+}
+
+/// The host a request is for, without port: `Host`, or the URI authority
+/// (HTTP/2).
+pub fn request_host<B>(req: &Request<B>) -> Option<&str> {
+    let raw = req
+        .headers()
+        .get(http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| req.uri().authority().map(|a| a.as_str()))?;
+    let host = match raw.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(v6),
+        None => match raw.rsplit_once(':') {
+            Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
+            _ => raw,
+        },
+    };
+    Some(host)
+}
+
+impl App {
+    /// The first route that takes `req`.
+    pub fn route<B>(&self, req: &Request<B>) -> Option<&Route> {
+        self.routes.iter().find(|r| r.matches(req))
+    }
+
+    /// The longest upstream request timeout, for the drain's grace period.
+    pub fn longest_request_timeout(&self) -> std::time::Duration {
+        self.upstreams
+            .iter()
+            .map(Upstream::request_timeout)
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// A table with nothing in it.
+    pub fn empty() -> App {
+        App {
+            routes: Vec::new(),
+            upstreams: Vec::new(),
+            trusted_proxies: Vec::new(),
+        }
+    }
+
+    /// Build one table per worker for `config`: admission rules (shared,
+    /// reusing engine state for routes that keep their name and upstream),
+    /// and for each worker its own routes and upstream pools.
+    pub fn build_all(
+        admission: &Admission,
+        config: &Config,
+        tls: &Arc<rustls::ClientConfig>,
+        workers: usize,
+        concurrency: &mut Concurrency,
+    ) -> Result<Vec<App>, ServeError> {
+        let semaphores: Vec<Option<Arc<Semaphore>>> = config
+            .upstreams
+            .iter()
+            .map(|u| u.max_concurrency.map(|n| concurrency.get(&u.name, n)))
+            .collect();
+        let specs: Vec<RuleSpec<'_>> = config.routes.iter().map(|r| rule_spec(config, r)).collect();
+        let rules = admission.rules(&specs);
+        let routes: Vec<Route> = config
+            .routes
+            .iter()
+            .zip(rules)
+            .map(|(r, rule)| Route {
+                full: Problem::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    &format!(
+                        "route '{}': this client's queue is full; retry later",
+                        r.name
+                    ),
+                ),
+                max_wait: Problem::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    &format!(
+                        "route '{}': the wait would exceed max_wait; retry later",
+                        r.name
+                    ),
+                ),
+                expired: Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("route '{}': still queued after max_wait", r.name),
+                ),
+                name: r.name.clone(),
+                host: r.host.clone(),
+                path_prefix: r.path_prefix.clone(),
+                path: r.path.clone(),
+                methods: r.methods.clone(),
+                rule,
+                upstream: r.upstream,
+                key: r.key.clone(),
+                on_missing_key: r.on_missing_key,
+                cost: r.cost.clone(),
+                ratelimit_headers: r.ratelimit_headers,
+            })
+            .collect();
+        (0..workers.max(1))
+            .map(|_| {
+                let upstreams = config
+                    .upstreams
+                    .iter()
+                    .zip(&semaphores)
+                    .map(|(u, sem)| Upstream::new(u, tls, sem.clone()))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(App {
+                    routes: routes.clone(),
+                    upstreams,
+                    trusted_proxies: config.server.trusted_proxies.clone(),
+                })
+            })
+            .collect()
+    }
+}
+
+fn rule_spec<'a>(config: &'a Config, r: &'a config::Route) -> RuleSpec<'a> {
+    let upstream = &config.upstreams[r.upstream];
+    RuleSpec {
+        name: &r.name,
+        protocol: Protocol::Http,
+        upstream: &upstream.name,
+        cap: upstream.rate,
+        policy: Policy {
+            rate: r.rate,
+            capacity: r.capacity,
+            burst: r.burst,
+            max_wait: r
+                .max_wait
+                .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+        },
+        dry_run: r.dry_run,
+    }
+}

@@ -1,0 +1,340 @@
+//! Workers, listeners, accept and drain.
+//!
+//! Each worker is an OS thread running a current-thread runtime with its
+//! own listening socket per address (`SO_REUSEPORT`: the kernel spreads
+//! new connections over the workers). Connections are served by hyper-util
+//! (HTTP/1.1 and h2c) and watched by the worker's `GracefulShutdown`.
+//!
+//! Shutdown: the cancellation token stops every accept loop and asks every
+//! connection to finish what it holds and close; queued requests are in
+//! hand, so they keep departing at their pace. The workers are tracked by
+//! a `TaskTracker`: when all are done the drain is over; at the drain
+//! timeout the requests still queued are answered 503, and in-flight
+//! upstream calls get a last grace period.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use super::handler::Handler;
+use super::route::{App, Concurrency};
+use super::{Handle, ServeError, Shared, limits, lock, unix_now, unrouted_counter};
+use crate::admission::Admission;
+use crate::config::Config;
+use crate::metrics as m;
+
+/// How often refusals are summarised in the log (one line per route per
+/// interval instead of one per refusal).
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// A bound, not yet running server.
+pub struct Server {
+    shared: Arc<Shared>,
+    /// Per worker, one listening socket per configured address.
+    listeners: Vec<Vec<std::net::TcpListener>>,
+    addrs: Vec<SocketAddr>,
+    http: auto::Builder<TokioExecutor>,
+    max_connections: usize,
+}
+
+/// Workers for this machine: one per core, at most `configured` when set.
+fn worker_count(configured: Option<usize>) -> usize {
+    configured.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// A listening socket on `addr` that other workers may share.
+fn reuseport_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+/// One socket per worker on `addr`. The address is first taken without
+/// `SO_REUSEPORT`, so that an address another process holds is refused as
+/// usual instead of being shared with it; a port 0 becomes the port the
+/// first socket got.
+fn bind_group(addr: SocketAddr, workers: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
+    let probe = std::net::TcpListener::bind(addr)?;
+    let addr = probe.local_addr()?;
+    drop(probe);
+    (0..workers).map(|_| reuseport_listener(addr)).collect()
+}
+
+impl Server {
+    /// Build the admission layer and the routing tables from `config`,
+    /// then bind every listener. Nothing is served until [`Server::run`].
+    pub async fn bind(config: &Config) -> Result<Server, ServeError> {
+        let workers = worker_count(config.server.workers);
+        let admission = Admission::start(limits(config), config.cluster.as_ref())?;
+        let tls = super::forward::tls_config();
+        let mut concurrency = Concurrency::default();
+        let apps = App::build_all(&admission, config, &tls, workers, &mut concurrency)?;
+
+        let mut listeners: Vec<Vec<std::net::TcpListener>> =
+            (0..workers).map(|_| Vec::new()).collect();
+        let mut addrs = Vec::with_capacity(config.server.listen.len());
+        for &addr in &config.server.listen {
+            let group =
+                bind_group(addr, workers).map_err(|source| ServeError::Bind { addr, source })?;
+            if let Some(first) = group.first() {
+                addrs.push(first.local_addr().unwrap_or(addr));
+            }
+            for (i, l) in group.into_iter().enumerate() {
+                listeners[i].push(l);
+            }
+        }
+
+        let mut http = auto::Builder::new(TokioExecutor::new());
+        http.http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(config.server.header_read_timeout)
+            .max_buf_size(config.server.max_header_size);
+        http.http2()
+            .timer(TokioTimer::new())
+            .max_header_list_size(u32::try_from(config.server.max_header_size).unwrap_or(u32::MAX));
+
+        metrics::gauge!(m::CONFIG_LOADED_TIMESTAMP_SECONDS).set(unix_now() as f64);
+        Ok(Server {
+            shared: Arc::new(Shared {
+                admission,
+                apps: apps.into_iter().map(ArcSwap::from_pointee).collect(),
+                concurrency: Mutex::new(concurrency),
+                tls,
+                draining: AtomicBool::new(false),
+                drain_timeout: Mutex::new(config.server.drain_timeout),
+                version: AtomicU64::new(1),
+                loaded_at: AtomicU64::new(unix_now()),
+                unrouted: unrouted_counter(),
+            }),
+            listeners,
+            addrs,
+            http,
+            max_connections: config.server.max_connections,
+        })
+    }
+
+    /// The addresses actually bound (useful with port 0).
+    pub fn local_addrs(&self) -> Vec<SocketAddr> {
+        self.addrs.clone()
+    }
+
+    /// A handle for reload, status and readiness.
+    pub fn handle(&self) -> Handle {
+        Handle(self.shared.clone())
+    }
+
+    /// Serve until `shutdown` resolves, then drain: stop accepting, let
+    /// queued requests depart at their pace until every connection has
+    /// closed or the drain timeout passes, answer the rest 503, and give
+    /// in-flight upstream calls a last grace period.
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
+        for addr in &self.addrs {
+            info!(%addr, workers = self.listeners.len(), "proxy listening");
+        }
+        let stop = CancellationToken::new();
+        let workers = TaskTracker::new();
+        let limit = Arc::new(Semaphore::new(self.max_connections));
+        for (i, listeners) in self.listeners.into_iter().enumerate() {
+            let worker = Worker {
+                handler: Handler {
+                    shared: self.shared.clone(),
+                    worker: i,
+                },
+                http: self.http.clone(),
+                limit: limit.clone(),
+                stop: stop.clone(),
+            };
+            let token = workers.token();
+            let spawned = std::thread::Builder::new()
+                .name(format!("sluice-worker-{i}"))
+                .spawn(move || {
+                    worker.run(listeners);
+                    drop(token);
+                });
+            if let Err(e) = spawned {
+                warn!(worker = i, error = %e, "cannot start a worker thread");
+            }
+        }
+        workers.close();
+        let summaries = tokio::spawn(log_refusals(Handle(self.shared.clone())));
+
+        shutdown.await;
+        self.shared.draining.store(true, Ordering::Release);
+        let timeout = *lock(&self.shared.drain_timeout);
+        let queued = self.shared.admission.stats().1;
+        info!(
+            queued,
+            ?timeout,
+            "draining: no new connections; queued requests keep their pace"
+        );
+        stop.cancel();
+        if tokio::time::timeout(timeout, workers.wait()).await.is_err() {
+            let refused = self.shared.admission.close_waiting();
+            if refused > 0 {
+                warn!(refused, "drain timeout passed: answering the rest 503");
+            }
+            let grace = self.shared.app(0).longest_request_timeout() + Duration::from_secs(1);
+            if tokio::time::timeout(grace, workers.wait()).await.is_err() {
+                warn!("connections still open after the in-flight grace period; closing");
+            }
+        }
+        summaries.abort();
+        info!("drained");
+    }
+}
+
+/// What one worker thread needs.
+struct Worker {
+    handler: Handler,
+    http: auto::Builder<TokioExecutor>,
+    limit: Arc<Semaphore>,
+    stop: CancellationToken,
+}
+
+impl Worker {
+    fn run(self, listeners: Vec<std::net::TcpListener>) {
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                warn!(error = %e, "cannot start a worker runtime");
+                return;
+            }
+        };
+        runtime.block_on(self.serve(listeners));
+    }
+
+    async fn serve(self, listeners: Vec<std::net::TcpListener>) {
+        // Every listener feeds one channel, so that one loop owns the
+        // worker's graceful-shutdown watcher.
+        let (tx, mut accepted) = mpsc::channel::<(TcpStream, SocketAddr, OwnedPermit)>(64);
+        let mut loops = Vec::new();
+        for listener in listeners {
+            let listener = match TcpListener::from_std(listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    warn!(error = %e, "cannot register a listener");
+                    continue;
+                }
+            };
+            loops.push(tokio::spawn(accept_loop(
+                listener,
+                tx.clone(),
+                self.limit.clone(),
+                self.stop.clone(),
+            )));
+        }
+        drop(tx);
+        let graceful = GracefulShutdown::new();
+        loop {
+            tokio::select! {
+                () = self.stop.cancelled() => break,
+                next = accepted.recv() => {
+                    let Some((stream, peer, permit)) = next else { break };
+                    self.serve_connection(&graceful, stream, peer, permit);
+                }
+            }
+        }
+        for l in loops {
+            l.abort();
+        }
+        graceful.shutdown().await;
+    }
+
+    fn serve_connection(
+        &self,
+        graceful: &GracefulShutdown,
+        stream: TcpStream,
+        peer: SocketAddr,
+        permit: OwnedPermit,
+    ) {
+        let handler = Arc::new(self.handler.clone());
+        let service = service_fn(move |req| {
+            let handler = handler.clone();
+            async move { Ok::<_, Infallible>(handler.handle(req, peer).await) }
+        });
+        let conn = self
+            .http
+            .serve_connection(TokioIo::new(stream), service)
+            .into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                debug!(%peer, error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+}
+
+type OwnedPermit = tokio::sync::OwnedSemaphorePermit;
+
+async fn accept_loop(
+    listener: TcpListener,
+    tx: mpsc::Sender<(TcpStream, SocketAddr, OwnedPermit)>,
+    limit: Arc<Semaphore>,
+    stop: CancellationToken,
+) {
+    loop {
+        // Past max_connections we stop accepting; the kernel backlog holds
+        // the rest, as HAProxy's maxconn does.
+        let permit = tokio::select! {
+            () = stop.cancelled() => return,
+            p = limit.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => return,
+            },
+        };
+        let accepted = tokio::select! {
+            () = stop.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                if tx.send((stream, peer, permit)).await.is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                // EMFILE and friends: back off rather than spin.
+                warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// One log line per route per interval for refusals, never one per
+/// refusal: a flood must not become a log flood.
+async fn log_refusals(handle: Handle) {
+    let mut tick = tokio::time::interval(REFUSAL_LOG_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        for (route, refused) in handle.take_refusals() {
+            warn!(%route, refused, interval = ?REFUSAL_LOG_INTERVAL, "requests refused (429/503)");
+        }
+    }
+}

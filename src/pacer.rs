@@ -1,0 +1,534 @@
+//! The pacer: the real-time shell around the pure engine (DESIGN section 2).
+//!
+//! Admission is synchronous and runs on the caller's thread: it locks one
+//! engine shard, is answered at once (depart, wait, or refused) and, when it
+//! must wait, parks on a oneshot. A dedicated OS thread owns the timing. Its
+//! inbox (a crossbeam channel) carries everything that needs it: a wake-up
+//! when a new queue head is due earlier than the thread planned to look, a
+//! cancellation when a waiter goes away (a message, never a lock taken in
+//! `Drop`), and precise timers for requests held for a shared schedule. It
+//! sleeps in `recv_deadline` until shortly before the next departure, spins
+//! the last microseconds, releases what is due and fires the oneshots after
+//! the engine's locks are released. With nothing due and no client state
+//! held it blocks on the inbox: an idle pacer uses no CPU.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::hash::Hash;
+use std::sync::{Arc, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use tokio::sync::oneshot;
+
+use crate::shaper::{
+    Admission, ClientView, Engine, Limits, Nanos, Policy, Probe, Rate, Rejection, RouteId, Target,
+    Ticket, UpstreamId, Wake,
+};
+
+/// How long before a departure the pacer stops sleeping and spins. Covers
+/// the kernel's default 50 µs timer slack plus wake-up latency.
+const SPIN: Nanos = 150_000;
+
+/// How often idle client states are swept while any are held.
+const SWEEP: Nanos = 100_000_000;
+
+/// Why [`Shaper::acquire`] did not grant a departure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AcquireError {
+    /// The engine refused the request.
+    #[error("refused: {0:?}")]
+    Rejected(Rejection),
+    /// The shaper stopped (or withdrew every waiter) while it waited.
+    #[error("the shaper stopped")]
+    Closed,
+}
+
+/// Called by the pacer thread with each release's lag: the time between
+/// the departure it woke for and the moment it released it.
+pub type LagObserver = Box<dyn Fn(Duration) + Send + Sync>;
+
+enum Msg {
+    Wake(Wake),
+    Cancel(Ticket),
+    Timer(Nanos, oneshot::Sender<()>),
+    Stop,
+}
+
+struct Inner<K> {
+    engine: Engine<K, oneshot::Sender<()>>,
+    inbox: Sender<Msg>,
+    origin: Instant,
+    lag: OnceLock<LagObserver>,
+}
+
+impl<K> Inner<K> {
+    fn now(&self) -> Nanos {
+        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(Nanos::MAX)
+    }
+}
+
+/// Handle to a running shaper; cheap to clone. The pacer thread stops when
+/// the last handle is dropped.
+pub struct Shaper<K> {
+    inner: Arc<Inner<K>>,
+    _stop: Arc<StopOnDrop>,
+}
+
+impl<K> Clone for Shaper<K> {
+    fn clone(&self) -> Self {
+        Shaper {
+            inner: self.inner.clone(),
+            _stop: self._stop.clone(),
+        }
+    }
+}
+
+struct StopOnDrop(Sender<Msg>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.send(Msg::Stop);
+    }
+}
+
+/// The outcome of an admission, before any waiting.
+pub enum Admitted {
+    /// Go now.
+    Now,
+    /// Wait for the returned future; dropping it gives the place back.
+    Wait(Waiting),
+}
+
+/// A request waiting for its departure. Await [`Waiting::departed`];
+/// dropping it withdraws the request.
+pub struct Waiting {
+    rx: oneshot::Receiver<()>,
+    /// Set while dropping must withdraw the request.
+    ticket: Option<Ticket>,
+    inbox: Sender<Msg>,
+    departure: Nanos,
+    origin: Instant,
+}
+
+impl Waiting {
+    /// The departure this client's own schedule gives (a lower bound when
+    /// an upstream cap applies).
+    pub fn departure(&self) -> Instant {
+        self.origin + Duration::from_nanos(self.departure)
+    }
+
+    /// Stop waiting without withdrawing: the request keeps its place in
+    /// the schedule (dry-run mode decides as if it waited, but forwards at
+    /// once).
+    pub fn detach(mut self) {
+        self.ticket = None;
+    }
+
+    /// Resolve when the request may depart.
+    pub async fn departed(mut self) -> Result<(), AcquireError> {
+        self.wait().await
+    }
+
+    /// Resolve when the request may depart, keeping the waiter: dropping
+    /// it before this resolves still withdraws the request.
+    pub async fn wait(&mut self) -> Result<(), AcquireError> {
+        let result = (&mut self.rx).await.map_err(|_| AcquireError::Closed);
+        self.ticket = None;
+        result
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            let _ = self.inbox.send(Msg::Cancel(ticket));
+        }
+    }
+}
+
+/// Engine shards for a machine with `cores` cores: enough that admissions
+/// from every core rarely meet on one lock.
+pub fn default_shards(cores: usize) -> usize {
+    (cores.max(1) * 4).next_power_of_two().clamp(4, 256)
+}
+
+impl<K: Hash + Eq + Send + 'static> Shaper<K> {
+    /// Start a shaper with its pacer thread, sharded for this machine.
+    pub fn start(limits: Limits) -> std::io::Result<Shaper<K>> {
+        let cores = thread::available_parallelism().map_or(1, |n| n.get());
+        Self::with_shards(limits, default_shards(cores))
+    }
+
+    /// Start a shaper with `shards` engine shards.
+    pub fn with_shards(limits: Limits, shards: usize) -> std::io::Result<Shaper<K>> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let inner = Arc::new(Inner {
+            engine: Engine::new(limits, shards),
+            inbox: tx.clone(),
+            origin: Instant::now(),
+            lag: OnceLock::new(),
+        });
+        let pacer = inner.clone();
+        thread::Builder::new()
+            .name("sluice-pacer".into())
+            .spawn(move || Pacer::new(&pacer, rx).run())?;
+        Ok(Shaper {
+            inner,
+            _stop: Arc::new(StopOnDrop(tx)),
+        })
+    }
+
+    /// Observe the pacer's release lag (actual minus scheduled release) at
+    /// every wake-up that releases something. Set once; later calls are
+    /// ignored.
+    pub fn observe_lag(&self, observer: LagObserver) {
+        let _ = self.inner.lag.set(observer);
+    }
+
+    /// Register an upstream, with an optional global cap. Whether it is
+    /// capped is fixed; the cap's rate can change.
+    pub fn add_upstream(&self, cap: Option<Rate>) -> UpstreamId {
+        self.inner.engine.add_upstream(cap)
+    }
+
+    /// Register a route on an upstream.
+    pub fn add_route(&self, policy: Policy, upstream: UpstreamId) -> RouteId {
+        self.inner.engine.add_route(policy, upstream)
+    }
+
+    /// Change a route's policy for new arrivals (waiting requests keep
+    /// their place and their schedule).
+    pub fn set_policy(&self, route: RouteId, policy: Policy) {
+        self.inner.engine.set_policy(route, policy);
+    }
+
+    /// Change the global bounds on clients and queued requests.
+    pub fn set_limits(&self, limits: Limits) {
+        self.inner.engine.set_limits(limits);
+    }
+
+    /// Change a capped upstream's rate; the pacer re-plans at once.
+    pub fn set_upstream_rate(&self, upstream: UpstreamId, rate: Rate) {
+        self.inner.engine.set_upstream_rate(upstream, rate);
+        for target in self.inner.engine.targets() {
+            if matches!(target, Target::Cap(_)) {
+                let _ = self.inner.inbox.send(Msg::Wake(Wake { target, at: 0 }));
+            }
+        }
+    }
+
+    /// The shaper's clock, on the engine's time axis.
+    pub fn now(&self) -> Nanos {
+        self.inner.now()
+    }
+
+    /// The instant `at` on the engine's time axis stands for.
+    pub fn instant(&self, at: Nanos) -> Instant {
+        self.inner.origin + Duration::from_nanos(at)
+    }
+
+    /// Client states held and requests waiting.
+    pub fn stats(&self) -> (usize, usize) {
+        (self.inner.engine.clients(), self.inner.engine.queued())
+    }
+
+    /// The global bounds, shared with requests held elsewhere (cluster
+    /// mode counts its held requests against `max_queued` here too).
+    pub fn budget(&self) -> &crate::shaper::Budget {
+        self.inner.engine.budget()
+    }
+
+    /// What an arrival of `cost` for `key` would be answered now, without
+    /// changing any state.
+    pub fn probe(&self, route: RouteId, key: &K, cost: u32) -> Probe {
+        self.inner.engine.probe(route, key, cost, self.inner.now())
+    }
+
+    /// Look at one client without changing anything.
+    pub fn view(&self, route: RouteId, key: &K) -> Option<ClientView> {
+        self.inner.engine.view(route, key, self.inner.now())
+    }
+
+    /// Refuse every request still waiting: each waiter resolves with
+    /// [`AcquireError::Closed`]. Used when a drain runs out of time.
+    pub fn close_waiting(&self) -> usize {
+        let mut withdrawn = Vec::new();
+        self.inner
+            .engine
+            .withdraw_all(self.inner.now(), &mut withdrawn);
+        // Dropping the senders wakes the waiters with an error.
+        withdrawn.len()
+    }
+
+    /// The `n` deepest queues, deepest first.
+    pub fn deepest(&self, n: usize) -> Vec<(RouteId, K, ClientView)>
+    where
+        K: Clone,
+    {
+        self.inner.engine.deepest(n, self.inner.now())
+    }
+
+    /// Resolve at `at` (on the shaper's clock), released by the pacer
+    /// thread with the same precision as queued departures.
+    pub async fn sleep_until(&self, at: Nanos) {
+        let (tx, rx) = oneshot::channel();
+        if self.inner.inbox.send(Msg::Timer(at, tx)).is_ok() {
+            // An error means the shaper stopped: return, the caller decides.
+            let _ = rx.await;
+        }
+    }
+
+    /// Decide an arrival now. A refusal is answered at once; a request that
+    /// must wait gets a [`Waiting`] to await.
+    pub fn admit(&self, route: RouteId, key: K, cost: u32) -> Result<Admitted, Rejection> {
+        let mut rx = None;
+        let admission = self
+            .inner
+            .engine
+            .admit(route, key, cost, self.inner.now(), || {
+                let (tx, r) = oneshot::channel();
+                rx = Some(r);
+                tx
+            });
+        match (admission, rx) {
+            (Admission::Depart, _) => Ok(Admitted::Now),
+            (
+                Admission::Queued {
+                    ticket,
+                    departure,
+                    wake,
+                },
+                Some(rx),
+            ) => {
+                if let Some(wake) = wake {
+                    let _ = self.inner.inbox.send(Msg::Wake(wake));
+                }
+                Ok(Admitted::Wait(Waiting {
+                    rx,
+                    ticket: Some(ticket),
+                    inbox: self.inner.inbox.clone(),
+                    departure,
+                    origin: self.inner.origin,
+                }))
+            }
+            (Admission::Queued { .. }, None) => Err(Rejection::TooManyQueued),
+            (Admission::Rejected(r), _) => Err(r),
+        }
+    }
+
+    /// Resolve when a request of `cost` for `key` may depart; refused at
+    /// once when the engine refuses it. Dropping the future while it waits
+    /// withdraws the request and gives its slot to the next in line.
+    pub async fn acquire(&self, route: RouteId, key: K, cost: u32) -> Result<(), AcquireError> {
+        match self.admit(route, key, cost) {
+            Ok(Admitted::Now) => Ok(()),
+            Ok(Admitted::Wait(w)) => w.departed().await,
+            Err(r) => Err(AcquireError::Rejected(r)),
+        }
+    }
+}
+
+// === the pacer thread ===
+
+/// A precise wake-up for a request held for a shared schedule.
+struct Timer {
+    at: Nanos,
+    seq: u64,
+    tx: oneshot::Sender<()>,
+}
+
+impl PartialEq for Timer {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+
+impl Eq for Timer {}
+
+impl PartialOrd for Timer {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Timer {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(other.at, other.seq))
+    }
+}
+
+struct Pacer<'a, K> {
+    inner: &'a Inner<K>,
+    inbox: Receiver<Msg>,
+    /// Planned looks at each target; an entry is current only while it
+    /// matches `planned`.
+    plan: BinaryHeap<Reverse<(Nanos, Target)>>,
+    planned: HashMap<Target, Nanos>,
+    timers: BinaryHeap<Reverse<Timer>>,
+    timer_seq: u64,
+    next_sweep: Nanos,
+    out: Vec<oneshot::Sender<()>>,
+}
+
+impl<'a, K: Hash + Eq> Pacer<'a, K> {
+    fn new(inner: &'a Inner<K>, inbox: Receiver<Msg>) -> Pacer<'a, K> {
+        Pacer {
+            inner,
+            inbox,
+            plan: BinaryHeap::new(),
+            planned: HashMap::new(),
+            timers: BinaryHeap::new(),
+            timer_seq: 0,
+            next_sweep: 0,
+            out: Vec::new(),
+        }
+    }
+
+    fn plan(&mut self, target: Target, at: Nanos) {
+        if self.planned.get(&target).is_none_or(|&p| at < p) {
+            self.planned.insert(target, at);
+            self.plan.push(Reverse((at, target)));
+        }
+    }
+
+    /// The next instant something is due, if anything is.
+    fn next_due(&mut self) -> Option<Nanos> {
+        while let Some(&Reverse((at, target))) = self.plan.peek() {
+            if self.planned.get(&target) == Some(&at) {
+                break;
+            }
+            self.plan.pop();
+        }
+        let release = self.plan.peek().map(|r| r.0.0);
+        let timer = self.timers.peek().map(|t| t.0.at);
+        match (release, timer) {
+            (Some(r), Some(t)) => Some(r.min(t)),
+            (r, t) => r.or(t),
+        }
+    }
+
+    /// Handle one message; false on stop.
+    fn handle(&mut self, msg: Msg) -> bool {
+        match msg {
+            Msg::Wake(w) => self.plan(w.target, w.at),
+            Msg::Cancel(ticket) => {
+                // Dropping the payload is all a withdrawn waiter needs.
+                let _ = self.inner.engine.cancel(ticket, self.inner.now());
+            }
+            Msg::Timer(at, tx) => {
+                self.timer_seq += 1;
+                self.timers.push(Reverse(Timer {
+                    at,
+                    seq: self.timer_seq,
+                    tx,
+                }));
+            }
+            Msg::Stop => return false,
+        }
+        true
+    }
+
+    fn run(mut self) {
+        loop {
+            let now = self.inner.now();
+            let due = self.next_due();
+            // Idle client states are swept while any are held.
+            let sweep = (self.inner.engine.clients() > 0).then_some(self.next_sweep);
+            let wake = match (due, sweep) {
+                (Some(d), Some(s)) => Some(d.min(s)),
+                (d, s) => d.or(s),
+            };
+            let msg = match wake {
+                None => self
+                    .inbox
+                    .recv()
+                    .map_err(|_| RecvTimeoutError::Disconnected),
+                Some(at) if at > now.saturating_add(SPIN) || due != Some(at) => {
+                    // Sleep precisely only for a departure; sweeps are coarse.
+                    let lead = if due == Some(at) { SPIN } else { 0 };
+                    let until = self.inner.origin + Duration::from_nanos(at - lead);
+                    self.inbox.recv_deadline(until)
+                }
+                Some(at) => self.spin_until(at),
+            };
+            match msg {
+                Ok(m) => {
+                    if !self.handle(m) {
+                        return;
+                    }
+                    // Take whatever else arrived in one go.
+                    loop {
+                        match self.inbox.try_recv() {
+                            Ok(m) => {
+                                if !self.handle(m) {
+                                    return;
+                                }
+                            }
+                            Err(TryRecvError::Empty) => break,
+                            Err(TryRecvError::Disconnected) => return,
+                        }
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            self.release_due();
+        }
+    }
+
+    /// Spin until `at`, still taking messages; a message ends the spin.
+    fn spin_until(&self, at: Nanos) -> Result<Msg, RecvTimeoutError> {
+        loop {
+            match self.inbox.try_recv() {
+                Ok(m) => return Ok(m),
+                Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
+                Err(TryRecvError::Empty) => {}
+            }
+            if self.inner.now() >= at {
+                return Err(RecvTimeoutError::Timeout);
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Release every target and timer due now, sweep if it is time, then
+    /// fire the oneshots (outside every engine lock).
+    fn release_due(&mut self) {
+        let now = self.inner.now();
+        while let Some(&Reverse((at, target))) = self.plan.peek() {
+            if at > now {
+                break;
+            }
+            self.plan.pop();
+            if self.planned.get(&target) != Some(&at) {
+                continue;
+            }
+            self.planned.remove(&target);
+            let before = self.out.len();
+            let next = self.inner.engine.release(target, now, &mut self.out);
+            if self.out.len() > before
+                && let Some(observe) = self.inner.lag.get()
+            {
+                observe(Duration::from_nanos(now - at));
+            }
+            if let Some(next) = next {
+                self.plan(target, next);
+            }
+        }
+        while self.timers.peek().is_some_and(|t| t.0.at <= now) {
+            if let Some(Reverse(t)) = self.timers.pop() {
+                self.out.push(t.tx);
+            }
+        }
+        if now >= self.next_sweep {
+            self.inner.engine.expire(now);
+            self.next_sweep = now.saturating_add(SWEEP);
+        }
+        for tx in self.out.drain(..) {
+            // The receiver may be gone (its client left just now): fine.
+            let _ = tx.send(());
+        }
+    }
+}

@@ -1,0 +1,917 @@
+//! One shard of the engine: the client states whose (route, key) hash to
+//! it, their FIFO queues, and the heap of queue heads due on uncapped
+//! upstreams. Heads on a capped upstream wait in that upstream's [`Cap`]
+//! instead, shared by every shard, so that the cap is granted earliest due
+//! first whichever shard a client lives in.
+//!
+//! Everything takes `now`; nothing here blocks, reads a clock or does I/O.
+//! The caller holds this shard's lock and, for a capped route, the cap's
+//! lock after it (always in that order).
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::hash::{BuildHasher, Hash};
+
+use std::sync::{Arc, Mutex};
+
+use hashbrown::HashTable;
+
+use super::engine::{
+    Admission, Budget, ClientView, Policy, Probe, Rejection, RouteId, Target, Ticket, Wake,
+};
+use super::rate::Nanos;
+
+/// No entry (end of a queue, empty queue).
+const NIL: u32 = u32::MAX;
+
+/// An upstream-wide cap (global rate R): its next free slot and the heads
+/// of every client queue waiting for it, from all shards.
+#[derive(Debug)]
+pub struct Cap {
+    /// Interval per cost unit (1/R).
+    pub(super) step: Nanos,
+    /// The next free slot.
+    pub(super) next: Nanos,
+    /// Heads waiting for the cap, earliest due first.
+    pub(super) heads: BinaryHeap<Reverse<HeadRef>>,
+    /// The earliest instant the releaser has promised to look at this cap.
+    pub(super) armed: Nanos,
+}
+
+impl Cap {
+    pub(super) fn new(step: Nanos) -> Cap {
+        Cap {
+            step,
+            next: 0,
+            heads: BinaryHeap::new(),
+            armed: Nanos::MAX,
+        }
+    }
+
+    /// Whether an arrival may take a slot now: the slot is free and no
+    /// queued head is due before it (a stale top only makes this stricter).
+    fn free(&self, now: Nanos) -> bool {
+        self.next <= now && self.heads.peek().is_none_or(|h| h.0.due > now)
+    }
+
+    /// When a waiting head can next be granted a slot (a lower bound: the
+    /// top may be stale).
+    pub(super) fn next_release(&self) -> Option<Nanos> {
+        self.heads.peek().map(|h| h.0.due.max(self.next))
+    }
+
+    /// Advance the slot for a departure of `cost` scheduled at `at` and made
+    /// at `now`: the cap keeps its grid through short release delays,
+    /// catching up no faster than twice its rate; a delay longer than
+    /// [`CAP_REANCHOR`] (or one slot, when slots are longer) restarts it.
+    fn advance(&mut self, cost: u64, at: Nanos, now: Nanos) {
+        let gap = cost.saturating_mul(self.step);
+        let late = now.saturating_sub(at);
+        self.next = if late > gap.max(CAP_REANCHOR) {
+            now.saturating_add(gap)
+        } else if late > 0 {
+            at.saturating_add(gap).max(now.saturating_add(gap / 2))
+        } else {
+            at.saturating_add(gap)
+        };
+    }
+}
+
+/// How late a capped release may come and still keep the cap's grid.
+const CAP_REANCHOR: Nanos = 100_000_000;
+
+/// A queue head waiting in a heap. Stale once its entry left the queue
+/// (the entry's generation moved on) or stopped being the head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct HeadRef {
+    pub(super) due: Nanos,
+    /// Arrival, then admission order: ties are served first come.
+    arrival: Nanos,
+    seq: u64,
+    pub(super) shard: u32,
+    entry: u32,
+    generation: u32,
+}
+
+/// A route as a shard sees it.
+#[derive(Debug, Clone)]
+pub(super) struct ShardRoute {
+    pub(super) policy: Policy,
+    pub(super) cap: Option<(u32, Arc<Mutex<Cap>>)>,
+}
+
+struct Slot<K> {
+    generation: u32,
+    client: Option<Client<K>>,
+}
+
+struct Client<K> {
+    key: K,
+    route: RouteId,
+    /// The schedule value D: the earliest time its next cost unit may go
+    /// (pushed back by the burst tolerance τ when one is configured).
+    tat: Nanos,
+    /// When the head is due (meaningful while the queue is not empty).
+    due: Nanos,
+    waiting_cost: u64,
+    waiting: u32,
+    head: u32,
+    tail: u32,
+    in_expiry: bool,
+}
+
+struct Entry<P> {
+    generation: u32,
+    prev: u32,
+    next: u32,
+    /// Owning client slot.
+    client: u32,
+    cost: u32,
+    seq: u64,
+    arrival: Nanos,
+    /// The interval per cost unit when it was admitted: a policy change
+    /// (reload) applies to new arrivals, never to requests already waiting.
+    step: Nanos,
+    /// `None` while the entry is free.
+    payload: Option<P>,
+}
+
+/// Read-only inputs of one admission decision.
+struct Ask<'a> {
+    policy: &'a Policy,
+    cap: Option<&'a Cap>,
+    cost: u32,
+    now: Nanos,
+}
+
+enum Decision {
+    Depart,
+    /// Wait: `due` is when the client's own schedule lets it go (the order
+    /// among heads); `departure` the estimate told to the caller, bounded
+    /// below by the cap's slots.
+    Queue {
+        due: Nanos,
+        departure: Nanos,
+    },
+    Reject(Rejection),
+}
+
+pub(super) struct Shard<K, P> {
+    id: u32,
+    hasher: foldhash::fast::RandomState,
+    index: HashTable<u32>,
+    slots: Vec<Slot<K>>,
+    free_slots: Vec<u32>,
+    entries: Vec<Entry<P>>,
+    free_entries: Vec<u32>,
+    /// Heads of queues on uncapped upstreams.
+    heads: BinaryHeap<Reverse<HeadRef>>,
+    /// The earliest instant the releaser has promised to look at `heads`.
+    armed: Nanos,
+    /// Clients with an empty queue whose schedule is still in the future,
+    /// by the time they may be forgotten: (tat, slot, generation).
+    expiry: BinaryHeap<Reverse<(Nanos, u32, u32)>>,
+    pub(super) routes: Vec<ShardRoute>,
+    seq: u64,
+}
+
+/// Whether a release scheduled at `at`, made at `now`, came later than the
+/// client's whole backlog (b·T, at least one interval): the pacer stalled
+/// for longer than catching up could be worth, and the schedule restarts
+/// from the release (DESIGN section 1, late releases).
+fn stalled(at: Nanos, now: Nanos, capacity: u32, step: Nanos) -> bool {
+    now.saturating_sub(at) > u64::from(capacity.max(1)).saturating_mul(step)
+}
+
+impl<K: Hash + Eq, P> Shard<K, P> {
+    pub(super) fn new(id: u32, hasher: foldhash::fast::RandomState) -> Shard<K, P> {
+        Shard {
+            id,
+            hasher,
+            index: HashTable::new(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            entries: Vec::new(),
+            free_entries: Vec::new(),
+            heads: BinaryHeap::new(),
+            armed: Nanos::MAX,
+            expiry: BinaryHeap::new(),
+            routes: Vec::new(),
+            seq: 0,
+        }
+    }
+
+    fn find(&self, route: RouteId, key: &K, hash: u64) -> Option<u32> {
+        let slots = &self.slots;
+        self.index
+            .find(hash, |&s| {
+                slots[s as usize]
+                    .client
+                    .as_ref()
+                    .is_some_and(|c| c.route == route && c.key == *key)
+            })
+            .copied()
+    }
+
+    fn client(&self, slot: u32) -> Option<&Client<K>> {
+        self.slots.get(slot as usize)?.client.as_ref()
+    }
+
+    /// The rules of DESIGN section 1 for one arrival, read-only. `client`
+    /// is `None` for a client with no state (idle).
+    fn decide(&self, client: Option<&Client<K>>, ask: &Ask<'_>, budget: &Budget) -> Decision {
+        let Ask {
+            policy,
+            cap,
+            cost,
+            now,
+        } = *ask;
+        let step = policy.rate.interval_nanos();
+        let (tat, waiting, waiting_cost, due) =
+            client.map_or((0, 0, 0, 0), |c| (c.tat, c.waiting, c.waiting_cost, c.due));
+        // Idle (nothing waiting, schedule reached): depart at once if the
+        // upstream's cap, if any, has a free slot.
+        let earliest = tat.saturating_sub(policy.tolerance()).max(now);
+        if waiting == 0 && earliest == now && cap.is_none_or(|c| c.free(now)) {
+            return Decision::Depart;
+        }
+        // It has to wait: capacity, then max_wait, then the global bound.
+        // Under a cap each unit waiting ahead also needs one of the cap's
+        // slots: a lower bound on the departure.
+        let own = if waiting == 0 {
+            earliest
+        } else {
+            due.saturating_add(waiting_cost.saturating_mul(step))
+        };
+        let departure = match cap {
+            Some(c) => own.max(c.next.saturating_add(waiting_cost.saturating_mul(c.step))),
+            None => own,
+        }
+        .max(now);
+        if waiting_cost + u64::from(cost) > u64::from(policy.capacity) {
+            let at = client.map_or(now, |c| self.accepts_at(c, ask));
+            return Decision::Reject(Rejection::Full {
+                retry_after: at.saturating_sub(now).max(1),
+            });
+        }
+        if let Some(max_wait) = policy.max_wait
+            && departure > now.saturating_add(max_wait)
+        {
+            return Decision::Reject(Rejection::MaxWait {
+                retry_after: departure - max_wait - now,
+            });
+        }
+        if !budget.has_queue_room() {
+            return Decision::Reject(Rejection::TooManyQueued);
+        }
+        Decision::Queue {
+            due: own.max(now),
+            departure,
+        }
+    }
+
+    /// When a client's queue would accept a request of `ask.cost` (for
+    /// Retry-After): the departure that brings the waiting cost down to
+    /// `capacity − cost`, or, for a cost the queue can never hold, the time
+    /// the client is idle again. Exact without a cap; a lower bound with
+    /// one.
+    fn accepts_at(&self, client: &Client<K>, ask: &Ask<'_>) -> Nanos {
+        let step = ask.policy.rate.interval_nanos();
+        let capacity = u64::from(ask.policy.capacity);
+        let cost = u64::from(ask.cost);
+        if client.waiting == 0 {
+            return client.tat.saturating_sub(ask.policy.tolerance());
+        }
+        // When the units ahead of `done` units have left: on the client's
+        // own grid, and (with a cap) on the upstream's.
+        let leaves = |done: u64| {
+            let own = client.due.saturating_add(done.saturating_mul(step));
+            match ask.cap {
+                Some(c) => own.max(c.next.saturating_add(done.saturating_mul(c.step))),
+                None => own,
+            }
+        };
+        if cost > capacity {
+            return leaves(client.waiting_cost);
+        }
+        // Walk departures from the head until enough cost has gone; at most
+        // `cost` units need to go since waiting_cost <= capacity.
+        let mut waiting = client.waiting_cost;
+        let mut done = 0;
+        let mut at = client.head;
+        while let Some(e) = self.entries.get(at as usize) {
+            let leaves_at = leaves(done);
+            waiting -= u64::from(e.cost);
+            if waiting + cost <= capacity {
+                return leaves_at;
+            }
+            done += u64::from(e.cost);
+            at = e.next;
+        }
+        leaves(done)
+    }
+
+    /// Decide an arrival; see [`super::Engine::admit`]. `cap` is the
+    /// route's cap, locked by the caller, and must be given exactly when
+    /// the route has one.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn admit(
+        &mut self,
+        route: RouteId,
+        key: K,
+        hash: u64,
+        cost: u32,
+        now: Nanos,
+        mut cap: Option<&mut Cap>,
+        budget: &Budget,
+        payload: impl FnOnce() -> P,
+    ) -> Admission {
+        let Some(policy) = self.routes.get(route.0 as usize).map(|r| r.policy) else {
+            return Admission::Rejected(Rejection::TooManyClients);
+        };
+        let slot = match self.find(route, &key, hash) {
+            Some(slot) => slot,
+            None => {
+                if !budget.take_client() {
+                    self.expire(now, budget);
+                    if !budget.take_client() {
+                        return Admission::Rejected(Rejection::TooManyClients);
+                    }
+                }
+                self.insert(route, key, hash)
+            }
+        };
+        let ask = Ask {
+            policy: &policy,
+            cap: cap.as_deref(),
+            cost,
+            now,
+        };
+        let decision = self.decide(self.client(slot), &ask, budget);
+        let step = policy.rate.interval_nanos();
+        match decision {
+            Decision::Depart => {
+                let Some(c) = self.slots[slot as usize].client.as_mut() else {
+                    return Admission::Rejected(Rejection::TooManyClients);
+                };
+                c.tat = c
+                    .tat
+                    .max(now)
+                    .saturating_add(u64::from(cost).saturating_mul(step));
+                if let Some(cap) = cap.as_deref_mut() {
+                    cap.next = cap
+                        .next
+                        .max(now)
+                        .saturating_add(u64::from(cost).saturating_mul(cap.step));
+                }
+                self.schedule_expiry(slot);
+                Admission::Depart
+            }
+            Decision::Reject(rejection) => {
+                self.forget_if_idle(slot, now, budget);
+                Admission::Rejected(rejection)
+            }
+            Decision::Queue { due, departure } => {
+                if !budget.take_queued() {
+                    self.forget_if_idle(slot, now, budget);
+                    return Admission::Rejected(Rejection::TooManyQueued);
+                }
+                self.seq += 1;
+                let seq = self.seq;
+                let entry = self.new_entry(Entry {
+                    generation: 0,
+                    prev: NIL,
+                    next: NIL,
+                    client: slot,
+                    cost,
+                    seq,
+                    arrival: now,
+                    step,
+                    payload: Some(payload()),
+                });
+                let generation = self.entries[entry as usize].generation;
+                let Some(c) = self.slots[slot as usize].client.as_mut() else {
+                    return Admission::Rejected(Rejection::TooManyClients);
+                };
+                let becomes_head = c.head == NIL;
+                if becomes_head {
+                    c.head = entry;
+                } else {
+                    let tail = c.tail;
+                    self.entries[tail as usize].next = entry;
+                    self.entries[entry as usize].prev = tail;
+                }
+                c.tail = entry;
+                c.waiting += 1;
+                c.waiting_cost += u64::from(cost);
+                let mut wake = None;
+                if becomes_head {
+                    c.due = due;
+                    let head = HeadRef {
+                        due,
+                        arrival: now,
+                        seq,
+                        shard: self.id,
+                        entry,
+                        generation,
+                    };
+                    wake = self.push_head(head, route, cap);
+                }
+                Admission::Queued {
+                    ticket: Ticket {
+                        shard: self.id,
+                        entry,
+                        generation,
+                    },
+                    departure,
+                    wake,
+                }
+            }
+        }
+    }
+
+    /// Put a new head in its heap (the cap's, or this shard's), and say
+    /// whether the releaser must be told to look earlier than it will.
+    fn push_head(&mut self, head: HeadRef, route: RouteId, cap: Option<&mut Cap>) -> Option<Wake> {
+        match cap {
+            Some(cap) => {
+                cap.heads.push(Reverse(head));
+                let up = self
+                    .routes
+                    .get(route.0 as usize)
+                    .and_then(|r| r.cap.as_ref())
+                    .map_or(0, |c| c.0);
+                (head.due < cap.armed).then(|| {
+                    cap.armed = head.due;
+                    Wake {
+                        target: Target::Cap(up),
+                        at: head.due,
+                    }
+                })
+            }
+            None => {
+                self.heads.push(Reverse(head));
+                (head.due < self.armed).then(|| {
+                    self.armed = head.due;
+                    Wake {
+                        target: Target::Shard(self.id),
+                        at: head.due,
+                    }
+                })
+            }
+        }
+    }
+
+    fn new_entry(&mut self, entry: Entry<P>) -> u32 {
+        match self.free_entries.pop() {
+            Some(i) => {
+                let generation = self.entries[i as usize].generation;
+                self.entries[i as usize] = Entry {
+                    generation,
+                    ..entry
+                };
+                i
+            }
+            None => {
+                self.entries.push(entry);
+                (self.entries.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Unlink an entry from its client's queue and free it; returns its
+    /// cost and payload.
+    fn take_entry(&mut self, i: u32, budget: &Budget) -> Option<(u32, Option<P>)> {
+        let e = self.entries.get_mut(i as usize)?;
+        e.payload.as_ref()?;
+        let (prev, next, slot, cost) = (e.prev, e.next, e.client, e.cost);
+        let payload = e.payload.take();
+        e.generation = e.generation.wrapping_add(1);
+        e.prev = NIL;
+        e.next = NIL;
+        self.free_entries.push(i);
+        if prev != NIL {
+            self.entries[prev as usize].next = next;
+        }
+        if next != NIL {
+            self.entries[next as usize].prev = prev;
+        }
+        if let Some(c) = self.slots[slot as usize].client.as_mut() {
+            if c.head == i {
+                c.head = next;
+            }
+            if c.tail == i {
+                c.tail = prev;
+            }
+            c.waiting -= 1;
+            c.waiting_cost -= u64::from(cost);
+        }
+        budget.give_queued();
+        Some((cost, payload))
+    }
+
+    /// Whether a heap entry still names the head of a live queue.
+    pub(super) fn head_is_live(&self, h: &HeadRef) -> bool {
+        self.entries.get(h.entry as usize).is_some_and(|e| {
+            e.generation == h.generation
+                && e.payload.is_some()
+                && self.client(e.client).is_some_and(|c| c.head == h.entry)
+        })
+    }
+
+    /// Release every uncapped head due at `now`, appending payloads to
+    /// `out` in departure order; returns (and promises) when this shard
+    /// next has work.
+    pub(super) fn release(
+        &mut self,
+        now: Nanos,
+        budget: &Budget,
+        out: &mut Vec<P>,
+    ) -> Option<Nanos> {
+        while let Some(&Reverse(head)) = self.heads.peek() {
+            if !self.head_is_live(&head) {
+                self.heads.pop();
+                continue;
+            }
+            if head.due > now {
+                break;
+            }
+            self.heads.pop();
+            self.depart(head, now, None, budget, out);
+        }
+        let next = self.heads.peek().map(|h| h.0.due);
+        self.armed = next.unwrap_or(Nanos::MAX);
+        next
+    }
+
+    /// When this shard's uncapped heads next have work (dropping stale
+    /// entries from the top), without arming anything.
+    pub(super) fn next_release(&mut self) -> Option<Nanos> {
+        while let Some(&Reverse(head)) = self.heads.peek() {
+            if self.head_is_live(&head) {
+                return Some(head.due);
+            }
+            self.heads.pop();
+        }
+        None
+    }
+
+    /// The head `head` departs at `now`. `cap` is given when it came
+    /// from a cap's heap. Returns the instant it was scheduled for.
+    pub(super) fn depart(
+        &mut self,
+        head: HeadRef,
+        now: Nanos,
+        mut cap: Option<&mut Cap>,
+        budget: &Budget,
+        out: &mut Vec<P>,
+    ) -> Nanos {
+        let slot_free = cap.as_deref().map_or(0, |c| c.next);
+        let at = head.due.max(slot_free);
+        let Some(entry) = self.entries.get(head.entry as usize) else {
+            return at;
+        };
+        let (slot, step, arrival) = (entry.client, entry.step, entry.arrival);
+        let Some(c) = self
+            .slots
+            .get(slot as usize)
+            .and_then(|s| s.client.as_ref())
+        else {
+            return at;
+        };
+        let Some(policy) = self.routes.get(c.route.0 as usize).map(|r| r.policy) else {
+            return at;
+        };
+        let Some((cost, payload)) = self.take_entry(head.entry, budget) else {
+            return at;
+        };
+        let Some(c) = self.slots[slot as usize].client.as_mut() else {
+            return at;
+        };
+        let gap = u64::from(cost).saturating_mul(step);
+        let tau = policy.tolerance();
+        // The departing unit moves the client's schedule from when its own
+        // schedule (or the cap's slot) let it go: D = d + c·T (DESIGN 1),
+        // never from `now`, so pacer jitter never drifts the grid and a
+        // late release is made up by the next ones, no two of which come
+        // closer than c·T/2 (the floor below: only when the release came
+        // after the grid time D itself, so burst credit is never eaten).
+        // A release later than the whole backlog (b·T) restarts the
+        // schedule from the release.
+        let floor = if now > c.tat {
+            now.saturating_add(gap / 2)
+        } else {
+            0
+        };
+        let own = c.tat.saturating_sub(tau).max(arrival).max(slot_free);
+        c.tat = if stalled(at, now, policy.capacity, step) {
+            now.saturating_add(tau).saturating_add(gap)
+        } else {
+            c.tat.max(own).saturating_add(gap)
+        };
+        if let Some(cap) = cap.as_deref_mut() {
+            cap.advance(u64::from(cost), at, now);
+        }
+        if let Some(p) = payload {
+            out.push(p);
+        }
+        self.promote(slot, now, floor, cap, budget);
+        at
+    }
+
+    /// After the head left (departed or cancelled): put the new head, if
+    /// any, in its heap, due no earlier than `floor`; otherwise let the
+    /// client expire.
+    fn promote(
+        &mut self,
+        slot: u32,
+        now: Nanos,
+        floor: Nanos,
+        cap: Option<&mut Cap>,
+        budget: &Budget,
+    ) {
+        let generation_of = |entries: &[Entry<P>], i: u32| entries[i as usize].generation;
+        let Some(c) = self.slots[slot as usize].client.as_mut() else {
+            return;
+        };
+        let route = c.route;
+        let Some(tau) = self
+            .routes
+            .get(route.0 as usize)
+            .map(|r| r.policy.tolerance())
+        else {
+            return;
+        };
+        if c.head == NIL {
+            c.tat = c.tat.max(floor);
+            if c.tat <= now {
+                self.remove(slot, budget);
+            } else {
+                self.schedule_expiry(slot);
+            }
+            return;
+        }
+        let e = &self.entries[c.head as usize];
+        c.due = c.tat.saturating_sub(tau).max(e.arrival).max(floor);
+        let head = HeadRef {
+            due: c.due,
+            arrival: e.arrival,
+            seq: e.seq,
+            shard: self.id,
+            entry: c.head,
+            generation: generation_of(&self.entries, c.head),
+        };
+        let capped = self
+            .routes
+            .get(route.0 as usize)
+            .is_some_and(|r| r.cap.is_some());
+        match cap {
+            Some(cap) if capped => {
+                cap.heads.push(Reverse(head));
+            }
+            _ => {
+                self.heads.push(Reverse(head));
+            }
+        }
+    }
+
+    /// Withdraw a waiting request; see [`super::Engine::cancel`]. `cap` is
+    /// the ticket's route's cap, locked by the caller.
+    pub(super) fn cancel(
+        &mut self,
+        ticket: Ticket,
+        now: Nanos,
+        cap: Option<&mut Cap>,
+        budget: &Budget,
+    ) -> Option<P> {
+        let e = self.entries.get(ticket.entry as usize)?;
+        if e.generation != ticket.generation || e.payload.is_none() {
+            return None;
+        }
+        let slot = e.client;
+        let was_head = self.client(slot).is_some_and(|c| c.head == ticket.entry);
+        let (_, payload) = self.take_entry(ticket.entry, budget)?;
+        if was_head {
+            // Its heap entry goes stale; the next one takes the same slot.
+            self.promote(slot, now, 0, cap, budget);
+        }
+        payload
+    }
+
+    /// The route of the client that owns a ticket's entry, if it waits.
+    pub(super) fn ticket_route(&self, ticket: Ticket) -> Option<RouteId> {
+        let e = self.entries.get(ticket.entry as usize)?;
+        if e.generation != ticket.generation || e.payload.is_none() {
+            return None;
+        }
+        self.client(e.client).map(|c| c.route)
+    }
+
+    fn hash(&self, route: RouteId, key: &K) -> u64 {
+        self.hasher.hash_one((route.0, key))
+    }
+
+    fn insert(&mut self, route: RouteId, key: K, hash: u64) -> u32 {
+        let client = Client {
+            key,
+            route,
+            tat: 0,
+            due: 0,
+            waiting_cost: 0,
+            waiting: 0,
+            head: NIL,
+            tail: NIL,
+            in_expiry: false,
+        };
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s as usize].client = Some(client);
+                s
+            }
+            None => {
+                self.slots.push(Slot {
+                    generation: 0,
+                    client: Some(client),
+                });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let (slots, hasher) = (&self.slots, &self.hasher);
+        self.index.insert_unique(hash, slot, |&s| {
+            slots[s as usize]
+                .client
+                .as_ref()
+                .map_or(0, |c| hasher.hash_one((c.route.0, &c.key)))
+        });
+        slot
+    }
+
+    fn remove(&mut self, slot: u32, budget: &Budget) {
+        let Some(hash) = self.client(slot).map(|c| self.hash(c.route, &c.key)) else {
+            return;
+        };
+        if let Ok(entry) = self.index.find_entry(hash, |&s| s == slot) {
+            entry.remove();
+        }
+        let s = &mut self.slots[slot as usize];
+        s.client = None;
+        s.generation = s.generation.wrapping_add(1);
+        self.free_slots.push(slot);
+        budget.give_client();
+    }
+
+    /// Forget a client that holds nothing (a fresh state made for an
+    /// arrival that was then refused), otherwise make sure it will expire.
+    fn forget_if_idle(&mut self, slot: u32, now: Nanos, budget: &Budget) {
+        let idle = self
+            .client(slot)
+            .is_some_and(|c| c.waiting == 0 && c.tat <= now);
+        if idle {
+            self.remove(slot, budget);
+        }
+    }
+
+    fn schedule_expiry(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        if let Some(c) = s.client.as_mut()
+            && !c.in_expiry
+        {
+            c.in_expiry = true;
+            self.expiry.push(Reverse((c.tat, slot, s.generation)));
+        }
+    }
+
+    /// Forget clients whose queue is empty and whose schedule has passed.
+    pub(super) fn expire(&mut self, now: Nanos, budget: &Budget) {
+        while let Some(&Reverse((at, slot, generation))) = self.expiry.peek() {
+            if at > now {
+                break;
+            }
+            self.expiry.pop();
+            let s = &mut self.slots[slot as usize];
+            if s.generation != generation {
+                continue;
+            }
+            let Some(c) = s.client.as_mut() else { continue };
+            c.in_expiry = false;
+            if c.waiting > 0 {
+                // Re-armed when its queue empties.
+                continue;
+            }
+            if c.tat <= now {
+                self.remove(slot, budget);
+            } else {
+                c.in_expiry = true;
+                self.expiry.push(Reverse((c.tat, slot, generation)));
+            }
+        }
+    }
+
+    /// When [`Shard::expire`] next has work, if ever.
+    pub(super) fn next_expiry(&self) -> Option<Nanos> {
+        self.expiry.peek().map(|r| r.0.0)
+    }
+
+    /// Withdraw every waiting request, appending their payloads to `out`.
+    /// Client schedules are kept.
+    pub(super) fn withdraw_all(&mut self, now: Nanos, budget: &Budget, out: &mut Vec<P>) {
+        for slot in 0..self.slots.len() as u32 {
+            let mut at = match self.client(slot) {
+                Some(c) if c.waiting > 0 => c.head,
+                _ => continue,
+            };
+            while at != NIL {
+                let next = self.entries[at as usize].next;
+                if let Some((_, Some(p))) = self.take_entry(at, budget) {
+                    out.push(p);
+                }
+                at = next;
+            }
+            self.promote(slot, now, 0, None, budget);
+        }
+    }
+
+    fn view_of(&self, c: &Client<K>, now: Nanos) -> ClientView {
+        let policy = self.routes.get(c.route.0 as usize).map(|r| r.policy);
+        let step = policy.map_or(0, |p| p.rate.interval_nanos());
+        let next_departure = if c.waiting > 0 {
+            c.due.saturating_add(c.waiting_cost.saturating_mul(step))
+        } else {
+            c.tat
+                .saturating_sub(policy.map_or(0, |p| p.tolerance()))
+                .max(now)
+        };
+        ClientView {
+            waiting_cost: c.waiting_cost,
+            waiting: c.waiting as usize,
+            next_departure,
+        }
+    }
+
+    /// Look at one client without changing anything.
+    pub(super) fn view(
+        &self,
+        route: RouteId,
+        key: &K,
+        hash: u64,
+        now: Nanos,
+    ) -> Option<ClientView> {
+        let slot = self.find(route, key, hash)?;
+        let c = self.client(slot)?;
+        Some(self.view_of(c, now))
+    }
+
+    /// What [`Shard::admit`] would answer now, without changing anything.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn probe(
+        &self,
+        route: RouteId,
+        key: &K,
+        hash: u64,
+        cost: u32,
+        now: Nanos,
+        cap: Option<&Cap>,
+        budget: &Budget,
+    ) -> Probe {
+        let Some(policy) = self.routes.get(route.0 as usize).map(|r| r.policy) else {
+            return Probe::Reject(Rejection::TooManyClients);
+        };
+        let client = self.find(route, key, hash).and_then(|s| self.client(s));
+        if client.is_none() && !budget.has_client_room() {
+            return Probe::Reject(Rejection::TooManyClients);
+        }
+        let ask = Ask {
+            policy: &policy,
+            cap,
+            cost,
+            now,
+        };
+        match self.decide(client, &ask, budget) {
+            Decision::Depart => Probe::Depart,
+            Decision::Queue { departure, .. } => Probe::Queue { departure },
+            Decision::Reject(r) => Probe::Reject(r),
+        }
+    }
+
+    /// Visit the clients with something waiting among slots
+    /// `from..from + count`; returns where to continue, or `None` at the
+    /// end. Bounded work per call, so a status page never holds the lock
+    /// for long.
+    pub(super) fn scan_waiting(
+        &self,
+        from: usize,
+        count: usize,
+        now: Nanos,
+        mut visit: impl FnMut(RouteId, &K, ClientView),
+    ) -> Option<usize> {
+        let end = from.saturating_add(count).min(self.slots.len());
+        for s in self.slots.get(from..end).into_iter().flatten() {
+            if let Some(c) = s.client.as_ref()
+                && c.waiting > 0
+            {
+                visit(c.route, &c.key, self.view_of(c, now));
+            }
+        }
+        (end < self.slots.len()).then_some(end)
+    }
+}
