@@ -131,13 +131,24 @@ fn admission(c: &mut Criterion) {
 }
 
 /// Admissions per second from `threads` threads at once, each with its
-/// own keys, on an engine with `shards` shards.
-fn parallel_rate(threads: usize, shards: usize, per_thread: u64) -> f64 {
+/// own 1,000 keys, on an engine with `shards` shards. With `partitioned`,
+/// thread t only gets keys of shards s with s % threads == t (no shard,
+/// no cache line, is shared between threads: the ceiling).
+fn parallel_rate(threads: usize, shards: usize, per_thread: u64, partitioned: bool) -> f64 {
     let (e, r) = engine("1000000/s", 10, shards);
+    let keys: Vec<Vec<Key>> = (0..threads as u64)
+        .map(|t| {
+            (t * 1_000_000..)
+                .map(key)
+                .filter(|k| !partitioned || e.shard_for(r, k) % threads == t as usize)
+                .take(1_000)
+                .collect()
+        })
+        .collect();
     let barrier = Barrier::new(threads);
     let started = std::sync::Mutex::new(None::<Instant>);
     std::thread::scope(|s| {
-        for t in 0..threads as u64 {
+        for keys in &keys {
             let (e, barrier, started) = (&e, &barrier, &started);
             s.spawn(move || {
                 barrier.wait();
@@ -149,7 +160,8 @@ fn parallel_rate(threads: usize, shards: usize, per_thread: u64) -> f64 {
                 for i in 0..per_thread {
                     now += 10;
                     // Every key passes at once (1 µs apart at 1,000,000/s).
-                    black_box(e.admit(r, key(t * 1_000_000 + i % 1_000), 1, now, || 0));
+                    let k = keys[(i % 1_000) as usize].clone();
+                    black_box(e.admit(r, k, 1, now, || 0));
                 }
             });
         }
@@ -161,27 +173,29 @@ fn parallel_rate(threads: usize, shards: usize, per_thread: u64) -> f64 {
     (threads as u64 * per_thread) as f64 / elapsed.as_secs_f64()
 }
 
-/// Two threads admitting at once on the sharded engine against the same
-/// with one shard (one lock): the one-lock engine serializes them.
+/// Two threads admitting at once on the sharded engine, against the same
+/// with one shard (one lock: it serializes them) and with keys partitioned
+/// so the threads share no shard (the ceiling).
 fn two_threads() {
     let n = 2_000_000;
-    let best = |threads: usize, shards: usize| {
+    let best = |threads: usize, shards: usize, partitioned: bool| {
         (0..5)
-            .map(|_| parallel_rate(threads, shards, n))
+            .map(|_| parallel_rate(threads, shards, n, partitioned))
             .fold(0.0f64, f64::max)
     };
     let s = shards();
-    let (one_sharded, two_sharded) = (best(1, s), best(2, s));
-    let (one_locked, two_locked) = (best(1, 1), best(2, 1));
+    let one = best(1, s, false);
+    let (two, two_apart, one_lock) = (best(2, s, false), best(2, s, true), best(2, 1, false));
     println!(
-        "parallel: {s} shards: 1 thread {:.1} M/s, 2 threads {:.1} M/s ({:.2}x); \
-         1 shard (one lock): 1 thread {:.1} M/s, 2 threads {:.1} M/s ({:.2}x)",
-        one_sharded / 1e6,
-        two_sharded / 1e6,
-        two_sharded / one_sharded,
-        one_locked / 1e6,
-        two_locked / 1e6,
-        two_locked / one_locked,
+        "parallel ({s} shards): 1 thread {:.1} M/s; 2 threads {:.1} M/s ({:.2}x), \
+         keys partitioned by shard {:.1} M/s ({:.2}x), one shard (one lock) {:.1} M/s ({:.2}x)",
+        one / 1e6,
+        two / 1e6,
+        two / one,
+        two_apart / 1e6,
+        two_apart / one,
+        one_lock / 1e6,
+        one_lock / one,
     );
 }
 
@@ -218,8 +232,20 @@ fn million_clients() {
 criterion_group!(benches, admission);
 
 fn main() {
-    million_clients();
-    two_threads();
+    // A filter (`cargo bench --bench engine -- admit/queue`) runs only the
+    // criterion cases it names; "scale" and "parallel" name the others.
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let wanted =
+        |name: &str| filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()));
+    if wanted("scale") {
+        million_clients();
+    }
+    if wanted("parallel") {
+        two_threads();
+    }
     benches();
     Criterion::default().configure_from_args().final_summary();
 }

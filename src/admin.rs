@@ -16,9 +16,9 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tracing::{debug, info, warn};
 
+use crate::admission::{Probe, Rejection};
 use crate::http::Handle;
 use crate::metrics::Outcome;
-use crate::shaper::{Probe, Rejection};
 
 /// Serve the admin endpoints on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, server: Handle, metrics: PrometheusHandle) {
@@ -212,7 +212,7 @@ fn answer(
             text(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
-                metrics.render(),
+                crate::metrics::render(metrics),
             )
         }
         "/healthz" => text(StatusCode::OK, "text/plain", "ok\n"),

@@ -2,10 +2,13 @@
 //! help text, label values and histogram buckets. No metric carries a
 //! per-client label, so cardinality is bounded by the config.
 
-use std::sync::OnceLock;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
-use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics::{Unit, describe_counter, describe_gauge};
+use metrics_exporter_prometheus::{BuildError, PrometheusBuilder, PrometheusHandle};
 
 /// Requests by route, protocol and outcome (see [`Outcome`]).
 pub const REQUESTS_TOTAL: &str = "sluice_requests_total";
@@ -89,6 +92,144 @@ const LAG_BUCKETS: &[f64] = &[
     0.01,
 ];
 
+// === histograms ===
+
+/// A Prometheus histogram with fixed buckets: recording is a few relaxed
+/// atomic adds, memory is fixed whatever the load and however rarely it
+/// is scraped.
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Per bucket (the last one is +Inf), not cumulative.
+    counts: Box<[AtomicU64]>,
+    /// Sum in nanoseconds.
+    sum_nanos: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_nanos: AtomicU64::new(0),
+        }
+    }
+
+    /// Record one observation.
+    pub fn record(&self, value: Duration) {
+        let secs = value.as_secs_f64();
+        let i = self.bounds.partition_point(|&b| b < secs);
+        if let Some(c) = self.counts.get(i) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        let nanos = u64::try_from(value.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    fn render(&self, name: &str, labels: &str, out: &mut String) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut cumulative = 0u64;
+        for (i, c) in self.counts.iter().enumerate() {
+            cumulative += c.load(Ordering::Relaxed);
+            let le = self
+                .bounds
+                .get(i)
+                .map_or_else(|| "+Inf".to_owned(), |b| b.to_string());
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {cumulative}"
+            );
+        }
+        let braces = |l: &str| {
+            if l.is_empty() {
+                String::new()
+            } else {
+                format!("{{{l}}}")
+            }
+        };
+        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(out, "{name}_sum{} {sum}", braces(labels));
+        let _ = writeln!(out, "{name}_count{} {cumulative}", braces(labels));
+    }
+}
+
+struct Registered {
+    name: &'static str,
+    /// Rendered label pairs, such as `route="api",protocol="http"`.
+    labels: String,
+    histogram: Arc<Histogram>,
+}
+
+static HISTOGRAMS: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
+
+/// The histogram `name` with `labels` (created once; the same handle for
+/// the same name and labels, so reloads keep their counts).
+pub fn histogram(name: &'static str, labels: &[(&str, &str)]) -> Arc<Histogram> {
+    let labels = labels
+        .iter()
+        .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut all = HISTOGRAMS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(r) = all.iter().find(|r| r.name == name && r.labels == labels) {
+        return r.histogram.clone();
+    }
+    let bounds = if name == RELEASE_LAG_SECONDS {
+        LAG_BUCKETS
+    } else {
+        LATENCY_BUCKETS
+    };
+    let histogram = Arc::new(Histogram::new(bounds));
+    all.push(Registered {
+        name,
+        labels,
+        histogram: histogram.clone(),
+    });
+    histogram
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Help text of each histogram family.
+const HISTOGRAM_HELP: &[(&str, &str)] = &[
+    (
+        QUEUE_WAIT_SECONDS,
+        "Time from arrival to departure of forwarded requests.",
+    ),
+    (
+        RELEASE_LAG_SECONDS,
+        "Pacer precision: actual minus scheduled release time.",
+    ),
+    (
+        UPSTREAM_DURATION_SECONDS,
+        "Time until the upstream's response headers.",
+    ),
+    (
+        REDIS_DURATION_SECONDS,
+        "Round-trip time of shared-schedule calls.",
+    ),
+];
+
+fn render_histograms(out: &mut String) {
+    let all = HISTOGRAMS.lock().unwrap_or_else(|e| e.into_inner());
+    for &(family, help) in HISTOGRAM_HELP {
+        let members: Vec<&Registered> = all.iter().filter(|r| r.name == family).collect();
+        if members.is_empty() {
+            continue;
+        }
+        let _ = writeln!(out, "# HELP {family} {help}");
+        let _ = writeln!(out, "# TYPE {family} histogram");
+        for r in members {
+            r.histogram.render(family, &r.labels, out);
+        }
+    }
+}
+
+// === the exporter ===
+
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Install the process-wide Prometheus recorder (once) and describe every
@@ -97,12 +238,17 @@ pub fn install() -> Result<PrometheusHandle, BuildError> {
     if let Some(h) = HANDLE.get() {
         return Ok(h.clone());
     }
-    let handle = PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Full(RELEASE_LAG_SECONDS.into()), LAG_BUCKETS)?
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)?
-        .install_recorder()?;
+    let handle = PrometheusBuilder::new().install_recorder()?;
     describe();
     Ok(HANDLE.get_or_init(|| handle).clone())
+}
+
+/// The `/metrics` text: counters and gauges from the recorder, then the
+/// histograms.
+pub fn render(handle: &PrometheusHandle) -> String {
+    let mut out = handle.render();
+    render_histograms(&mut out);
+    out
 }
 
 fn describe() {
@@ -117,21 +263,6 @@ fn describe() {
         "Requests waiting in queues, over all clients."
     );
     describe_gauge!(ACTIVE_CLIENTS, Unit::Count, "Client states held.");
-    describe_histogram!(
-        QUEUE_WAIT_SECONDS,
-        Unit::Seconds,
-        "Time from arrival to departure of forwarded requests."
-    );
-    describe_histogram!(
-        RELEASE_LAG_SECONDS,
-        Unit::Seconds,
-        "Pacer precision: actual minus scheduled release time."
-    );
-    describe_histogram!(
-        UPSTREAM_DURATION_SECONDS,
-        Unit::Seconds,
-        "Time until the upstream's response headers."
-    );
     describe_counter!(
         CONFIG_RELOADS_TOTAL,
         Unit::Count,
@@ -142,4 +273,42 @@ fn describe() {
         Unit::Seconds,
         "Unix time of the last successful config load."
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_render_cumulative_buckets_sum_and_count() {
+        let h = histogram("test_seconds", &[("route", "a\"b")]);
+        h.record(Duration::from_micros(20));
+        h.record(Duration::from_secs(100));
+        let mut out = String::new();
+        h.render("test_seconds", r#"route="a\"b""#, &mut out);
+        assert!(
+            out.contains(r#"test_seconds_bucket{route="a\"b",le="0.00001"} 0"#),
+            "{out}"
+        );
+        assert!(
+            out.contains(r#"test_seconds_bucket{route="a\"b",le="0.000025"} 1"#),
+            "{out}"
+        );
+        assert!(
+            out.contains(r#"test_seconds_bucket{route="a\"b",le="60"} 1"#),
+            "{out}"
+        );
+        assert!(
+            out.contains(r#"test_seconds_bucket{route="a\"b",le="+Inf"} 2"#),
+            "{out}"
+        );
+        assert!(
+            out.contains(r#"test_seconds_count{route="a\"b"} 2"#),
+            "{out}"
+        );
+        assert!(
+            out.contains(r#"test_seconds_sum{route="a\"b"} 100.00002"#),
+            "{out}"
+        );
+    }
 }

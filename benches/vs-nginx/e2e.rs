@@ -7,6 +7,9 @@
 //!                         per line) and clears the record.
 //! `e2e SCENARIO URL DOWNSTREAM_PORT [ARGS]` runs one scenario against the
 //!                         proxy at URL and prints one JSON line.
+//! `e2e clear DS_PORT`     forgets the downstream's arrivals.
+//! `e2e intervals DS_PORT RATE` prints the interval statistics of the
+//!                         arrivals since then (a backlog driven by wrk).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -60,6 +63,8 @@ async fn dispatch(args: Vec<String>) -> Result<(), Fail> {
         Some("passthrough") => passthrough(&arg(1)?, num(3)?, Duration::from_secs(num(4)?)).await,
         Some("flood") => flood(&arg(1)?, num(3)?, Duration::from_secs(num(4)?)).await,
         Some("many") => many(&arg(1)?, num(2)? as u16, num(3)?).await,
+        Some("intervals") => intervals(num(1)? as u16, num(2)?).await,
+        Some("clear") => arrivals(num(1)? as u16).await.map(|_| ()),
         _ => Err(
             "usage: e2e downstream PORT | e2e (seed|pacing|passthrough|flood|many) URL DS_PORT ..."
                 .into(),
@@ -183,6 +188,36 @@ async fn seed(url: &str, ds_port: u16) -> Result<(), Fail> {
     Ok(())
 }
 
+/// Inter-arrival statistics of downstream arrival times (µs, sorted) for
+/// a target rate: percentiles of abs(interval - 1/r) skipping the first
+/// `skip` intervals (connection set-up), and the mean interval over the
+/// whole run (first to last arrival) with its error against 1/r.
+fn interval_stats(times: &[u64], rate: u64, skip: usize) -> serde_json::Value {
+    let t = 1_000_000 / rate.max(1);
+    let intervals: Vec<u64> = times.windows(2).skip(skip).map(|w| w[1] - w[0]).collect();
+    let mut dev: Vec<u64> = intervals.iter().map(|i| i.abs_diff(t)).collect();
+    dev.sort_unstable();
+    let mean = match (times.first(), times.last()) {
+        (Some(first), Some(last)) if times.len() > 1 => {
+            (last - first) as f64 / (times.len() - 1) as f64
+        }
+        _ => 0.0,
+    };
+    json!({"rate": rate, "intervals": dev.len(),
+           "p50_us": pct(&dev, 0.5), "p90_us": pct(&dev, 0.9), "p99_us": pct(&dev, 0.99), "max_us": dev.last(),
+           "mean_interval_us": mean, "mean_error_pct": (mean - t as f64) / t as f64 * 100.0})
+}
+
+/// The downstream's arrivals since the last call, as interval statistics
+/// (after an external load such as wrk drove a backlog through a proxy).
+async fn intervals(ds_port: u16, rate: u64) -> Result<(), Fail> {
+    let times = arrivals(ds_port).await?;
+    let mut line = interval_stats(&times, rate, 10);
+    line["scenario"] = json!("intervals");
+    println!("{line}");
+    Ok(())
+}
+
 /// A full queue paced at `rate`/s: the downstream's inter-arrival deviation
 /// from 1/r.
 async fn pacing(url: &str, ds_port: u16, rate: u64, n: u64) -> Result<(), Fail> {
@@ -200,19 +235,11 @@ async fn pacing(url: &str, ds_port: u16, rate: u64, n: u64) -> Result<(), Fail> 
         }
     }
     let times = arrivals(ds_port).await?;
-    let t = 1_000_000 / rate;
     // Skip the first 10 intervals: connection set-up of the flood.
-    let mut dev: Vec<u64> = times
-        .windows(2)
-        .skip(10)
-        .map(|w| (w[1] - w[0]).abs_diff(t))
-        .collect();
-    dev.sort_unstable();
-    println!(
-        "{}",
-        json!({"scenario": "pacing", "rate": rate, "forwarded": ok, "intervals": dev.len(),
-               "p50_us": pct(&dev, 0.5), "p99_us": pct(&dev, 0.99), "max_us": dev.last()})
-    );
+    let mut line = interval_stats(&times, rate, 10);
+    line["scenario"] = json!("pacing");
+    line["forwarded"] = json!(ok);
+    println!("{line}");
     Ok(())
 }
 

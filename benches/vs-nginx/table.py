@@ -1,5 +1,8 @@
-"""Format the JSON lines of benches/vs-nginx/run.sh as a markdown table
-with sluice/nginx ratios."""
+"""Format the JSON lines of benches/vs-nginx/run.py as markdown: the machine,
+one table per worker count (sluice and nginx with the same number of
+workers, side by side, with ratios), the scheduling floor measured beside
+each pacing scenario, and the DESIGN section 6 targets checked against the
+2-worker run (nginx's configuration in the issue that set them)."""
 import json
 import platform
 import subprocess
@@ -10,45 +13,131 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 nginx_version, rustc_version = sys.argv[2], sys.argv[3]
 
 
-def find(proxy, scenario, **match):
+def res(proxy, scenario):
     for r in rows:
-        res = r["result"]
-        if r["proxy"] == proxy and res["scenario"] == scenario and all(res.get(k) == v for k, v in match.items()):
+        if r["proxy"] == proxy and r["result"].get("scenario") == scenario:
             return r
     return None
 
 
+def get(proxy, scenario, *path):
+    r = res(proxy, scenario)
+    v = r if r is None else r["result"]
+    for k in path:
+        if not isinstance(v, dict):
+            return None
+        v = v.get(k)
+    return v
+
+
+def show(v, fmt):
+    if v is None:
+        return "n/a"
+    return fmt.format(v) if isinstance(v, (int, float)) else str(v)
+
+
 def ratio(a, b):
-    if a is None or b in (None, 0):
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or b == 0:
         return "n/a"
     return f"{a / b:.2f}"
 
 
-lines = []
-def metric(name, scenario, key, better, fmt="{:.1f}", **match):
-    s, n = find("sluice", scenario, **match), find("nginx", scenario, **match)
-    sv = s["result"].get(key) if s else None
-    nv = n["result"].get(key) if n else None
-    show = lambda v: "n/a" if v is None else (fmt.format(v) if isinstance(v, (int, float)) else str(v))
-    lines.append(f"| {name} | {show(sv)} | {show(nv)} | {ratio(sv, nv)} | {better} |")
-
-
-metric("seed: admitted (of 20; the rules say 13)", "seed", "admitted_count", "equal", fmt="{}")
-metric("seed: smallest downstream gap, ms (1/r = 200)", "seed", "gap_min_ms", "closer to 200")
-metric("seed: largest downstream gap, ms", "seed", "gap_max_ms", "closer to 200")
+METRICS = [
+    # (label, scenario, path, format, better)
+    ("seed: admitted (of 20; the rules say 13)", "seed", ("admitted_count",), "{}", "equal"),
+    ("seed: smallest / largest downstream gap, ms (1/r = 200)", "seed", ("gaps",), "{}", "closer to 200"),
+]
 for rate in (100, 1000):
-    for key, label in (("p50_us", "p50"), ("p99_us", "p99"), ("max_us", "max")):
-        metric(f"pacing at {rate}/s, full queue: {label} abs(interval - 1/r), µs", "pacing", key, "lower", fmt="{}", rate=rate)
-metric("pass-through, 16 connections: requests/s", "passthrough", "requests_per_s", "higher", fmt="{:.0f}")
-metric("pass-through: p50 latency, µs", "passthrough", "p50_us", "lower", fmt="{}")
-metric("pass-through: p99 latency, µs", "passthrough", "p99_us", "lower", fmt="{}")
-metric("64-connection flood on one key: 429s per second", "flood", "refused_per_s", "higher", fmt="{:.0f}")
-metric("10,000 clients x 2 at once: answered 200", "many", "ok", "equal", fmt="{}")
-metric("10,000 clients x 2 at once: seconds until all answered", "many", "seconds", "lower", fmt="{:.2f}")
-s, n = find("sluice", "many"), find("nginx", "many")
-if s and n:
-    lines.append(f"| 10,000 clients: proxy resident memory after, MiB | {s['rss_kib']/1024:.1f} | {n['rss_kib']/1024:.1f} | {ratio(s['rss_kib'], n['rss_kib'])} | lower |")
-d = find("direct", "passthrough")
+    sc = f"pacing-{rate}"
+    METRICS += [
+        (f"pacing {rate}/s, full queue (e2e): p50 abs(interval - 1/r), µs", sc, ("p50_us",), "{}", "lower"),
+        (f"pacing {rate}/s, full queue (e2e): p99, µs", sc, ("p99_us",), "{}", "lower"),
+        (f"pacing {rate}/s, full queue (e2e): max, µs", sc, ("max_us",), "{}", "lower"),
+        (f"pacing {rate}/s, full queue (e2e): mean interval error, %", sc, ("mean_error_pct",), "{:+.3f}", "closer to 0"),
+        (f"  floor (C spinner, same run, before it): p50 / p99 lateness, µs", sc, ("floor_p",), "{}", ""),
+    ]
+METRICS += [
+    ("pacing 1000/s, backlog b=50 under wrk -c32 (10 s): p50 abs(interval - 1/r), µs", "backlog-1000", ("p50_us",), "{}", "lower"),
+    ("  same: p99, µs", "backlog-1000", ("p99_us",), "{}", "lower"),
+    ("  same: mean interval error, %", "backlog-1000", ("mean_error_pct",), "{:+.3f}", "closer to 0"),
+    ("  floor (C spinner, before it): p50 / p99 lateness, µs", "backlog-1000", ("floor_p",), "{}", ""),
+    ("idle pass-through, wrk -c16, requests/s", "passthrough-wrk", ("requests_per_s",), "{:.0f}", "higher"),
+    ("  same: p50 latency, µs", "passthrough-wrk", ("p50_us",), "{:.0f}", "lower"),
+    ("  same: p99 latency, µs", "passthrough-wrk", ("p99_us",), "{:.0f}", "lower"),
+    ("  same: CPU per request (perf stat task-clock), µs", "passthrough-wrk", ("cpu_us_per_request",), "{:.1f}", "lower"),
+    ("  same: user / system CPU per request, µs", "passthrough-wrk", ("user_sys",), "{}", "lower"),
+    ("  same: context switches per request", "passthrough-wrk", ("context_switches_per_request",), "{:.2f}", "lower"),
+    ("idle pass-through, own tool, 16 connections, requests/s", "passthrough-e2e", ("requests_per_s",), "{:.0f}", "higher"),
+    ("  same: p99 latency, µs", "passthrough-e2e", ("p99_us",), "{}", "lower"),
+    ("64-connection flood on one key, wrk: 429s per second", "flood-wrk", ("requests_per_s",), "{:.0f}", "higher"),
+    ("  same: CPU per refusal, µs", "flood-wrk", ("cpu_us_per_request",), "{:.1f}", "lower"),
+    ("64-connection flood on one key, own tool: 429s per second", "flood-e2e", ("refused_per_s",), "{:.0f}", "higher"),
+    ("10,000 clients x 2 at once: answered 200", "many", ("ok",), "{}", "equal"),
+    ("10,000 clients x 2 at once: seconds until all answered", "many", ("seconds",), "{:.2f}", "lower"),
+    ("10,000 clients: proxy resident memory after, MiB", "many", ("rss_mib",), "{:.1f}", "lower"),
+]
+
+
+def derived(proxy, scenario, key):
+    r = res(proxy, scenario)
+    if r is None or "error" in r["result"]:
+        return None
+    x = r["result"]
+    if key == "gaps":
+        lo, hi = x.get("gap_min_ms"), x.get("gap_max_ms")
+        return None if lo is None else f"{lo:.1f} / {hi:.1f}"
+    if key == "floor_p":
+        f = x.get("floor") or {}
+        return None if not f else f"{f['p50_us']:.1f} / {f['p99_us']:.1f}"
+    if key == "user_sys":
+        u, s = x.get("user_us_per_request"), x.get("sys_us_per_request")
+        return None if u is None else f"{u:.1f} / {s:.1f}"
+    if key == "rss_mib":
+        return r.get("rss_kib", 0) / 1024
+    if scenario == "flood-wrk" and key == "requests_per_s":
+        return x.get("non_2xx", 0) / max(x.get("seconds", 1), 1)
+    return x.get(key)
+
+
+def table(workers):
+    s, n = f"sluice-{workers}w", f"nginx-{workers}w"
+    out = [f"| metric | sluice, {workers} worker{'s' * (workers > 1)} | nginx, {workers} worker{'s' * (workers > 1)} | sluice/nginx | better |",
+           "|---|---|---|---|---|"]
+    for label, scenario, path, fmt, better in METRICS:
+        a, b = derived(s, scenario, path[0]), derived(n, scenario, path[0])
+        out.append(f"| {label} | {show(a, fmt)} | {show(b, fmt)} | {ratio(a, b)} | {better} |")
+    return "\n".join(out)
+
+
+def check(label, ok, measured):
+    verdict = "n/a" if ok is None else ("met" if ok else "**missed**")
+    return f"| {label} | {measured} | {verdict} |"
+
+
+def targets():
+    s, n = "sluice-2w", "nginx-2w"
+    d = lambda p, sc, k: derived(p, sc, k)
+    out = ["| target (issue 10 / DESIGN 6), 2 workers each | measured | verdict |", "|---|---|---|"]
+    rs, rn = d(s, "passthrough-wrk", "requests_per_s"), d(n, "passthrough-wrk", "requests_per_s")
+    out.append(check("idle pass-through req/s >= 1.2 x nginx (wrk)", None if None in (rs, rn) else rs >= 1.2 * rn, f"{ratio(rs, rn)} x"))
+    ps, pn = d(s, "passthrough-wrk", "p99_us"), d(n, "passthrough-wrk", "p99_us")
+    out.append(check("pass-through p99 <= nginx's (wrk)", None if None in (ps, pn) else ps <= pn, f"{show(ps, '{:.0f}')} vs {show(pn, '{:.0f}')} µs"))
+    cs, cn = d(s, "passthrough-wrk", "cpu_us_per_request"), d(n, "passthrough-wrk", "cpu_us_per_request")
+    out.append(check("CPU per forwarded request <= nginx's", None if None in (cs, cn) else cs <= cn, f"{show(cs, '{:.1f}')} vs {show(cn, '{:.1f}')} µs"))
+    fs, fn = d(s, "flood-wrk", "requests_per_s"), d(n, "flood-wrk", "requests_per_s")
+    out.append(check("429/s under the 64-connection flood >= 1.5 x nginx (wrk)", None if None in (fs, fn) else fs >= 1.5 * fn, f"{ratio(fs, fn)} x"))
+    for sc, label in (("pacing-100", "100/s"), ("pacing-1000", "1,000/s"), ("backlog-1000", "1,000/s under wrk")):
+        p50 = d(s, sc, "p50_us")
+        out.append(check(f"pacing {label}: p50 abs(interval - 1/r) <= 20 µs", None if p50 is None else p50 <= 20, f"{show(p50, '{}')} µs"))
+        p99, p99n = d(s, sc, "p99_us"), d(n, sc, "p99_us")
+        f = (get(s, sc, "floor") or {}).get("p99_us")
+        ok = None if None in (p99, p99n, f) else (p99 <= p99n and p99 <= 1.5 * max(f, 1.0))
+        out.append(check(f"pacing {label}: p99 <= nginx's and <= 1.5 x floor p99", ok,
+                         f"{show(p99, '{}')} µs; nginx {show(p99n, '{}')} µs; floor p99 {show(f, '{:.1f}')} µs"))
+        me = d(s, sc, "mean_error_pct")
+        out.append(check(f"pacing {label}: mean interval within 0.5 % of 1/r", None if me is None else abs(me) <= 0.5, show(me, "{:+.3f} %")))
+    return "\n".join(out)
+
 
 cpu = "unknown"
 try:
@@ -57,14 +146,26 @@ except (OSError, StopIteration):
     pass
 nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
 print(f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {nproc} cores ({cpu}), Linux {platform.release()}, "
-      f"{nginx_version}, {rustc_version}; everything on loopback, proxy, load generator and downstream sharing the cores.")
+      f"{nginx_version}, {rustc_version}, wrk 4.1; everything on loopback, proxy, load generator and downstream sharing the cores.")
 print()
-print("| metric | sluice | nginx | sluice/nginx | better |")
-print("|---|---|---|---|---|")
-print("\n".join(lines))
+print("Targets, checked against this run:")
+print()
+print(targets())
+print()
+print("Both proxies with 2 workers (nginx `worker_processes 2`, sluice `workers = 2`, the default on this machine):")
+print()
+print(table(2))
+print()
+print("Both with 1 worker:")
+print()
+print(table(1))
+d = res("direct", "passthrough-wrk")
 if d:
     r = d["result"]
     print()
-    print(f"Downstream alone (no proxy), same load: {r['requests_per_s']:.0f} requests/s, p50 {r['p50_us']} µs, p99 {r['p99_us']} µs.")
+    print(f"Downstream alone (no proxy), same wrk load: {r['requests_per_s']:.0f} requests/s, p50 {r['p50_us']:.0f} µs, p99 {r['p99_us']:.0f} µs.")
+errors = [r for r in rows if "error" in r["result"]]
+for r in errors:
+    print(f"\nScenario {r['result']['scenario']} failed for {r['proxy']}: {r['result']['error']}")
 print()
-print("Reproduce: `bash benches/vs-nginx/run.sh` (installs Debian's nginx if missing; about 2 minutes).")
+print("Reproduce: `bash benches/vs-nginx/run.sh` (installs nginx, wrk and perf if missing; about 6 minutes).")

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use metrics::{Counter, Histogram};
+use metrics::Counter;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
@@ -28,8 +28,8 @@ use crate::cluster::{Ask, Cluster, Reservation};
 use crate::config::{ClusterConfig, OnFailure};
 use crate::metrics::{self as m, Outcome};
 use crate::pacer::{AcquireError, Admitted, LagObserver, Shaper, Waiting};
-pub use crate::shaper::{ClientView, Limits, Nanos, Policy, Probe, Rate};
-use crate::shaper::{Rejection, RouteId, UpstreamId};
+pub use crate::shaper::{ClientView, Limits, Nanos, Policy, Probe, Rate, Rejection};
+use crate::shaper::{RouteId, UpstreamId};
 pub use key::{Key, KeyBuf};
 
 /// Why the admission layer could not start.
@@ -85,7 +85,7 @@ pub struct Rule {
     dry_run: bool,
     outcomes: [Counter; Outcome::ALL.len()],
     dry_run_refusals: Counter,
-    queue_wait: Histogram,
+    queue_wait: Arc<m::Histogram>,
     totals: Arc<Totals>,
     /// Refusals since the last log summary.
     refused: AtomicU64,
@@ -233,10 +233,7 @@ impl Hold {
         // local waiter still holds its ticket and is withdrawn here).
         self.settle();
         match result {
-            Ok(()) => self
-                .rule
-                .queue_wait
-                .record(self.arrival.elapsed().as_secs_f64()),
+            Ok(()) => self.rule.queue_wait.record(self.arrival.elapsed()),
             Err(_) => self.rule.count(Outcome::Expired),
         }
         result
@@ -330,8 +327,8 @@ impl Admission {
     ) -> Result<Admission, AdmissionError> {
         let shaper = Shaper::start(limits).map_err(AdmissionError::Pacer)?;
         let observe: LagObserver = Box::new({
-            let lag = metrics::histogram!(m::RELEASE_LAG_SECONDS);
-            move |d| lag.record(d.as_secs_f64())
+            let lag = m::histogram(m::RELEASE_LAG_SECONDS, &[]);
+            move |d| lag.record(d)
         });
         shaper.observe_lag(observe);
         let cluster = match cluster {
@@ -414,7 +411,10 @@ impl Admission {
             dry_run: spec.dry_run,
             outcomes,
             dry_run_refusals: metrics::counter!(m::DRY_RUN_REFUSALS_TOTAL, "route" => name.clone(), "protocol" => protocol),
-            queue_wait: metrics::histogram!(m::QUEUE_WAIT_SECONDS, "route" => name.clone(), "protocol" => protocol),
+            queue_wait: m::histogram(
+                m::QUEUE_WAIT_SECONDS,
+                &[("route", spec.name), ("protocol", protocol)],
+            ),
             totals: self.totals.clone(),
             refused: AtomicU64::new(0),
         }
@@ -430,7 +430,7 @@ impl Admission {
                 Shared::Local => local = rule.fallback.unwrap_or(rule.local),
             }
         }
-        let verdict = match self.shaper.admit(local, key, cost) {
+        let verdict = match self.shaper.admit_at(local, key, cost, arrival) {
             Ok(Admitted::Now) => Verdict::Go,
             Ok(Admitted::Wait(waiting)) => Verdict::Wait(Hold {
                 rule: rule.clone(),
@@ -456,14 +456,16 @@ impl Admission {
             Err(Rejection::TooManyClients) => Verdict::Overloaded(Overload::Clients),
             Err(Rejection::TooManyQueued) => Verdict::Overloaded(Overload::Queued),
         };
-        self.settle(rule, verdict, arrival)
+        self.settle(rule, verdict, Duration::ZERO)
     }
 
     /// Count a verdict, and apply dry-run: decide and count, go anyway.
-    fn settle(&self, rule: &Arc<Rule>, verdict: Verdict, arrival: Instant) -> Verdict {
+    fn settle(&self, rule: &Arc<Rule>, verdict: Verdict, wait: Duration) -> Verdict {
         match verdict {
             Verdict::Go => {
-                rule.queue_wait.record(arrival.elapsed().as_secs_f64());
+                // Departed on arrival (or after a shared-schedule round
+                // trip, which is what it waited).
+                rule.queue_wait.record(wait);
                 Verdict::Go
             }
             Verdict::Wait(hold) if rule.dry_run => {
@@ -566,7 +568,7 @@ impl Admission {
                 }
             }
         };
-        Shared::Decided(self.settle(rule, verdict, arrival))
+        Shared::Decided(self.settle(rule, verdict, arrival.elapsed()))
     }
 
     /// Look at one client of a rule without changing anything.

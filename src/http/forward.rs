@@ -1,22 +1,32 @@
-//! The upstream side: a pooled keep-alive client per upstream and worker
-//! (http, or https through rustls), so that a request never leaves the
-//! thread that accepted it; request rewriting, and the 502/504 mapping.
+//! The upstream side: a keep-alive connection pool per upstream and
+//! worker (http, or https through rustls), so that a request never leaves
+//! the thread that accepted it; request rewriting, and the 502/504 mapping.
+//!
+//! The pool is deliberately small: idle HTTP/1.1 connections in a stack
+//! (the most recently used first, so a few stay warm), a connection goes
+//! back when its response body has been read to the end, and a request
+//! that a pooled connection never started to send is retried once on a
+//! fresh one.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::header::{HOST, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
-use metrics::Histogram;
-use tokio::sync::Semaphore;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_rustls::TlsConnector;
+use tokio_util::either::Either;
 use tracing::{debug, warn};
 
 use super::ServeError;
@@ -25,17 +35,66 @@ use super::response::{ProxyBody, problem};
 use crate::config;
 use crate::metrics::{self as m, Outcome};
 
-type Pool = Client<HttpsConnector<HttpConnector>, Incoming>;
+/// Idle connections older than this are closed instead of reused.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// Most idle connections kept per upstream and worker.
+const MAX_IDLE: usize = 512;
 
-/// One configured upstream and its connection pools.
+type Sender = http1::SendRequest<Incoming>;
+
+/// Idle connections, most recently used last.
+#[derive(Default)]
+struct Pool {
+    idle: Mutex<Vec<(Sender, Instant)>>,
+}
+
+impl Pool {
+    fn take(&self) -> Option<Sender> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some((sender, since)) = idle.pop() {
+            if since.elapsed() < IDLE_TIMEOUT && !sender.is_closed() {
+                return Some(sender);
+            }
+        }
+        None
+    }
+
+    fn put(&self, sender: Sender) {
+        if sender.is_closed() {
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < MAX_IDLE {
+            idle.push((sender, Instant::now()));
+        }
+    }
+}
+
+/// Why no connection could be had.
+#[derive(Debug, thiserror::Error)]
+enum ConnectError {
+    #[error("connect timed out")]
+    Timeout,
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("handshake: {0}")]
+    Http(#[from] hyper::Error),
+}
+
+/// One configured upstream, as one worker sees it.
 pub struct Upstream {
     name: String,
     scheme: Scheme,
     authority: Authority,
+    host: String,
+    port: u16,
+    /// TLS for https upstreams, with the name to verify.
+    tls: Option<(TlsConnector, ServerName<'static>)>,
+    connect_timeout: Duration,
     request_timeout: Duration,
-    /// This worker's pool: its connections stay on the worker's thread.
-    pool: Pool,
-    duration: Histogram,
+    /// This worker's idle connections.
+    pool: Arc<Pool>,
+    duration: Arc<m::Histogram>,
     /// `max_concurrency`: a permit per call in flight, held until the
     /// response body has been sent.
     concurrency: Option<Arc<Semaphore>>,
@@ -55,33 +114,23 @@ pub fn tls_config() -> Arc<rustls::ClientConfig> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
-        .map(|b| b.with_root_certificates(roots).with_no_client_auth());
+        .map(|b| {
+            b.with_root_certificates(roots.clone())
+                .with_no_client_auth()
+        });
     match config {
         Ok(c) => Arc::new(c),
-        // The ring provider supports the default versions; this cannot fail
-        // in practice, but if it does, https upstreams fail, not the daemon.
+        // The ring provider supports the default versions; if it ever does
+        // not, https upstreams fail (502), not the daemon.
         Err(e) => {
             warn!(error = %e, "TLS set-up failed; https upstreams are unavailable");
             Arc::new(
-                rustls::ClientConfig::builder_with_provider(Arc::new(
-                    rustls::crypto::ring::default_provider(),
-                ))
-                .with_protocol_versions(&[&rustls::version::TLS13])
-                .map(|b| {
-                    b.with_root_certificates(rustls::RootCertStore::empty())
-                        .with_no_client_auth()
-                })
-                .unwrap_or_else(|_| unreachable_config()),
+                rustls::ClientConfig::builder()
+                    .with_root_certificates(rustls::RootCertStore::empty())
+                    .with_no_client_auth(),
             )
         }
     }
-}
-
-fn unreachable_config() -> rustls::ClientConfig {
-    // Only reached if rustls refuses TLS 1.3 with its own provider.
-    rustls::ClientConfig::builder()
-        .with_root_certificates(rustls::RootCertStore::empty())
-        .with_no_client_auth()
 }
 
 impl Upstream {
@@ -94,28 +143,31 @@ impl Upstream {
         let authority = cfg.url.authority().cloned().ok_or_else(|| {
             ServeError::Client(format!("upstream '{}': url has no host", cfg.name))
         })?;
-        let pool = {
-            let mut http = HttpConnector::new();
-            http.enforce_http(false);
-            http.set_nodelay(true);
-            http.set_connect_timeout(Some(cfg.connect_timeout));
-            let https = hyper_rustls::HttpsConnectorBuilder::new()
-                .with_tls_config((**tls).clone())
-                .https_or_http()
-                .enable_http1()
-                .wrap_connector(http);
-            Client::builder(TokioExecutor::new())
-                .pool_timer(TokioTimer::new())
-                .pool_idle_timeout(Duration::from_secs(90))
-                .build(https)
+        let https = scheme == Scheme::HTTPS;
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
+        let tls = if https {
+            let name = ServerName::try_from(host.clone())
+                .map_err(|e| ServeError::Client(format!("upstream '{}': {host}: {e}", cfg.name)))?;
+            Some((TlsConnector::from(tls.clone()), name))
+        } else {
+            None
         };
         Ok(Upstream {
             name: cfg.name.clone(),
             scheme,
             authority,
+            host,
+            port,
+            tls,
+            connect_timeout: cfg.connect_timeout,
             request_timeout: cfg.request_timeout,
-            pool,
-            duration: metrics::histogram!(m::UPSTREAM_DURATION_SECONDS, "upstream" => cfg.name.clone()),
+            pool: Arc::default(),
+            duration: m::histogram(m::UPSTREAM_DURATION_SECONDS, &[("upstream", &cfg.name)]),
             concurrency,
         })
     }
@@ -181,9 +233,9 @@ impl Upstream {
             Some(sem) => sem.clone().acquire_owned().await.ok(),
             None => None,
         };
-        let started = std::time::Instant::now();
-        let result = tokio::time::timeout(self.request_timeout, self.pool.request(req)).await;
-        self.duration.record(started.elapsed().as_secs_f64());
+        let started = Instant::now();
+        let result = tokio::time::timeout(self.request_timeout, self.send(req)).await;
+        self.duration.record(started.elapsed());
         match result {
             Err(_) => {
                 debug!(upstream = %self.name, "upstream timed out");
@@ -195,29 +247,153 @@ impl Upstream {
             }
             Ok(Err(e)) => {
                 debug!(upstream = %self.name, error = %e, "upstream request failed");
-                let detail = if e.is_connect() {
-                    "the upstream could not be reached"
-                } else {
-                    "the upstream connection failed"
-                };
                 (
-                    problem(StatusCode::BAD_GATEWAY, detail, None),
+                    problem(StatusCode::BAD_GATEWAY, e.detail(), None),
                     Outcome::UpstreamError,
                 )
             }
-            Ok(Ok(response)) => {
+            Ok(Ok((response, sender))) => {
                 let (mut parts, body) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
                 append_via(&mut parts.headers, parts.version);
-                let body = body.map_frame(move |frame| {
-                    let _in_flight = &permit;
-                    frame
-                });
+                let body = Returning {
+                    body,
+                    sender: Some(sender),
+                    pool: self.pool.clone(),
+                    _permit: permit,
+                };
                 (
                     Response::from_parts(parts, body.boxed()),
                     Outcome::Forwarded,
                 )
             }
+        }
+    }
+
+    /// Send on a pooled connection, or a new one; a request a pooled
+    /// connection never started to send (it was closing) goes once more on
+    /// a new connection.
+    async fn send(
+        &self,
+        req: Request<Incoming>,
+    ) -> Result<(Response<Incoming>, Sender), SendError> {
+        let (mut sender, pooled) = match self.pool.take() {
+            Some(s) => (s, true),
+            None => (self.connect().await?, false),
+        };
+        let req = match sender.ready().await {
+            Ok(()) => match sender.try_send_request(req).await {
+                Ok(response) => return Ok((response, sender)),
+                Err(mut e) => match e.take_message() {
+                    Some(req) if pooled => req,
+                    _ => return Err(SendError::Request(e.into_error())),
+                },
+            },
+            Err(_) if pooled => req,
+            Err(e) => return Err(SendError::Request(e)),
+        };
+        let mut sender = self.connect().await?;
+        sender.ready().await.map_err(SendError::Request)?;
+        let response = sender.send_request(req).await.map_err(SendError::Request)?;
+        Ok((response, sender))
+    }
+
+    /// A new connection: TCP, TLS for https, the HTTP/1.1 handshake; the
+    /// connection is driven by a task on this worker.
+    async fn connect(&self) -> Result<Sender, ConnectError> {
+        let connect = async {
+            let tcp = TcpStream::connect((self.host.as_str(), self.port)).await?;
+            tcp.set_nodelay(true)?;
+            let io = match &self.tls {
+                None => Either::Left(tcp),
+                Some((connector, name)) => {
+                    Either::Right(connector.connect(name.clone(), tcp).await?)
+                }
+            };
+            let (sender, conn) = http1::handshake(TokioIo::new(io)).await?;
+            Ok::<_, ConnectError>((sender, conn))
+        };
+        let (sender, conn) = tokio::time::timeout(self.connect_timeout, connect)
+            .await
+            .map_err(|_| ConnectError::Timeout)??;
+        let name = self.name.clone();
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                debug!(upstream = %name, error = %e, "upstream connection ended with an error");
+            }
+        });
+        Ok(sender)
+    }
+}
+
+/// Why a request could not be sent.
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    #[error("cannot connect: {0}")]
+    Connect(#[from] ConnectError),
+    #[error("{0}")]
+    Request(hyper::Error),
+}
+
+impl SendError {
+    /// What the client is told (502).
+    fn detail(&self) -> &'static str {
+        match self {
+            SendError::Connect(_) => "the upstream could not be reached",
+            SendError::Request(_) => "the upstream connection failed",
+        }
+    }
+}
+
+/// A response body that gives its connection back to the pool once it has
+/// been read to the end (and its `max_concurrency` slot when dropped).
+struct Returning {
+    body: Incoming,
+    sender: Option<Sender>,
+    pool: Arc<Pool>,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Returning {
+    fn give_back(&mut self) {
+        if let Some(sender) = self.sender.take() {
+            self.pool.put(sender);
+        }
+    }
+}
+
+impl Body for Returning {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => self.give_back(),
+            Poll::Ready(Some(Err(_))) => self.sender = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for Returning {
+    fn drop(&mut self) {
+        // A body nobody needed to read (HEAD, 204, empty) still ends its
+        // exchange; one dropped midway takes its connection with it.
+        if self.body.is_end_stream() {
+            self.give_back();
         }
     }
 }

@@ -1,13 +1,14 @@
 //! Header rewriting: hop-by-hop removal (RFC 9110 7.6.1), the forwarding
 //! headers (`X-Forwarded-*`, `Via`), and the IETF `RateLimit` headers.
 
+use std::io::Write as _;
 use std::net::IpAddr;
 
 use http::Version;
 
 use super::response::ceil_secs;
 use super::route::Route;
-use crate::shaper::{ClientView, Nanos};
+use crate::admission::{ClientView, Nanos};
 use http::header::{
     CONNECTION, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING, UPGRADE, VIA,
 };
@@ -72,12 +73,23 @@ pub fn append_via(headers: &mut HeaderMap, version: Version) {
 /// Add the `X-Forwarded-*` headers for a request from `peer`: the peer is
 /// appended to any `X-Forwarded-For` list already present.
 pub fn add_forwarded(headers: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>) {
-    let peer = peer.to_string();
-    let xff = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-        Some(prior) if !prior.trim().is_empty() => format!("{prior}, {peer}"),
-        _ => peer,
+    // Written on the stack: an address is at most 39 bytes.
+    let mut buf = [0u8; 48];
+    let mut cursor = std::io::Cursor::new(&mut buf[..]);
+    let _ = write!(cursor, "{peer}");
+    let n = cursor.position() as usize;
+    let peer = &buf[..n];
+    let value = match headers.get(&X_FORWARDED_FOR).map(HeaderValue::as_bytes) {
+        Some(prior) if !prior.trim_ascii().is_empty() => {
+            let mut v = Vec::with_capacity(prior.len() + 2 + n);
+            v.extend_from_slice(prior);
+            v.extend_from_slice(b", ");
+            v.extend_from_slice(peer);
+            HeaderValue::from_bytes(&v)
+        }
+        _ => HeaderValue::from_bytes(peer),
     };
-    if let Ok(v) = HeaderValue::from_str(&xff) {
+    if let Ok(v) = value {
         headers.insert(X_FORWARDED_FOR, v);
     }
     headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));

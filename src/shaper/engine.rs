@@ -191,12 +191,15 @@ impl Budget {
     }
 
     fn take(count: &AtomicUsize, max: &AtomicUsize) -> bool {
-        let max = max.load(Ordering::Relaxed);
-        count
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .is_ok()
+        // One atomic add in the common case; a taker that went past the
+        // bound gives it back (exact: of takers racing for the last unit,
+        // only the one that saw room keeps it).
+        if count.fetch_add(1, Ordering::AcqRel) < max.load(Ordering::Relaxed) {
+            true
+        } else {
+            count.fetch_sub(1, Ordering::AcqRel);
+            false
+        }
     }
 
     pub(super) fn take_client(&self) -> bool {
@@ -362,11 +365,20 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         self.hasher.hash_one((route.0, key))
     }
 
-    fn shard_of(&self, hash: u64) -> &Mutex<Shard<K, P>> {
+    fn shard_index(&self, hash: u64) -> usize {
         // hashbrown uses the low bits for the bucket and the top seven for
         // its tags: take the shard from bits in between.
-        let i = ((hash >> 32) as usize) % self.shards.len();
-        &self.shards[i]
+        ((hash >> 32) as usize) % self.shards.len()
+    }
+
+    fn shard_of(&self, hash: u64) -> &Mutex<Shard<K, P>> {
+        &self.shards[self.shard_index(hash)]
+    }
+
+    /// The shard `key` of `route` lives in (for benchmarks and tests that
+    /// place keys on purpose).
+    pub fn shard_for(&self, route: RouteId, key: &K) -> usize {
+        self.shard_index(self.hash(route, key))
     }
 
     fn cap(&self, up: u32) -> Option<Arc<Mutex<Cap>>> {

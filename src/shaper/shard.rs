@@ -9,7 +9,7 @@
 //! lock after it (always in that order).
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BTreeMap, BinaryHeap};
 use std::hash::{BuildHasher, Hash};
 
 use std::sync::{Arc, Mutex};
@@ -76,6 +76,10 @@ impl Cap {
         };
     }
 }
+
+/// Idle states are forgotten in buckets of 2^26 ns (67 ms) of their
+/// schedule: coarse, and never before the schedule has passed.
+const EXPIRY_BUCKET_BITS: u32 = 26;
 
 /// How late a capped release may come and still keep the cap's grid.
 const CAP_REANCHOR: Nanos = 100_000_000;
@@ -169,8 +173,9 @@ pub(super) struct Shard<K, P> {
     /// The earliest instant the releaser has promised to look at `heads`.
     armed: Nanos,
     /// Clients with an empty queue whose schedule is still in the future,
-    /// by the time they may be forgotten: (tat, slot, generation).
-    expiry: BinaryHeap<Reverse<(Nanos, u32, u32)>>,
+    /// as (slot, generation), by the bucket of time in which they may be
+    /// forgotten: amortized O(1) per client, however many are held.
+    expiry: BTreeMap<u64, Vec<(u32, u32)>>,
     pub(super) routes: Vec<ShardRoute>,
     seq: u64,
 }
@@ -195,7 +200,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             free_entries: Vec::new(),
             heads: BinaryHeap::new(),
             armed: Nanos::MAX,
-            expiry: BinaryHeap::new(),
+            expiry: BTreeMap::new(),
             routes: Vec::new(),
             seq: 0,
         }
@@ -777,39 +782,53 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             && !c.in_expiry
         {
             c.in_expiry = true;
-            self.expiry.push(Reverse((c.tat, slot, s.generation)));
+            self.expiry
+                .entry(c.tat >> EXPIRY_BUCKET_BITS)
+                .or_default()
+                .push((slot, s.generation));
         }
     }
 
     /// Forget clients whose queue is empty and whose schedule has passed.
     pub(super) fn expire(&mut self, now: Nanos, budget: &Budget) {
-        while let Some(&Reverse((at, slot, generation))) = self.expiry.peek() {
-            if at > now {
+        while let Some(first) = self.expiry.first_entry() {
+            let bucket = *first.key();
+            if bucket << EXPIRY_BUCKET_BITS > now {
                 break;
             }
-            self.expiry.pop();
-            let s = &mut self.slots[slot as usize];
-            if s.generation != generation {
-                continue;
+            let due = first.remove();
+            let mut later = Vec::new();
+            for (slot, generation) in due {
+                let s = &mut self.slots[slot as usize];
+                if s.generation != generation {
+                    continue;
+                }
+                let Some(c) = s.client.as_mut() else { continue };
+                if c.waiting > 0 {
+                    // Re-armed when its queue empties.
+                    c.in_expiry = false;
+                } else if c.tat <= now {
+                    self.remove(slot, budget);
+                } else if c.tat >> EXPIRY_BUCKET_BITS == bucket {
+                    later.push((slot, generation));
+                } else {
+                    c.in_expiry = false;
+                    self.schedule_expiry(slot);
+                }
             }
-            let Some(c) = s.client.as_mut() else { continue };
-            c.in_expiry = false;
-            if c.waiting > 0 {
-                // Re-armed when its queue empties.
-                continue;
-            }
-            if c.tat <= now {
-                self.remove(slot, budget);
-            } else {
-                c.in_expiry = true;
-                self.expiry.push(Reverse((c.tat, slot, generation)));
+            if !later.is_empty() {
+                // `now` is inside this bucket: the next ones start later.
+                self.expiry.insert(bucket, later);
+                break;
             }
         }
     }
 
-    /// When [`Shard::expire`] next has work, if ever.
+    /// When [`Shard::expire`] may next have work (a lower bound), if ever.
     pub(super) fn next_expiry(&self) -> Option<Nanos> {
-        self.expiry.peek().map(|r| r.0.0)
+        self.expiry
+            .first_key_value()
+            .map(|(b, _)| b << EXPIRY_BUCKET_BITS)
     }
 
     /// Withdraw every waiting request, appending their payloads to `out`.

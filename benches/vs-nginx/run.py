@@ -1,0 +1,315 @@
+#!/usr/bin/env python3
+"""sluice vs nginx limit_req, side by side on this machine, loopback only, in
+one run (driven by benches/vs-nginx/run.sh, which builds what it needs).
+
+Each proxy runs in front of the same Rust downstream and is driven by wrk
+(what operators use) and by our own load tool (benches/vs-nginx/e2e.rs).
+The C spinner (floor.c) measures this machine's scheduling floor right
+before each pacing scenario. CPU per request comes from `perf stat`
+task-clock over the wrk run, split into user and system time from /proc.
+
+Writes every result as a JSON line to OUT/results.jsonl and prints the
+markdown table (table.py). Every process it starts is ended by PID; every
+load is bounded in count and time.
+"""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.join(ROOT, "benches", "vs-nginx")
+E2E, SLUICE, NGINX, FLOOR, OUT = sys.argv[1:6]
+WORK = tempfile.mkdtemp(prefix="sluice-vs-nginx.")
+RESULTS = os.path.join(OUT, "results.jsonl")
+started = []
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def wait_port(port, timeout=10.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"port {port} did not open")
+
+
+def start(args, **kw):
+    p = subprocess.Popen(args, **kw)
+    started.append(p)
+    return p
+
+
+def stop(p):
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def record(entry):
+    with open(RESULTS, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    print(json.dumps(entry), flush=True)
+
+
+def children(pid):
+    try:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    return [int(x) for x in out.split()]
+
+
+def cpu_ticks(pids):
+    """(user, system) clock ticks of these processes (threads included)."""
+    u = s = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            u += int(fields[11])
+            s += int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return u, s
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+# === the proxies ===
+
+class Proxy:
+    def __init__(self, kind, workers, downstream):
+        self.kind, self.workers, self.ds = kind, workers, downstream
+        self.proc = None
+
+    @property
+    def name(self):
+        return f"{self.kind}-{self.workers}w"
+
+    def pids(self):
+        if self.proc is None:
+            return []
+        return [self.proc.pid] + children(self.proc.pid)
+
+    def start(self, rate, capacity):
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        if self.kind == "sluice":
+            conf = os.path.join(WORK, "sluice.toml")
+            with open(conf, "w") as f:
+                f.write(f"""[server]
+listen = ["127.0.0.1:{port}"]
+max_connections = 60000
+workers = {self.workers}
+[[upstream]]
+name = "ds"
+url = "http://127.0.0.1:{self.ds}"
+[[route]]
+name = "r"
+upstream = "ds"
+key = "header:X-Client"
+rate = "{rate}/s"
+capacity = {capacity}
+[limits]
+max_queued = 1000000
+""")
+            self.proc = start([SLUICE, "--log-level", "error", "run", "--config", conf])
+        else:
+            tmp = os.path.join(WORK, "tmp")
+            os.makedirs(tmp, exist_ok=True)
+            conf = os.path.join(WORK, "nginx.conf")
+            with open(conf, "w") as f:
+                f.write(f"""worker_processes {self.workers};
+worker_rlimit_nofile 200000;
+pid {WORK}/nginx.pid;
+error_log {WORK}/nginx-error.log error;
+daemon off;
+events {{ worker_connections 60000; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
+  fastcgi_temp_path {tmp}/fcgi; uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
+  limit_req_zone $http_x_client zone=z:64m rate={rate}r/s;
+  limit_req_status 429;
+  upstream ds {{ server 127.0.0.1:{self.ds}; keepalive 512; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=65535;
+    location / {{
+      limit_req zone=z burst={capacity};
+      proxy_pass http://ds;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}
+}}
+""")
+            self.proc = start([NGINX, "-c", conf, "-p", WORK])
+        wait_port(port)
+        time.sleep(0.3)
+
+    def stop(self):
+        if self.proc:
+            stop(self.proc)
+            started.remove(self.proc)
+            self.proc = None
+
+
+# === the loads ===
+
+def e2e(*args):
+    out = subprocess.run([E2E, *map(str, args)], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"e2e {args}: {out.stderr.strip()}")
+    lines = out.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}
+
+
+def floor():
+    out = subprocess.run([FLOOR, "3000", "1000"], capture_output=True, text=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+def parse_latency(text):
+    m = re.match(r"([\d.]+)(us|ms|s)", text)
+    if not m:
+        return None
+    v, unit = float(m.group(1)), m.group(2)
+    return v * {"us": 1, "ms": 1e3, "s": 1e6}[unit]
+
+
+def wrk(proxy, conns, seconds, key=None, script=None, perf=False):
+    """One wrk run; with perf, `perf stat` task-clock and /proc CPU of the
+    proxy over the same span."""
+    args = ["wrk", "-t2", f"-c{conns}", f"-d{seconds}s", "--latency"]
+    if script:
+        args += ["-s", script]
+    if key:
+        args += ["-H", f"X-Client: {key}"]
+    args.append(proxy.url + "/x")
+    pids = proxy.pids()
+    perf_out = os.path.join(WORK, "perf.txt")
+    perf_proc = None
+    if perf:
+        perf_proc = start(["perf", "stat", "-e", "task-clock,context-switches", "-x", ",",
+                           "-o", perf_out, "-p", ",".join(map(str, pids)), "--", "sleep", str(seconds)])
+    u0, s0 = cpu_ticks(pids)
+    out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 30).stdout
+    u1, s1 = cpu_ticks(pids)
+    res = {"tool": "wrk", "connections": conns, "seconds": seconds}
+    m = re.search(r"(\d+) requests in", out)
+    res["requests"] = int(m.group(1)) if m else 0
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    res["requests_per_s"] = float(m.group(1)) if m else 0.0
+    m = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    res["non_2xx"] = int(m.group(1)) if m else 0
+    for p in ("50", "99"):
+        m = re.search(rf"^\s+{p}%\s+(\S+)", out, re.M)
+        res[f"p{p}_us"] = parse_latency(m.group(1)) if m else None
+    if perf_proc:
+        perf_proc.wait(timeout=seconds + 30)
+        started.remove(perf_proc)
+        stats = {}
+        for line in open(perf_out):
+            parts = line.strip().split(",")
+            if len(parts) > 2 and parts[0] and parts[0][0].isdigit():
+                stats[parts[2]] = float(parts[0])
+        n = max(res["requests"], 1)
+        res["task_clock_ms"] = stats.get("task-clock")
+        res["context_switches"] = stats.get("context-switches")
+        if res["task_clock_ms"] is not None:
+            res["cpu_us_per_request"] = res["task_clock_ms"] * 1000 / n
+        res["user_us_per_request"] = (u1 - u0) / TICK * 1e6 / n
+        res["sys_us_per_request"] = (s1 - s0) / TICK * 1e6 / n
+        res["context_switches_per_request"] = (res["context_switches"] or 0) / n
+    return res
+
+
+def rss_kib(proxy):
+    total = 0
+    for pid in proxy.pids():
+        try:
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+def scenario(proxy, name, rate, capacity, run):
+    proxy.start(rate, capacity)
+    try:
+        result = run()
+        result["scenario"] = name
+        record({"proxy": proxy.name, "rss_kib": rss_kib(proxy), "result": result})
+    except Exception as e:  # one failed scenario must not lose the rest
+        record({"proxy": proxy.name, "result": {"scenario": name, "error": str(e)}})
+    finally:
+        proxy.stop()
+
+
+def main():
+    ds = free_port()
+    downstream = start([E2E, "downstream", str(ds)])
+    wait_port(ds)
+    keys = os.path.join(HERE, "keys.lua")
+    proxies = [Proxy("sluice", 2, ds), Proxy("nginx", 2, ds), Proxy("sluice", 1, ds), Proxy("nginx", 1, ds)]
+    try:
+        for p in proxies:
+            scenario(p, "seed", 5, 10, lambda: e2e("seed", p.url + "/x", ds))
+            for rate, n in ((100, 500), (1000, 5000)):
+                def pacing(rate=rate, n=n):
+                    f = floor()
+                    r = e2e("pacing", p.url + "/x", ds, rate, n)
+                    r["floor"] = f
+                    return r
+                scenario(p, f"pacing-{rate}", rate, n, pacing)
+
+            def backlog():
+                f = floor()
+                e2e("clear", ds)
+                w = wrk(p, 32, 10, key="backlog")
+                r = e2e("intervals", ds, 1000)
+                r["wrk"] = w
+                r["floor"] = f
+                return r
+            scenario(p, "backlog-1000", 1000, 50, backlog)
+            scenario(p, "passthrough-wrk", 1000000, 1000000,
+                     lambda: wrk(p, 16, 6, script=keys, perf=True))
+            scenario(p, "passthrough-e2e", 1000000, 1000000,
+                     lambda: e2e("passthrough", p.url + "/x", ds, 16, 5))
+            scenario(p, "flood-wrk", 1, 1, lambda: wrk(p, 64, 6, key="flood", perf=True))
+            scenario(p, "flood-e2e", 1, 1, lambda: e2e("flood", p.url + "/x", ds, 64, 5))
+            scenario(p, "many", 1, 1, lambda: e2e("many", p.url + "/x", ds, 10000))
+        # Baseline: the downstream alone, for the latency a proxy adds.
+        direct = Proxy("direct", 0, ds)
+        direct.url = f"http://127.0.0.1:{ds}"
+        record({"proxy": "direct", "result": dict(wrk(direct, 16, 5, script=keys), scenario="passthrough-wrk")})
+    finally:
+        for p in list(started):
+            stop(p)
+
+
+if __name__ == "__main__":
+    main()
