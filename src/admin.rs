@@ -182,6 +182,16 @@ fn status(server: &Handle) -> serde_json::Value {
             })
         })
         .collect();
+    let upstreams: Vec<serde_json::Value> = server
+        .upstreams()
+        .into_iter()
+        .map(|(name, paused)| {
+            serde_json::json!({
+                "name": name,
+                "paused_for_ms": paused.map(|d| d.as_millis() as u64),
+            })
+        })
+        .collect();
     let totals: serde_json::Map<String, serde_json::Value> = Outcome::ALL
         .iter()
         .map(|&o| (o.as_str().to_owned(), server.total(o).into()))
@@ -191,7 +201,9 @@ fn status(server: &Handle) -> serde_json::Value {
         "draining": server.is_draining(),
         "redis": server.backend_healthy().map(|ok| if ok { "ok" } else { "failing" }),
         "routes": routes,
+        "upstreams": upstreams,
         "clients": clients,
+        "staged_bytes": server.staged_bytes(),
         "queued": queued,
         "totals": totals,
         "deepest_queues": deepest,

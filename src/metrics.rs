@@ -30,6 +30,10 @@ pub const REDIS_CALLS_TOTAL: &str = "sluice_redis_calls_total";
 pub const REDIS_DURATION_SECONDS: &str = "sluice_redis_duration_seconds";
 /// Requests decided by `on_failure` because Redis failed, by policy.
 pub const REDIS_FALLBACKS_TOTAL: &str = "sluice_redis_fallbacks_total";
+/// Bytes of request bodies staged while their requests wait.
+pub const STAGED_BYTES: &str = "sluice_staged_bytes";
+/// Pauses an upstream asked for (429/503 with a retry time), by upstream.
+pub const UPSTREAM_PAUSES_TOTAL: &str = "sluice_upstream_pauses_total";
 /// Config reloads by result (`ok`, `error`).
 pub const CONFIG_RELOADS_TOTAL: &str = "sluice_config_reloads_total";
 /// Unix time of the last successful config load.
@@ -263,6 +267,16 @@ fn describe() {
         "Requests waiting in queues, over all clients."
     );
     describe_gauge!(ACTIVE_CLIENTS, Unit::Count, "Client states held.");
+    describe_gauge!(
+        STAGED_BYTES,
+        Unit::Bytes,
+        "Bytes of request bodies staged while their requests wait."
+    );
+    describe_counter!(
+        UPSTREAM_PAUSES_TOTAL,
+        Unit::Count,
+        "Pauses upstreams asked for (429 or 503 with a retry time), by upstream."
+    );
     describe_counter!(
         CONFIG_RELOADS_TOTAL,
         Unit::Count,

@@ -220,8 +220,23 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
         self.inner.engine.set_limits(limits);
     }
 
+    /// Register an upstream that may also be paused.
+    pub fn add_gated_upstream(&self, cap: Option<Rate>, pausable: bool) -> UpstreamId {
+        self.inner.engine.add_gated_upstream(cap, pausable)
+    }
+
+    /// Hold releases to `upstream` until `until` (engine time).
+    pub fn pause(&self, upstream: UpstreamId, until: Nanos) -> bool {
+        self.inner.engine.pause(upstream, until)
+    }
+
+    /// Until when releases to `upstream` are paused, if they are now.
+    pub fn paused_until(&self, upstream: UpstreamId) -> Option<Nanos> {
+        self.inner.engine.paused_until(upstream, self.inner.now())
+    }
+
     /// Change a capped upstream's rate; the pacer re-plans at once.
-    pub fn set_upstream_rate(&self, upstream: UpstreamId, rate: Rate) {
+    pub fn set_upstream_rate(&self, upstream: UpstreamId, rate: Option<Rate>) {
         self.inner.engine.set_upstream_rate(upstream, rate);
         for target in self.inner.engine.targets() {
             if matches!(target, Target::Cap(_)) {

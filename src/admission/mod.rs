@@ -66,6 +66,8 @@ pub struct RuleSpec<'a> {
     pub upstream: &'a str,
     /// The upstream's global cap, if any.
     pub cap: Option<Rate>,
+    /// Whether the upstream may ask to be paused (`on_throttle = "pause"`).
+    pub pausable: bool,
     pub policy: Policy,
     pub dry_run: bool,
 }
@@ -81,7 +83,9 @@ pub struct Rule {
     fallback: Option<RouteId>,
     policy: Policy,
     upstream: String,
+    upstream_id: UpstreamId,
     cap_step: Option<Nanos>,
+    pausable: bool,
     dry_run: bool,
     outcomes: [Counter; Outcome::ALL.len()],
     dry_run_refusals: Counter,
@@ -107,6 +111,16 @@ impl Rule {
     /// Whether the upstream has a global cap.
     pub fn capped(&self) -> bool {
         self.cap_step.is_some()
+    }
+
+    /// Whether the upstream may be paused.
+    pub fn pausable(&self) -> bool {
+        self.pausable
+    }
+
+    /// The upstream's name.
+    pub fn upstream(&self) -> &str {
+        &self.upstream
     }
 
     /// Count one request's outcome (metrics and `/status` totals).
@@ -177,7 +191,8 @@ pub struct Hold {
     rule: Arc<Rule>,
     kind: Option<HoldKind>,
     arrival: Instant,
-    max_wait: Option<Duration>,
+    /// When a request still waiting expires (`max_wait` under a cap).
+    deadline: Option<Instant>,
     closing: CancellationToken,
 }
 
@@ -204,7 +219,37 @@ impl Hold {
     /// Resolve when the request may depart. Dropping the future before
     /// it resolves withdraws the request (and counts it as cancelled).
     pub async fn departed(mut self) -> Result<(), HoldError> {
-        let max_wait = self.max_wait;
+        self.wait().await
+    }
+
+    /// Withdraw the request for a reason the front end counts itself (a
+    /// body it refused): not counted as cancelled.
+    pub fn withdraw(mut self) {
+        // Dropping the waiter (or the shared reservation) is the withdrawal.
+        let _ = self.kind.take().map(|k| self.release(k));
+    }
+
+    fn release(&self, kind: HoldKind) {
+        match kind {
+            HoldKind::Local(waiting) => drop(waiting),
+            HoldKind::Shared {
+                shaper,
+                cluster,
+                reservation,
+                ..
+            } => {
+                shaper.budget().give_queued();
+                if let Some(r) = reservation {
+                    cluster.cancel(r);
+                }
+            }
+        }
+    }
+
+    /// As [`Hold::departed`], keeping the hold: dropping it before this
+    /// resolves still withdraws the request.
+    pub async fn wait(&mut self) -> Result<(), HoldError> {
+        let deadline = self.deadline;
         let closing = self.closing.clone();
         let result = match self.kind.as_mut() {
             None => Ok(()),
@@ -216,8 +261,8 @@ impl Hold {
                 }
             }
             Some(HoldKind::Local(waiting)) => {
-                let waited = match max_wait {
-                    Some(left) => tokio::time::timeout(left, waiting.wait())
+                let waited = match deadline {
+                    Some(at) => tokio::time::timeout_at(at.into(), waiting.wait())
                         .await
                         .unwrap_or(Err(AcquireError::Rejected(Rejection::TooManyQueued))),
                     None => waiting.wait().await,
@@ -262,24 +307,10 @@ impl Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        let Some(kind) = self.kind.take() else {
-            return;
-        };
-        self.rule.count(Outcome::Cancelled);
-        match kind {
+        if let Some(kind) = self.kind.take() {
+            self.rule.count(Outcome::Cancelled);
             // Dropping the waiter sends the pacer its cancellation.
-            HoldKind::Local(waiting) => drop(waiting),
-            HoldKind::Shared {
-                shaper,
-                cluster,
-                reservation,
-                ..
-            } => {
-                shaper.budget().give_queued();
-                if let Some(r) = reservation {
-                    cluster.cancel(r);
-                }
-            }
+            self.release(kind);
         }
     }
 }
@@ -303,8 +334,9 @@ impl Totals {
 #[derive(Default)]
 struct Registry {
     routes: HashMap<(Protocol, String, UpstreamId), RouteId>,
-    /// Upstreams by (protocol, name, capped): whether an upstream is capped
-    /// is fixed for its id, so adding or removing a cap makes a new one.
+    /// Upstreams by (protocol, name, gated): whether an upstream has a cap
+    /// (a rate, or pausing) is fixed for its id, so adding or removing one
+    /// makes a new one.
     upstreams: HashMap<(Protocol, String, bool), UpstreamId>,
 }
 
@@ -355,16 +387,17 @@ impl Admission {
     }
 
     fn rule(&self, registry: &mut Registry, spec: &RuleSpec<'_>) -> Rule {
-        let up_key = (spec.protocol, spec.upstream.to_owned(), spec.cap.is_some());
+        let gated = spec.cap.is_some() || spec.pausable;
+        let up_key = (spec.protocol, spec.upstream.to_owned(), gated);
         let upstream = match registry.upstreams.get(&up_key) {
             Some(&id) => {
-                if let Some(rate) = spec.cap {
-                    self.shaper.set_upstream_rate(id, rate);
+                if gated {
+                    self.shaper.set_upstream_rate(id, spec.cap);
                 }
                 id
             }
             None => {
-                let id = self.shaper.add_upstream(spec.cap);
+                let id = self.shaper.add_gated_upstream(spec.cap, spec.pausable);
                 registry.upstreams.insert(up_key, id);
                 id
             }
@@ -407,7 +440,9 @@ impl Admission {
             fallback,
             policy: spec.policy,
             upstream: spec.upstream.to_owned(),
+            upstream_id: upstream,
             cap_step: spec.cap.map(Rate::interval_nanos),
+            pausable: spec.pausable,
             dry_run: spec.dry_run,
             outcomes,
             dry_run_refusals: metrics::counter!(m::DRY_RUN_REFUSALS_TOTAL, "route" => name.clone(), "protocol" => protocol),
@@ -438,11 +473,11 @@ impl Admission {
                 arrival,
                 // Under an upstream cap the departure is only a lower bound
                 // at admission: max_wait is also enforced while waiting.
-                max_wait: rule
+                deadline: rule
                     .policy
                     .max_wait
                     .filter(|_| rule.capped())
-                    .map(Duration::from_nanos),
+                    .map(|w| arrival + Duration::from_nanos(w)),
                 closing: self.closing.clone(),
             }),
             Err(Rejection::Full { retry_after }) => Verdict::Refused {
@@ -539,7 +574,7 @@ impl Admission {
                             reservation: Some(reservation),
                         }),
                         arrival,
-                        max_wait: None,
+                        deadline: None,
                         closing: self.closing.clone(),
                     })
                 }
@@ -569,6 +604,30 @@ impl Admission {
             }
         };
         Shared::Decided(self.settle(rule, verdict, arrival.elapsed()))
+    }
+
+    /// The upstream asked for a pause (a 429 or 503 with a retry time):
+    /// hold every release to the rule's upstream until `until`. Counted;
+    /// false when the upstream is not pausable.
+    pub fn pause(&self, rule: &Rule, until: Instant) -> bool {
+        let at = self.shaper.now().saturating_add(
+            u64::try_from(until.saturating_duration_since(Instant::now()).as_nanos())
+                .unwrap_or(u64::MAX),
+        );
+        let paused = rule.pausable && self.shaper.pause(rule.upstream_id, at);
+        if paused {
+            metrics::counter!(m::UPSTREAM_PAUSES_TOTAL, "upstream" => rule.upstream.clone(), "protocol" => rule.protocol.as_str())
+                .increment(1);
+        }
+        paused
+    }
+
+    /// How long releases to the rule's upstream stay paused, if they are.
+    pub fn paused_for(&self, rule: &Rule) -> Option<Duration> {
+        let until = self.shaper.paused_until(rule.upstream_id)?;
+        Some(Duration::from_nanos(
+            until.saturating_sub(self.shaper.now()),
+        ))
     }
 
     /// Look at one client of a rule without changing anything.

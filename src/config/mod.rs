@@ -17,7 +17,7 @@ use http::HeaderName;
 use ipnet::IpNet;
 
 use crate::shaper::Rate;
-use raw::{RawConfig, RawCost, RawKey, RawRoute, RawUpstream};
+use raw::{RawConfig, RawCost, RawKey, RawRoute, RawSize, RawUpstream};
 
 /// A validated configuration.
 #[derive(Debug, Clone)]
@@ -54,12 +54,45 @@ pub struct Server {
 #[derive(Debug, Clone)]
 pub struct Upstream {
     pub name: String,
+    /// Scheme and authority (the URL's path is in [`Upstream::path`]).
     pub url: http::Uri,
+    /// The URL's path, prepended to every forwarded path; empty for none,
+    /// never ending in '/'.
+    pub path: String,
     pub rate: Option<Rate>,
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
     /// Most upstream calls in flight at once; `None`: no cap.
     pub max_concurrency: Option<usize>,
+    /// Which `Host` the upstream is sent.
+    pub host: HostMode,
+    /// Certificates that verify an https upstream instead of the system's
+    /// roots (`ca_file`), already read and parsed.
+    pub ca: Option<Vec<rustls::pki_types::CertificateDer<'static>>>,
+    pub on_throttle: OnThrottle,
+    /// The longest pause an upstream may ask for.
+    pub max_pause: Duration,
+}
+
+/// The `Host` header sent upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostMode {
+    /// The upstream URL's own host and port (nginx's `$proxy_host`).
+    Upstream,
+    /// The client's `Host` (Traefik's `passHostHeader`).
+    Client,
+    /// A fixed value.
+    Fixed(http::HeaderValue),
+}
+
+/// What a 429 or 503 from the upstream does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnThrottle {
+    /// Pass it to the client; keep releasing.
+    Pass,
+    /// Pause releases to this upstream for as long as it asks, and retry
+    /// the refused request when that is safe.
+    Pause,
 }
 
 /// `[[route]]`: which requests, keyed how, shaped how, sent where.
@@ -85,6 +118,8 @@ pub struct Route {
     pub max_wait: Option<Duration>,
     pub dry_run: bool,
     pub ratelimit_headers: bool,
+    /// Removed from the front of the path before it is forwarded.
+    pub strip_prefix: Option<String>,
 }
 
 /// How a request's client key is derived: one part, or several joined
@@ -156,6 +191,40 @@ pub enum OnFailure {
 pub struct Limits {
     pub max_clients: usize,
     pub max_queued: usize,
+    /// Largest body a waiting request may stage (larger: 413).
+    pub max_staged_body: usize,
+    /// All staged bodies together (past it: 503).
+    pub max_staged_bytes: usize,
+}
+
+/// Parse a size: a whole number of bytes with an optional unit (`B`,
+/// `kB`/`KB` = 1000, `KiB` = 1024, `MB`, `MiB`, `GB`, `GiB`).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("'{text}' is not a size such as 1MiB, 512kB or 1048576"))?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "kB" | "KB" | "k" | "K" => 1_000,
+        "KiB" | "Ki" => 1 << 10,
+        "MB" | "M" => 1_000_000,
+        "MiB" | "Mi" => 1 << 20,
+        "GB" | "G" => 1_000_000_000,
+        "GiB" | "Gi" => 1 << 30,
+        other => {
+            return Err(format!(
+                "'{text}': unknown unit '{other}' (use B, kB, KiB, MB, MiB, GB or GiB)"
+            ));
+        }
+    };
+    number
+        .checked_mul(scale)
+        .ok_or_else(|| format!("'{text}' is too large"))
 }
 
 /// One thing wrong with a config.
@@ -236,8 +305,13 @@ const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const DEFAULT_MAX_PAUSE: Duration = Duration::from_secs(60);
 const DEFAULT_MAX_CLIENTS: usize = 1_000_000;
 const DEFAULT_MAX_QUEUED: usize = 100_000;
+const DEFAULT_MAX_STAGED_BODY: usize = 1 << 20;
+const DEFAULT_MAX_STAGED_BYTES: usize = 256 << 20;
+/// Upper bound of both staging limits (a size that fits any platform).
+const MAX_STAGED: u64 = 1 << 40;
 
 // === impl Config ===
 
@@ -295,6 +369,16 @@ impl Validator {
                 "limits.max_queued",
                 raw.limits.max_queued,
                 DEFAULT_MAX_QUEUED,
+            ),
+            max_staged_body: self.size(
+                "limits.max_staged_body",
+                raw.limits.max_staged_body,
+                DEFAULT_MAX_STAGED_BODY,
+            ),
+            max_staged_bytes: self.size(
+                "limits.max_staged_bytes",
+                raw.limits.max_staged_bytes,
+                DEFAULT_MAX_STAGED_BYTES,
             ),
         };
 
@@ -522,6 +606,26 @@ impl Validator {
         }
     }
 
+    /// A size in bytes from 1 to [`MAX_STAGED`], or the default.
+    fn size(&mut self, path: &str, raw: Option<RawSize>, default: usize) -> usize {
+        let parsed = match raw {
+            None => return default,
+            Some(RawSize::Bytes(n)) => u64::try_from(n).map_err(|_| format!("{n} must be >= 1")),
+            Some(RawSize::Text(t)) => parse_size(&t),
+        };
+        match parsed {
+            Ok(n) if (1..=MAX_STAGED).contains(&n) => usize::try_from(n).unwrap_or(usize::MAX),
+            Ok(n) => {
+                self.problem(path, format!("{n} bytes is out of range: 1 byte to 1TiB"));
+                default
+            }
+            Err(e) => {
+                self.problem(path, e);
+                default
+            }
+        }
+    }
+
     /// A whole number >= 1, or the default when absent.
     fn positive(&mut self, path: &str, raw: Option<i64>, default: usize) -> usize {
         match raw {
@@ -601,6 +705,27 @@ impl Validator {
                 }
             },
         };
+        let host = self.host_mode(&path, raw.host.as_deref(), url.as_ref());
+        let ca = match raw.ca_file {
+            None => Some(None),
+            Some(file) => self.ca_file(&path, &file).map(Some),
+        };
+        let on_throttle = match raw.on_throttle.as_deref() {
+            None | Some("pass") => Some(OnThrottle::Pass),
+            Some("pause") => Some(OnThrottle::Pause),
+            Some(other) => {
+                self.problem(
+                    &path,
+                    format!("on_throttle '{other}' must be \"pass\" or \"pause\""),
+                );
+                None
+            }
+        };
+        let max_pause = self.duration(
+            &format!("{path}: max_pause"),
+            raw.max_pause.as_deref(),
+            DEFAULT_MAX_PAUSE,
+        );
         let connect_timeout = self.duration(
             &format!("{path}: connect_timeout"),
             raw.connect_timeout.as_deref(),
@@ -611,9 +736,15 @@ impl Validator {
             raw.request_timeout.as_deref(),
             DEFAULT_REQUEST_TIMEOUT,
         );
+        let (url, url_path) = url?;
         Some(Upstream {
             name: name?,
-            url: url?,
+            url,
+            path: url_path,
+            host: host?,
+            ca: ca?,
+            on_throttle: on_throttle?,
+            max_pause: max_pause?,
             rate: rate?,
             connect_timeout: connect_timeout?,
             request_timeout: request_timeout?,
@@ -623,9 +754,82 @@ impl Validator {
         })
     }
 
-    /// An absolute `http` or `https` URL naming a host, without path,
-    /// query or credentials; each violation is its own problem.
-    fn upstream_url(&mut self, path: &str, text: &str) -> Option<http::Uri> {
+    /// The `Host` mode: "upstream", "client", or a literal host; by
+    /// default the upstream's host when its URL names a DNS host (an https
+    /// partner needs it), the client's when it is an IP address.
+    fn host_mode(
+        &mut self,
+        path: &str,
+        raw: Option<&str>,
+        url: Option<&(http::Uri, String)>,
+    ) -> Option<HostMode> {
+        match raw {
+            Some("upstream") => Some(HostMode::Upstream),
+            Some("client") => Some(HostMode::Client),
+            Some(literal) => match http::uri::Authority::try_from(literal) {
+                Ok(a) if !a.as_str().contains('@') && !literal.is_empty() => {
+                    http::HeaderValue::from_str(literal)
+                        .ok()
+                        .map(HostMode::Fixed)
+                }
+                _ => {
+                    self.problem(
+                        path,
+                        format!(
+                            "host '{literal}' must be \"upstream\", \"client\" or a host name (with an optional port)"
+                        ),
+                    );
+                    None
+                }
+            },
+            None => {
+                let ip = url
+                    .and_then(|(u, _)| u.host())
+                    .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+                    .is_some_and(|h| h.parse::<std::net::IpAddr>().is_ok());
+                Some(if ip {
+                    HostMode::Client
+                } else {
+                    HostMode::Upstream
+                })
+            }
+        }
+    }
+
+    /// Certificates read from a PEM file, for an https upstream with a
+    /// private CA.
+    fn ca_file(
+        &mut self,
+        path: &str,
+        file: &str,
+    ) -> Option<Vec<rustls::pki_types::CertificateDer<'static>>> {
+        use rustls::pki_types::CertificateDer;
+        use rustls::pki_types::pem::PemObject;
+        let pem = match std::fs::read(file) {
+            Ok(b) => b,
+            Err(e) => {
+                self.problem(path, format!("ca_file '{file}': cannot read: {e}"));
+                return None;
+            }
+        };
+        match CertificateDer::pem_slice_iter(&pem).collect::<Result<Vec<_>, _>>() {
+            Ok(certs) if !certs.is_empty() => Some(certs),
+            Ok(_) => {
+                self.problem(path, format!("ca_file '{file}': has no PEM certificate"));
+                None
+            }
+            Err(e) => {
+                self.problem(path, format!("ca_file '{file}': {e}"));
+                None
+            }
+        }
+    }
+
+    /// An absolute `http` or `https` URL naming a host, with an optional
+    /// path (prepended to forwarded paths), without query or credentials;
+    /// each violation is its own problem. Returns the URL without its path,
+    /// and the path without a trailing '/'.
+    fn upstream_url(&mut self, path: &str, text: &str) -> Option<(http::Uri, String)> {
         if text.trim().is_empty() {
             self.problem(
                 path,
@@ -668,18 +872,23 @@ impl Validator {
             );
             ok = false;
         }
-        if !matches!(uri.path(), "" | "/") {
+        if uri.query().is_some() || text.contains('#') {
             self.problem(
                 path,
-                format!("url '{text}': must not have a path (requests keep their own)"),
+                format!("url '{text}': must not have a query or fragment"),
             );
             ok = false;
         }
-        if uri.query().is_some() {
-            self.problem(path, format!("url '{text}': must not have a query"));
-            ok = false;
+        let prefix = uri.path().trim_end_matches('/').to_owned();
+        let base = http::Uri::builder()
+            .scheme(uri.scheme_str().unwrap_or("http"))
+            .authority(authority.clone())
+            .path_and_query("/")
+            .build();
+        match base {
+            Ok(base) if ok => Some((base, prefix)),
+            _ => None,
         }
-        ok.then_some(uri)
     }
 
     fn route(
@@ -881,6 +1090,23 @@ impl Validator {
                 .duration(&format!("{path}: max_wait"), Some(&text), Duration::ZERO)
                 .map(Some),
         };
+        let strip_prefix = match raw.strip_prefix {
+            None => Some(None),
+            Some(p) if !p.starts_with('/') => {
+                self.problem(&path, format!("strip_prefix '{p}' must start with '/'"));
+                None
+            }
+            Some(p) if !path_prefix.starts_with(p.trim_end_matches('/')) => {
+                self.problem(
+                    &path,
+                    format!(
+                        "strip_prefix '{p}' must begin match.path_prefix '{path_prefix}', so every request it takes has it"
+                    ),
+                );
+                None
+            }
+            Some(p) => Some(Some(p.trim_end_matches('/').to_owned())),
+        };
         if !match_ok {
             return None;
         }
@@ -900,6 +1126,7 @@ impl Validator {
             max_wait: max_wait?,
             dry_run: raw.dry_run.unwrap_or(false),
             ratelimit_headers: raw.ratelimit_headers.unwrap_or(false),
+            strip_prefix: strip_prefix?,
         })
     }
 

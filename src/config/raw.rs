@@ -83,6 +83,11 @@ pub struct RawUpstream {
     pub request_timeout: Option<String>,
     #[serde(default, deserialize_with = "whole")]
     pub max_concurrency: Option<i64>,
+    pub host: Option<String>,
+    pub ca_file: Option<String>,
+    pub on_throttle: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub max_pause: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -105,6 +110,7 @@ pub struct RawRoute {
     pub max_wait: Option<String>,
     pub dry_run: Option<bool>,
     pub ratelimit_headers: Option<bool>,
+    pub strip_prefix: Option<String>,
 }
 
 /// `key = "ip"` or `key = ["header:X-Tenant", "ip"]`.
@@ -147,6 +153,17 @@ pub struct RawLimits {
     pub max_clients: Option<i64>,
     #[serde(default, deserialize_with = "whole")]
     pub max_queued: Option<i64>,
+    #[serde(default, deserialize_with = "size")]
+    pub max_staged_body: Option<RawSize>,
+    #[serde(default, deserialize_with = "size")]
+    pub max_staged_bytes: Option<RawSize>,
+}
+
+/// A size: a whole number of bytes, or text with a unit such as "1MiB".
+#[derive(Debug, Clone)]
+pub enum RawSize {
+    Bytes(i64),
+    Text(String),
 }
 
 // === parse ===
@@ -464,6 +481,35 @@ impl Visitor<'_> for Whole {
 
 fn whole<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
     d.deserialize_i64(Whole).map(Some)
+}
+
+/// A size in bytes: a whole number, or a string with a unit.
+struct Size;
+
+impl Visitor<'_> for Size {
+    type Value = RawSize;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a size such as \"1MiB\", \"512kB\" or a whole number of bytes")
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<RawSize, E> {
+        Ok(RawSize::Bytes(v))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<RawSize, E> {
+        i64::try_from(v)
+            .map(RawSize::Bytes)
+            .map_err(|_| E::custom(format!("{v} is too large")))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<RawSize, E> {
+        Ok(RawSize::Text(v.to_owned()))
+    }
+}
+
+fn size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<RawSize>, D::Error> {
+    d.deserialize_any(Size).map(Some)
 }
 
 impl<'de> Deserialize<'de> for RawKey {

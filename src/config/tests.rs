@@ -168,10 +168,102 @@ fn upstream_url_with_bad_scheme_is_invalid() {
 }
 
 #[test]
-fn upstream_url_with_path_is_invalid() {
+fn upstream_url_path_becomes_the_forwarded_prefix() {
+    let c = Config::from_toml(
+        &MINIMAL.replace("http://127.0.0.1:9000", "https://api.mailer.example/v3/"),
+    )
+    .unwrap();
+    assert_eq!(c.upstreams[0].path, "/v3");
+    assert_eq!(c.upstreams[0].url.path(), "/");
+}
+
+#[test]
+fn upstream_host_defaults_to_the_upstream_for_a_name_and_the_client_for_an_ip() {
+    let by_name =
+        Config::from_toml(&MINIMAL.replace("http://127.0.0.1:9000", "https://api.example.com"))
+            .unwrap();
+    assert_eq!(by_name.upstreams[0].host, HostMode::Upstream);
+    let by_ip = Config::from_toml(MINIMAL).unwrap();
+    assert_eq!(by_ip.upstreams[0].host, HostMode::Client);
+    let v6 = Config::from_toml(&MINIMAL.replace("127.0.0.1", "[::1]")).unwrap();
+    assert_eq!(v6.upstreams[0].host, HostMode::Client);
+}
+
+#[test]
+fn upstream_host_accepts_upstream_client_or_a_literal() {
+    let with = |v: &str| MINIMAL.replace("url = ", &format!("host = \"{v}\"\nurl = "));
+    assert_eq!(
+        Config::from_toml(&with("client")).unwrap().upstreams[0].host,
+        HostMode::Client
+    );
+    assert_eq!(
+        Config::from_toml(&with("api.partner.example:8443"))
+            .unwrap()
+            .upstreams[0]
+            .host,
+        HostMode::Fixed(http::HeaderValue::from_static("api.partner.example:8443"))
+    );
+    assert_problem(&with("a b"), "host 'a b' must be");
+}
+
+#[test]
+fn unreadable_ca_file_is_invalid() {
     assert_problem(
-        &MINIMAL.replace("http://127.0.0.1:9000", "http://127.0.0.1:9000/v1"),
-        "must not have a path",
+        &MINIMAL.replace("url = ", "ca_file = \"/nonexistent/ca.pem\"\nurl = "),
+        "ca_file '/nonexistent/ca.pem': cannot read",
+    );
+}
+
+#[test]
+fn on_throttle_must_be_pass_or_pause() {
+    assert_problem(
+        &MINIMAL.replace("url = ", "on_throttle = \"retry\"\nurl = "),
+        "on_throttle 'retry' must be \"pass\" or \"pause\"",
+    );
+}
+
+#[test]
+fn strip_prefix_must_begin_the_routes_path_prefix() {
+    let route = |strip: &str| {
+        MINIMAL.replace(
+            "key = \"ip\"",
+            &format!(
+                "key = \"ip\"\nmatch = {{ path_prefix = \"/stripe/\" }}\nstrip_prefix = \"{strip}\""
+            ),
+        )
+    };
+    let c = Config::from_toml(&route("/stripe")).unwrap();
+    assert_eq!(c.routes[0].strip_prefix.as_deref(), Some("/stripe"));
+    assert_problem(
+        &route("/mail"),
+        "strip_prefix '/mail' must begin match.path_prefix '/stripe/'",
+    );
+    assert_problem(
+        &route("stripe"),
+        "strip_prefix 'stripe' must start with '/'",
+    );
+}
+
+#[test]
+fn sizes_take_units_and_are_bounded() {
+    assert_eq!(parse_size("1MiB"), Ok(1 << 20));
+    assert_eq!(parse_size("512kB"), Ok(512_000));
+    assert_eq!(parse_size("25MB"), Ok(25_000_000));
+    assert_eq!(parse_size("1048576"), Ok(1 << 20));
+    assert!(parse_size("1 parsec").is_err());
+    let c = Config::from_toml(&format!(
+        "{MINIMAL}\n[limits]\nmax_staged_body = \"64KiB\"\nmax_staged_bytes = 1000000\n"
+    ))
+    .unwrap();
+    assert_eq!(c.limits.max_staged_body, 64 << 10);
+    assert_eq!(c.limits.max_staged_bytes, 1_000_000);
+    assert_problem(
+        &format!("{MINIMAL}\n[limits]\nmax_staged_body = \"2TiB\"\n"),
+        "limits.max_staged_body: '2TiB': unknown unit 'TiB'",
+    );
+    assert_problem(
+        &format!("{MINIMAL}\n[limits]\nmax_staged_body = 0\n"),
+        "limits.max_staged_body: 0 bytes is out of range",
     );
 }
 
@@ -528,7 +620,8 @@ fn https_upstream_with_trailing_slash_is_valid() {
 
 #[test]
 fn upstream_url_violations_are_each_explained() {
-    let found = problems(&MINIMAL.replace("http://127.0.0.1:9000", "ftp://127.0.0.1:9000/x?y"));
+    let found =
+        problems(&MINIMAL.replace("http://127.0.0.1:9000", "ftp://user@127.0.0.1:9000/x?y"));
     assert_eq!(found.len(), 3, "{found:?}");
 }
 

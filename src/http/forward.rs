@@ -15,7 +15,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{HOST, HeaderValue};
+use http::header::{EXPECT, HOST, HeaderMap, HeaderValue};
+use http::request::Parts;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::BodyExt;
@@ -32,7 +33,7 @@ use tracing::{debug, warn};
 use super::ServeError;
 use super::headers::{add_forwarded, append_via, strip_hop_by_hop};
 use super::response::{ProxyBody, problem};
-use crate::config;
+use crate::config::{self, HostMode, OnThrottle};
 use crate::metrics::{self as m, Outcome};
 
 /// Idle connections older than this are closed instead of reused.
@@ -40,7 +41,7 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// Most idle connections kept per upstream and worker.
 const MAX_IDLE: usize = 512;
 
-type Sender = http1::SendRequest<Incoming>;
+type Sender = http1::SendRequest<OutBody>;
 
 /// Idle connections, most recently used last.
 #[derive(Default)]
@@ -86,8 +87,14 @@ pub struct Upstream {
     name: String,
     scheme: Scheme,
     authority: Authority,
-    host: String,
+    /// The host to connect to (the URL's, without brackets).
+    addr_host: String,
     port: u16,
+    /// The URL's path, prepended to forwarded paths ("" for none).
+    path: String,
+    host: HostMode,
+    on_throttle: OnThrottle,
+    max_pause: Duration,
     /// TLS for https upstreams, with the name to verify.
     tls: Option<(TlsConnector, ServerName<'static>)>,
     connect_timeout: Duration,
@@ -98,6 +105,24 @@ pub struct Upstream {
     /// `max_concurrency`: a permit per call in flight, held until the
     /// response body has been sent.
     concurrency: Option<Arc<Semaphore>>,
+}
+
+/// TLS settings for an https upstream with a private CA: its certificates
+/// are the only roots.
+fn private_ca_config(
+    certs: &[rustls::pki_types::CertificateDer<'static>],
+) -> Result<Arc<rustls::ClientConfig>, rustls::Error> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in certs {
+        roots.add(c.clone())?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(Arc::new(
+        rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    ))
 }
 
 /// TLS settings for https upstreams: the system's roots. A machine without
@@ -153,7 +178,13 @@ impl Upstream {
         let tls = if https {
             let name = ServerName::try_from(host.clone())
                 .map_err(|e| ServeError::Client(format!("upstream '{}': {host}: {e}", cfg.name)))?;
-            Some((TlsConnector::from(tls.clone()), name))
+            let config = match &cfg.ca {
+                Some(certs) => private_ca_config(certs).map_err(|e| {
+                    ServeError::Client(format!("upstream '{}': ca_file: {e}", cfg.name))
+                })?,
+                None => tls.clone(),
+            };
+            Some((TlsConnector::from(config), name))
         } else {
             None
         };
@@ -161,7 +192,11 @@ impl Upstream {
             name: cfg.name.clone(),
             scheme,
             authority,
-            host,
+            addr_host: host,
+            path: cfg.path.clone(),
+            host: cfg.host.clone(),
+            on_throttle: cfg.on_throttle,
+            max_pause: cfg.max_pause,
             port,
             tls,
             connect_timeout: cfg.connect_timeout,
@@ -184,49 +219,83 @@ impl Upstream {
 
     /// Forward `req` and stream the response back; 502 when the upstream
     /// cannot be reached, 504 when it does not answer in time.
-    pub async fn forward(
-        &self,
-        req: Request<Incoming>,
-        peer: SocketAddr,
-    ) -> (Response<ProxyBody>, Outcome) {
-        let (mut parts, body) = req.into_parts();
-        let inbound_version = parts.version;
-        let host = parts.headers.get(HOST).cloned().or_else(|| {
+    /// Rewrite an inbound request head for this upstream: the target in
+    /// absolute form with the upstream's path prefix (and the route's
+    /// `strip_prefix` removed; the query byte for byte), the `Host` its
+    /// mode says, hop-by-hop headers and `Expect` removed (sluice answers
+    /// `100-continue` itself), `X-Forwarded-*` and `Via` added. `None` when
+    /// the target cannot be forwarded (400).
+    pub fn prepare(&self, parts: &mut Parts, peer: SocketAddr, strip: Option<&str>) -> Option<()> {
+        let client_host = parts.headers.get(HOST).cloned().or_else(|| {
             parts
                 .uri
                 .authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
-        // The target in absolute form; its parts are shared, not copied.
         let mut target = http::uri::Parts::default();
         target.scheme = Some(self.scheme.clone());
         target.authority = Some(self.authority.clone());
-        target.path_and_query = Some(
-            parts
-                .uri
-                .path_and_query()
-                .cloned()
-                .unwrap_or_else(|| PathAndQuery::from_static("/")),
-        );
-        parts.uri = match Uri::from_parts(target) {
-            Ok(u) => u,
-            Err(_) => {
-                let detail = "the request target cannot be forwarded";
-                return (
-                    problem(StatusCode::BAD_REQUEST, detail, None),
-                    Outcome::Invalid,
-                );
-            }
-        };
+        target.path_and_query = Some(self.map_path(parts.uri.path_and_query(), strip)?);
+        parts.uri = Uri::from_parts(target).ok()?;
         strip_hop_by_hop(&mut parts.headers);
-        add_forwarded(&mut parts.headers, peer.ip(), host.as_ref());
-        append_via(&mut parts.headers, inbound_version);
-        if let Some(host) = host {
-            parts.headers.insert(HOST, host);
-        }
+        parts.headers.remove(EXPECT);
+        add_forwarded(&mut parts.headers, peer.ip(), client_host.as_ref());
+        append_via(&mut parts.headers, parts.version);
+        let host = match &self.host {
+            HostMode::Upstream => HeaderValue::from_str(self.authority.as_str()).ok(),
+            HostMode::Client => client_host,
+            HostMode::Fixed(v) => Some(v.clone()),
+        };
+        match host {
+            Some(host) => parts.headers.insert(HOST, host),
+            None => parts.headers.remove(HOST),
+        };
         parts.version = Version::HTTP_11;
-        let req = Request::from_parts(parts, body);
+        Some(())
+    }
 
+    /// The path sent upstream: the upstream URL's path, then the request's
+    /// path without the route's `strip_prefix`, then the query unchanged.
+    fn map_path(&self, pq: Option<&PathAndQuery>, strip: Option<&str>) -> Option<PathAndQuery> {
+        let original = pq
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        if self.path.is_empty() && strip.is_none() {
+            return Some(original);
+        }
+        let path = original.path();
+        let rest = strip.and_then(|s| path.strip_prefix(s)).unwrap_or(path);
+        let mut out = String::with_capacity(
+            self.path.len() + rest.len() + 2 + original.query().map_or(0, str::len),
+        );
+        out.push_str(&self.path);
+        if !rest.starts_with('/') {
+            out.push('/');
+        }
+        out.push_str(rest);
+        if let Some(q) = original.query() {
+            out.push('?');
+            out.push_str(q);
+        }
+        PathAndQuery::try_from(out).ok()
+    }
+
+    /// Whether every body for this upstream is staged before it is sent,
+    /// so that a throttled request can be sent again.
+    pub fn stages_everything(&self) -> bool {
+        self.on_throttle == OnThrottle::Pause
+    }
+
+    /// Send a prepared request and stream the response back; 502 when the
+    /// upstream cannot be reached, 504 when it does not answer in time.
+    /// With `on_throttle = "pause"`, a 429 or 503 that says when to come
+    /// back also returns that instant.
+    pub async fn forward(
+        &self,
+        parts: Parts,
+        body: OutBody,
+    ) -> (Response<ProxyBody>, Outcome, Option<Instant>) {
+        let req = Request::from_parts(parts, body);
         // Released by the shaper; now wait for an in-flight slot if capped.
         // This delays only this request: other clients' spacing is kept.
         let permit = match &self.concurrency {
@@ -243,6 +312,7 @@ impl Upstream {
                 (
                     problem(StatusCode::GATEWAY_TIMEOUT, detail, None),
                     Outcome::UpstreamError,
+                    None,
                 )
             }
             Ok(Err(e)) => {
@@ -250,10 +320,17 @@ impl Upstream {
                 (
                     problem(StatusCode::BAD_GATEWAY, e.detail(), None),
                     Outcome::UpstreamError,
+                    None,
                 )
             }
             Ok(Ok((response, sender))) => {
                 let (mut parts, body) = response.into_parts();
+                let throttle = match self.on_throttle {
+                    OnThrottle::Pause => {
+                        super::throttle::pause_until(parts.status, &parts.headers, self.max_pause)
+                    }
+                    OnThrottle::Pass => None,
+                };
                 strip_hop_by_hop(&mut parts.headers);
                 append_via(&mut parts.headers, parts.version);
                 let body = Returning {
@@ -265,6 +342,7 @@ impl Upstream {
                 (
                     Response::from_parts(parts, body.boxed()),
                     Outcome::Forwarded,
+                    throttle,
                 )
             }
         }
@@ -273,10 +351,7 @@ impl Upstream {
     /// Send on a pooled connection, or a new one; a request a pooled
     /// connection never started to send (it was closing) goes once more on
     /// a new connection.
-    async fn send(
-        &self,
-        req: Request<Incoming>,
-    ) -> Result<(Response<Incoming>, Sender), SendError> {
+    async fn send(&self, req: Request<OutBody>) -> Result<(Response<Incoming>, Sender), SendError> {
         let (mut sender, pooled) = match self.pool.take() {
             Some(s) => (s, true),
             None => (self.connect().await?, false),
@@ -302,7 +377,7 @@ impl Upstream {
     /// connection is driven by a task on this worker.
     async fn connect(&self) -> Result<Sender, ConnectError> {
         let connect = async {
-            let tcp = TcpStream::connect((self.host.as_str(), self.port)).await?;
+            let tcp = TcpStream::connect((self.addr_host.as_str(), self.port)).await?;
             tcp.set_nodelay(true)?;
             let io = match &self.tls {
                 None => Either::Left(tcp),
@@ -341,6 +416,62 @@ impl SendError {
         match self {
             SendError::Connect(_) => "the upstream could not be reached",
             SendError::Request(_) => "the upstream connection failed",
+        }
+    }
+}
+
+/// A request body on its way upstream: streamed from the client (a request
+/// that departed at once), or staged (read while it waited) and written in
+/// one go.
+pub enum OutBody {
+    Stream(Incoming),
+    Staged {
+        data: Option<Bytes>,
+        trailers: Option<HeaderMap>,
+    },
+}
+
+impl OutBody {
+    /// A staged body, sent again as often as needed.
+    pub fn staged(data: Bytes, trailers: Option<HeaderMap>) -> OutBody {
+        OutBody::Staged {
+            data: (!data.is_empty()).then_some(data),
+            trailers,
+        }
+    }
+}
+
+impl Body for OutBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            OutBody::Stream(body) => Pin::new(body).poll_frame(cx),
+            OutBody::Staged { data, trailers } => Poll::Ready(
+                data.take()
+                    .map(|d| Ok(Frame::data(d)))
+                    .or_else(|| trailers.take().map(|t| Ok(Frame::trailers(t)))),
+            ),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            OutBody::Stream(body) => body.is_end_stream(),
+            OutBody::Staged { data, trailers } => data.is_none() && trailers.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            OutBody::Stream(body) => body.size_hint(),
+            OutBody::Staged { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
         }
     }
 }

@@ -1,24 +1,41 @@
 //! One request's life: pick the route, derive the key and cost, ask the
 //! admission layer, map its verdict to HTTP (in [`Handler::refusal`], the
-//! one place that does), wait for the departure if told to, forward.
+//! one place that does), stage the body while waiting for the departure,
+//! forward.
 //!
 //! A client that goes away while its request is held makes hyper drop this
-//! future, and with it the [`Hold`], which withdraws the request.
+//! future (or the staged body's read fails), and with it the [`Hold`],
+//! which withdraws the request and gives its slot to the next in line.
+//!
+//! With `on_throttle = "pause"`, an upstream's 429 or 503 that says when
+//! to come back pauses releases to it; the refused request goes back
+//! through the queue once, when sending it twice is safe (a method RFC
+//! 9110 calls idempotent, or an `Idempotency-Key`), and within its
+//! `max_wait`. Otherwise the upstream's answer reaches the client.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use http::{Request, Response, StatusCode};
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use super::Shared;
+use super::forward::{OutBody, Upstream};
 use super::headers::add_ratelimit_headers;
 use super::key;
-use super::response::{ProxyBody, problem};
-use super::route::{App, Route};
-use crate::admission::{HoldError, Key, Overload, Refusal, Verdict};
+use super::response::{ProxyBody, full, problem};
+use super::route::Route;
+use super::stage::{StageError, Staged, stage};
+use crate::admission::{Hold, HoldError, Key, Overload, Refusal, Verdict};
 use crate::metrics::Outcome;
+
+/// The largest throttled response kept to be answered if its request
+/// cannot be sent again.
+const MAX_KEPT_THROTTLE_BODY: usize = 64 * 1024;
 
 /// Serves the requests of one worker thread.
 #[derive(Clone)]
@@ -28,12 +45,33 @@ pub struct Handler {
     pub worker: usize,
 }
 
+/// A request body as it goes upstream.
+enum Body {
+    /// Not read: streamed at departure.
+    Stream(Incoming),
+    /// Read in full while it waited.
+    Staged(Staged),
+}
+
+impl Body {
+    fn out(&self) -> Option<OutBody> {
+        match self {
+            Body::Stream(_) => None,
+            Body::Staged(s) => Some(OutBody::staged(s.data.clone(), s.trailers.clone())),
+        }
+    }
+}
+
 impl Handler {
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
         let app = self.shared.app(self.worker);
         let Some(route) = app.route(&req) else {
             self.shared.count_unrouted();
             return problem(StatusCode::NOT_FOUND, "no route matches this request", None);
+        };
+        let Some(upstream) = app.upstreams.get(route.upstream) else {
+            route.rule.count(Outcome::UpstreamError);
+            return problem(StatusCode::BAD_GATEWAY, "no such upstream", None);
         };
         let headers = req.headers();
         let key = key::extract(
@@ -50,31 +88,143 @@ impl Handler {
                 return problem(StatusCode::BAD_REQUEST, &detail, None);
             }
         };
+        let (mut parts, body) = req.into_parts();
+        if upstream
+            .prepare(&mut parts, peer, route.strip_prefix.as_deref())
+            .is_none()
+        {
+            route.rule.count(Outcome::Invalid);
+            let detail = "the request target cannot be forwarded";
+            return problem(StatusCode::BAD_REQUEST, detail, None);
+        }
         let shown = route.ratelimit_headers.then(|| key.clone());
-        let verdict = self.shared.admission.admit(&route.rule, key, cost).await;
-        let mut response = match verdict {
-            Verdict::Go => self.forward(&app, route, req, peer).await,
-            Verdict::Wait(hold) => match hold.departed().await {
-                Ok(()) => self.forward(&app, route, req, peer).await,
-                Err(HoldError::Expired) => route.expired.response(Some(
-                    route
-                        .rule
-                        .policy()
-                        .max_wait
-                        .map_or(Duration::from_secs(1), Duration::from_nanos),
-                )),
-                Err(HoldError::Closed) => problem(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "sluice is shutting down; this request was not forwarded",
-                    Some(Duration::from_secs(1)),
-                ),
-            },
-            refused => self.refusal(route, refused),
-        };
+        let mut response = self.admit(route, upstream, parts, body, key, cost).await;
         if let Some(key) = shown {
             self.ratelimit(route, &key, &mut response);
         }
         response
+    }
+
+    /// Admit, wait (staging the body), forward; or refuse.
+    async fn admit(
+        &self,
+        route: &Route,
+        upstream: &Upstream,
+        parts: Parts,
+        body: Incoming,
+        key: Key,
+        cost: u32,
+    ) -> Response<ProxyBody> {
+        let arrival = Instant::now();
+        let verdict = self
+            .shared
+            .admission
+            .admit(&route.rule, key.clone(), cost)
+            .await;
+        let body = match verdict {
+            Verdict::Go if upstream.stages_everything() => match self.stage(route, body).await {
+                Ok(staged) => Body::Staged(staged),
+                Err(response) => return response,
+            },
+            Verdict::Go => Body::Stream(body),
+            Verdict::Wait(hold) => match self.wait(route, hold, body).await {
+                Ok(staged) => Body::Staged(staged),
+                Err(response) => return response,
+            },
+            refused => return self.refusal(route, refused),
+        };
+        self.forward(route, upstream, parts, body, (key, cost, arrival))
+            .await
+    }
+
+    /// Wait for the departure while the body is staged. A body that
+    /// cannot be staged ends the wait: a client gone is counted as
+    /// cancelled (by the dropped hold), a refused body as what it got.
+    async fn wait(
+        &self,
+        route: &Route,
+        mut hold: Hold,
+        body: Incoming,
+    ) -> Result<Staged, Response<ProxyBody>> {
+        let staging = stage(body, &self.shared.staging);
+        tokio::pin!(staging);
+        let mut staged = None;
+        loop {
+            tokio::select! {
+                s = &mut staging, if staged.is_none() => match s {
+                    Ok(s) => staged = Some(s),
+                    Err(StageError::Gone(_)) => {
+                        drop(hold);
+                        return Err(self.stage_failed(route, StageError::Gone(None), false));
+                    }
+                    Err(e) => {
+                        hold.withdraw();
+                        return Err(self.stage_failed(route, e, true));
+                    }
+                },
+                d = hold.wait() => match d {
+                    Ok(()) => break,
+                    Err(e) => return Err(self.hold_failed(route, e)),
+                },
+            }
+        }
+        // Departed; a body still arriving is forwarded once complete.
+        match staged {
+            Some(s) => Ok(s),
+            None => staging.await.map_err(|e| self.stage_failed(route, e, true)),
+        }
+    }
+
+    /// Stage the body of a request that departs at once (an upstream that
+    /// may need it twice).
+    async fn stage(&self, route: &Route, body: Incoming) -> Result<Staged, Response<ProxyBody>> {
+        stage(body, &self.shared.staging)
+            .await
+            .map_err(|e| self.stage_failed(route, e, true))
+    }
+
+    /// The answer to a body that could not be staged; counted when
+    /// `count` (a dropped hold counts its own withdrawal).
+    fn stage_failed(&self, route: &Route, e: StageError, count: bool) -> Response<ProxyBody> {
+        let outcome = match e {
+            StageError::TooLarge(_) => Outcome::Invalid,
+            StageError::Full => Outcome::Overloaded,
+            StageError::Gone(_) => Outcome::Cancelled,
+        };
+        if count {
+            route.rule.count(outcome);
+        }
+        match e {
+            StageError::TooLarge(max) => problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("a request that waits may carry at most {max} bytes of body"),
+                None,
+            ),
+            StageError::Full => self.shared.overloaded(Overload::Queued),
+            // Nobody reads this answer: the client is gone.
+            StageError::Gone(_) => problem(
+                StatusCode::BAD_REQUEST,
+                "the request body was cut short",
+                None,
+            ),
+        }
+    }
+
+    fn hold_failed(&self, route: &Route, e: HoldError) -> Response<ProxyBody> {
+        match e {
+            HoldError::Expired => route.expired.response(Some(
+                route
+                    .rule
+                    .policy()
+                    .max_wait
+                    .map_or(Duration::from_secs(1), Duration::from_nanos),
+            )),
+            HoldError::Closed => problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "sluice is shutting down; this request was not forwarded",
+                Some(Duration::from_secs(1)),
+            ),
+        }
     }
 
     /// The HTTP answer to a refusal: 429 with `Retry-After` for a full
@@ -98,18 +248,57 @@ impl Handler {
         }
     }
 
+    /// Send upstream; on an upstream's throttle, pause it and send the
+    /// request again once, through the queue, when that is safe.
     async fn forward(
         &self,
-        app: &App,
         route: &Route,
-        req: Request<Incoming>,
-        peer: SocketAddr,
+        upstream: &Upstream,
+        parts: Parts,
+        body: Body,
+        (key, cost, arrival): (Key, u32, Instant),
     ) -> Response<ProxyBody> {
-        let Some(upstream) = app.upstreams.get(route.upstream) else {
-            route.rule.count(Outcome::UpstreamError);
-            return problem(StatusCode::BAD_GATEWAY, "no such upstream", None);
+        let replay = body.out().map(|b| (parts.clone(), b));
+        let out = match body {
+            Body::Stream(b) => OutBody::Stream(b),
+            Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
         };
-        let (response, outcome) = upstream.forward(req, peer).await;
+        let (response, outcome, throttle) = upstream.forward(parts, out).await;
+        let Some(until) = throttle else {
+            route.rule.count(outcome);
+            return response;
+        };
+        let admission = &self.shared.admission;
+        admission.pause(&route.rule, until);
+        let within_max_wait = route
+            .rule
+            .policy()
+            .max_wait
+            .is_none_or(|mw| until <= arrival + Duration::from_nanos(mw));
+        let Some((parts, out)) = replay.filter(|(p, _)| safe_to_repeat(p) && within_max_wait)
+        else {
+            route.rule.count(outcome);
+            return response;
+        };
+        // Keep the upstream's answer, to give it if the retry cannot go.
+        let Some(kept) = keep(response).await else {
+            route.rule.count(Outcome::UpstreamError);
+            return problem(
+                StatusCode::BAD_GATEWAY,
+                "the upstream's answer was cut short",
+                None,
+            );
+        };
+        let again = match admission.admit(&route.rule, key, cost).await {
+            Verdict::Go => true,
+            Verdict::Wait(hold) => hold.departed().await.is_ok(),
+            _ => false,
+        };
+        if !again {
+            route.rule.count(outcome);
+            return kept;
+        }
+        let (response, outcome, _) = upstream.forward(parts, out).await;
         route.rule.count(outcome);
         response
     }
@@ -119,6 +308,24 @@ impl Handler {
         let view = admission.view(&route.rule, key);
         add_ratelimit_headers(route, view, admission.now(), response.headers_mut());
     }
+}
+
+/// Whether sending a request twice is safe: a method RFC 9110 (9.2.2)
+/// calls idempotent, or an `Idempotency-Key` the upstream deduplicates by.
+fn safe_to_repeat(parts: &Parts) -> bool {
+    matches!(
+        parts.method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    ) || parts.headers.contains_key("idempotency-key")
+}
+
+/// Read a (small) response in full so it can be answered later; `None`
+/// when it is too large or cut short.
+async fn keep(response: Response<ProxyBody>) -> Option<Response<ProxyBody>> {
+    let (parts, body) = response.into_parts();
+    let limited = http_body_util::Limited::new(body, MAX_KEPT_THROTTLE_BODY);
+    let bytes: Bytes = limited.collect().await.ok()?.to_bytes();
+    Some(Response::from_parts(parts, full(bytes)))
 }
 
 impl Shared {

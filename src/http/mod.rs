@@ -21,6 +21,8 @@ mod key;
 pub mod response;
 mod route;
 mod serve;
+mod stage;
+mod throttle;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -59,6 +61,7 @@ pub(crate) struct Shared {
     /// Each worker's own routing table (its own pools), swapped on reload.
     apps: Vec<ArcSwap<App>>,
     concurrency: Mutex<Concurrency>,
+    staging: Arc<stage::StageBudget>,
     tls: Arc<rustls::ClientConfig>,
     draining: AtomicBool,
     drain_timeout: Mutex<Duration>,
@@ -142,6 +145,10 @@ impl Handle {
             &mut lock(&shared.concurrency),
         )?;
         shared.admission.set_limits(limits(config));
+        shared.staging.set(
+            config.limits.max_staged_body,
+            config.limits.max_staged_bytes,
+        );
         *lock(&shared.drain_timeout) = config.server.drain_timeout;
         for (slot, app) in shared.apps.iter().zip(apps) {
             slot.store(Arc::new(app));
@@ -175,6 +182,28 @@ impl Handle {
         let (clients, queued) = self.0.admission.stats();
         metrics::gauge!(m::ACTIVE_CLIENTS).set(clients as f64);
         metrics::gauge!(m::QUEUED_REQUESTS).set(queued as f64);
+        metrics::gauge!(m::STAGED_BYTES).set(self.0.staging.used() as f64);
+    }
+
+    /// Bytes of request bodies staged now.
+    pub fn staged_bytes(&self) -> usize {
+        self.0.staging.used()
+    }
+
+    /// Every upstream, with how long it stays paused if it is.
+    pub fn upstreams(&self) -> Vec<(String, Option<Duration>)> {
+        let app = self.0.app(0);
+        app.upstreams
+            .iter()
+            .map(|u| {
+                let paused = app
+                    .routes
+                    .iter()
+                    .filter(|r| r.rule.upstream() == u.name())
+                    .find_map(|r| self.0.admission.paused_for(&r.rule));
+                (u.name().to_owned(), paused)
+            })
+            .collect()
     }
 
     /// The config version (1 at start, +1 per reload) and when it loaded.

@@ -31,6 +31,8 @@ pub struct Route {
     pub on_missing_key: OnMissingKey,
     cost: Cost,
     pub ratelimit_headers: bool,
+    /// Removed from the front of the path before forwarding.
+    pub strip_prefix: Option<String>,
     /// 429 bodies: queue full, and wait past `max_wait`.
     pub full: Problem,
     pub max_wait: Problem,
@@ -202,6 +204,7 @@ impl App {
                 on_missing_key: r.on_missing_key,
                 cost: r.cost.clone(),
                 ratelimit_headers: r.ratelimit_headers,
+                strip_prefix: r.strip_prefix.clone(),
             })
             .collect();
         (0..workers.max(1))
@@ -229,6 +232,7 @@ fn rule_spec<'a>(config: &'a Config, r: &'a config::Route) -> RuleSpec<'a> {
         protocol: Protocol::Http,
         upstream: &upstream.name,
         cap: upstream.rate,
+        pausable: upstream.on_throttle == config::OnThrottle::Pause,
         policy: Policy {
             rate: r.rate,
             capacity: r.capacity,

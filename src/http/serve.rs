@@ -117,6 +117,10 @@ impl Server {
                 admission,
                 apps: apps.into_iter().map(ArcSwap::from_pointee).collect(),
                 concurrency: Mutex::new(concurrency),
+                staging: Arc::new(super::stage::StageBudget::new(
+                    config.limits.max_staged_body,
+                    config.limits.max_staged_bytes,
+                )),
                 tls,
                 draining: AtomicBool::new(false),
                 drain_timeout: Mutex::new(config.server.drain_timeout),

@@ -298,19 +298,51 @@ impl<K: Hash + Eq, P> Engine<K, P> {
     /// clients of its routes, or uncapped. Whether an upstream is capped
     /// is fixed; its cap's rate can change ([`Engine::set_upstream_rate`]).
     pub fn add_upstream(&self, cap: Option<Rate>) -> UpstreamId {
+        self.add_gated_upstream(cap, false)
+    }
+
+    /// Register an upstream that may be paused ([`Engine::pause`]) as well
+    /// as capped. A pausable upstream's queue heads wait in its cap (with
+    /// no spacing when it has no rate), so a pause holds them all and
+    /// resumes them earliest due first.
+    pub fn add_gated_upstream(&self, cap: Option<Rate>, pausable: bool) -> UpstreamId {
+        let step = match (cap, pausable) {
+            (Some(r), _) => Some(r.interval_nanos()),
+            (None, true) => Some(0),
+            (None, false) => None,
+        };
         let mut ups = lock(&self.upstreams);
-        ups.push(cap.map(|r| Arc::new(Mutex::new(Cap::new(r.interval_nanos())))));
+        ups.push(step.map(|s| Arc::new(Mutex::new(Cap::new(s)))));
         UpstreamId((ups.len() - 1) as u32)
     }
 
-    /// Change a capped upstream's rate (an uncapped one stays uncapped).
-    pub fn set_upstream_rate(&self, upstream: UpstreamId, rate: Rate) {
-        let cap = lock(&self.upstreams)
-            .get(upstream.0 as usize)
-            .cloned()
-            .flatten();
-        if let Some(cap) = cap {
-            lock(&cap).step = rate.interval_nanos();
+    /// Hold every release to `upstream` until `until` (the upstream asked
+    /// for it); queued requests keep their order. Returns false for an
+    /// upstream that cannot be paused.
+    pub fn pause(&self, upstream: UpstreamId, until: Nanos) -> bool {
+        match self.cap(upstream.0) {
+            Some(cap) => {
+                let mut c = lock(&cap);
+                c.next = c.next.max(until);
+                c.paused_until = c.paused_until.max(until);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Until when releases to `upstream` are paused, if they are at `now`.
+    pub fn paused_until(&self, upstream: UpstreamId, now: Nanos) -> Option<Nanos> {
+        let cap = self.cap(upstream.0)?;
+        let until = lock(&cap).paused_until;
+        (until > now).then_some(until)
+    }
+
+    /// Change a capped upstream's rate (`None`: no spacing, for a
+    /// pausable upstream without a rate); an uncapped one stays uncapped.
+    pub fn set_upstream_rate(&self, upstream: UpstreamId, rate: Option<Rate>) {
+        if let Some(cap) = self.cap(upstream.0) {
+            lock(&cap).step = rate.map_or(0, Rate::interval_nanos);
         }
     }
 

@@ -36,6 +36,8 @@ pub struct Cap {
     pub(super) heads: BinaryHeap<Reverse<HeadRef>>,
     /// The earliest instant the releaser has promised to look at this cap.
     pub(super) armed: Nanos,
+    /// The end of the latest pause the upstream asked for.
+    pub(super) paused_until: Nanos,
 }
 
 impl Cap {
@@ -45,6 +47,7 @@ impl Cap {
             next: 0,
             heads: BinaryHeap::new(),
             armed: Nanos::MAX,
+            paused_until: 0,
         }
     }
 

@@ -32,8 +32,9 @@ pub struct Seen {
 }
 
 /// A real HTTP/1.1 downstream on 127.0.0.1. Paths starting with `/slow`
-/// answer after 5 s, `/delay` after 200 ms; `/echo` echoes the body;
-/// anything else answers "ok".
+/// answer after 5 s, `/delay` after 200 ms; `/echo` echoes the body; the
+/// first request to a path starting with `/throttle` is answered `429`
+/// with `Retry-After: 2` (later ones "ok"); anything else answers "ok".
 /// It counts requests in flight and remembers the most seen at once.
 #[derive(Clone)]
 pub struct Downstream {
@@ -41,6 +42,7 @@ pub struct Downstream {
     seen: Arc<Mutex<Vec<Seen>>>,
     in_flight: Arc<AtomicUsize>,
     max_in_flight: Arc<AtomicUsize>,
+    throttled: Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 impl Downstream {
@@ -51,6 +53,7 @@ impl Downstream {
             seen: Arc::default(),
             in_flight: Arc::default(),
             max_in_flight: Arc::default(),
+            throttled: Arc::default(),
         };
         let state = ds.clone();
         tokio::spawn(async move {
@@ -97,6 +100,13 @@ impl Downstream {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if path.starts_with("/throttle") && self.throttled.lock().unwrap().insert(path.clone()) {
+            return Response::builder()
+                .status(StatusCode::TOO_MANY_REQUESTS)
+                .header("retry-after", "2")
+                .body(Full::new(Bytes::from_static(b"slow down")))
+                .unwrap();
+        }
         let reply = if path.starts_with("/echo") {
             body
         } else {
@@ -247,6 +257,174 @@ impl Drop for Sluice {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+/// Resident memory of a process, in KiB (from /proc).
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+impl Sluice {
+    /// The `/status` document.
+    pub async fn status(&self) -> serde_json::Value {
+        let body = get(&client(), &self.admin_url("/status"), &[]).await.body;
+        serde_json::from_slice(&body).expect("/status is JSON")
+    }
+
+    /// Wait (up to 10 s) until `/status` reports `n` requests queued: the
+    /// way to know a request is in its queue before the next is sent.
+    pub async fn wait_queued(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let queued = self.status().await["queued"].as_u64().unwrap_or(0);
+            if queued == n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "expected {n} queued, /status says {queued}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// A CA made for one test (rcgen), and leaf certificates signed by it.
+pub struct TestCa {
+    pub pem: String,
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+impl TestCa {
+    pub fn new() -> TestCa {
+        let mut params = rcgen::CertificateParams::new(Vec::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "sluice test CA");
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        TestCa {
+            pem: cert.pem(),
+            issuer: rcgen::Issuer::new(params, key),
+        }
+    }
+
+    /// The CA certificate in a temp file (for `ca_file`).
+    pub fn write(&self) -> PathBuf {
+        let n = CONFIG_SEQ.fetch_add(1, Ordering::SeqCst);
+        let path =
+            std::env::temp_dir().join(format!("sluice-test-ca-{}-{n}.pem", std::process::id()));
+        std::fs::write(&path, &self.pem).unwrap();
+        path
+    }
+
+    /// A server certificate for `names`, and its key.
+    pub fn leaf(
+        &self,
+        names: &[&str],
+    ) -> (
+        Vec<rustls::pki_types::CertificateDer<'static>>,
+        rustls::pki_types::PrivateKeyDer<'static>,
+    ) {
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let mut params = rcgen::CertificateParams::new(names).unwrap();
+        params.use_authority_key_identifier_extension = true;
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        let der = rustls::pki_types::PrivatePkcs8KeyDer::from(key.serialize_der());
+        (vec![cert.der().clone()], der.into())
+    }
+}
+
+/// One request as an HTTPS downstream saw it: the TLS server name the
+/// client asked for, the `Host` header, and the target.
+#[derive(Debug, Clone)]
+pub struct SeenTls {
+    pub sni: Option<String>,
+    pub host: Option<String>,
+    pub target: String,
+}
+
+/// A real HTTPS (HTTP/1.1) downstream on 127.0.0.1 with a certificate for
+/// `localhost` from `ca`.
+pub struct HttpsDownstream {
+    pub addr: SocketAddr,
+    seen: Arc<Mutex<Vec<SeenTls>>>,
+}
+
+impl HttpsDownstream {
+    pub async fn start(ca: &TestCa) -> HttpsDownstream {
+        let (certs, key) = ca.leaf(&["localhost"]);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let ds = HttpsDownstream {
+            addr: listener.local_addr().unwrap(),
+            seen: Arc::default(),
+        };
+        let seen = ds.seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (acceptor, seen) = (acceptor.clone(), seen.clone());
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(stream).await else {
+                        return;
+                    };
+                    let sni = tls.get_ref().1.server_name().map(str::to_owned);
+                    let svc = service_fn(move |req: Request<Incoming>| {
+                        let (seen, sni) = (seen.clone(), sni.clone());
+                        async move {
+                            seen.lock().unwrap().push(SeenTls {
+                                sni,
+                                host: req
+                                    .headers()
+                                    .get("host")
+                                    .and_then(|h| h.to_str().ok())
+                                    .map(str::to_owned),
+                                target: req
+                                    .uri()
+                                    .path_and_query()
+                                    .map_or_else(String::new, |p| p.to_string()),
+                            });
+                            Ok::<_, std::convert::Infallible>(Response::new(Full::new(
+                                Bytes::from_static(b"tls ok"),
+                            )))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tls), svc)
+                        .await;
+                });
+            }
+        });
+        ds
+    }
+
+    pub fn seen(&self) -> Vec<SeenTls> {
+        self.seen.lock().unwrap().clone()
     }
 }
 

@@ -1,0 +1,181 @@
+//! Staged bodies (DESIGN section 3): while a request waits for its
+//! departure, its body is read into a bounded buffer, so that a client that
+//! goes away is seen at once whatever its body (partial, chunked, behind
+//! `Expect: 100-continue`), and its departure writes the whole request in
+//! one go. Each body is bounded by `max_staged_body` (past it: 413) and all
+//! staged bodies together by `max_staged_bytes` (past it: 503), so a flood
+//! of large queued bodies cannot grow memory.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Incoming};
+
+/// The staging limits and the bytes staged now, shared by every worker.
+#[derive(Debug)]
+pub struct StageBudget {
+    used: AtomicUsize,
+    max_body: AtomicUsize,
+    max_total: AtomicUsize,
+}
+
+impl StageBudget {
+    pub fn new(max_body: usize, max_total: usize) -> StageBudget {
+        StageBudget {
+            used: AtomicUsize::new(0),
+            max_body: AtomicUsize::new(max_body),
+            max_total: AtomicUsize::new(max_total),
+        }
+    }
+
+    /// New limits (reload); bodies staged now keep their room.
+    pub fn set(&self, max_body: usize, max_total: usize) {
+        self.max_body.store(max_body, Ordering::Relaxed);
+        self.max_total.store(max_total, Ordering::Relaxed);
+    }
+
+    /// Bytes staged now, over all waiting requests.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    fn max_body(&self) -> usize {
+        self.max_body.load(Ordering::Relaxed)
+    }
+
+    /// Room for `n` more bytes, or `false` (nothing taken).
+    fn take(&self, n: usize) -> bool {
+        let max = self.max_total.load(Ordering::Relaxed);
+        let before = self.used.fetch_add(n, Ordering::AcqRel);
+        if before.saturating_add(n) <= max {
+            true
+        } else {
+            self.used.fetch_sub(n, Ordering::AcqRel);
+            false
+        }
+    }
+}
+
+/// Room taken in the budget, given back when dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    budget: Arc<StageBudget>,
+    bytes: usize,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// A body read in full, and the room it takes.
+#[derive(Debug)]
+pub struct Staged {
+    pub data: Bytes,
+    pub trailers: Option<HeaderMap>,
+    _room: Reservation,
+}
+
+/// Why a body could not be staged.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    /// Larger than `max_staged_body` (413).
+    #[error("the body is larger than {0} bytes")]
+    TooLarge(usize),
+    /// `max_staged_bytes` are staged already (503).
+    #[error("too many request bodies are staged")]
+    Full,
+    /// The client went away (or sent a broken body) while it was read.
+    #[error("the client's body could not be read")]
+    Gone(Option<hyper::Error>),
+}
+
+/// Read `body` in full within the budget.
+pub async fn stage(mut body: Incoming, budget: &Arc<StageBudget>) -> Result<Staged, StageError> {
+    let max = budget.max_body();
+    let declared = body
+        .size_hint()
+        .exact()
+        .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+    if declared.is_some_and(|n| n > max) {
+        return Err(StageError::TooLarge(max));
+    }
+    let mut room = Reservation {
+        budget: budget.clone(),
+        bytes: 0,
+    };
+    // A declared length is taken at once: a flood of large bodies is
+    // refused before any of it is read.
+    if let Some(n) = declared {
+        if !budget.take(n) {
+            return Err(StageError::Full);
+        }
+        room.bytes = n;
+    }
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut len = 0usize;
+    let mut trailers = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| StageError::Gone(Some(e)))?;
+        match frame.into_data() {
+            Ok(data) => {
+                len = len.saturating_add(data.len());
+                if len > max {
+                    return Err(StageError::TooLarge(max));
+                }
+                if len > room.bytes {
+                    let more = len - room.bytes;
+                    if !budget.take(more) {
+                        return Err(StageError::Full);
+                    }
+                    room.bytes = len;
+                }
+                chunks.push(data);
+            }
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    trailers = Some(t);
+                }
+            }
+        }
+    }
+    let data = match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().unwrap_or_default(),
+        _ => {
+            let mut all = BytesMut::with_capacity(len);
+            for c in chunks {
+                all.extend_from_slice(&c);
+            }
+            all.freeze()
+        }
+    };
+    Ok(Staged {
+        data,
+        trailers,
+        _room: room,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_budget_refuses_past_its_total_and_gives_back_on_drop() {
+        let b = Arc::new(StageBudget::new(100, 150));
+        assert!(b.take(100));
+        assert!(!b.take(51));
+        assert!(b.take(50));
+        assert_eq!(b.used(), 150);
+        drop(Reservation {
+            budget: b.clone(),
+            bytes: 100,
+        });
+        assert_eq!(b.used(), 50);
+    }
+}

@@ -1,0 +1,417 @@
+//! Outbound partner and payment APIs (issue 11), end to end against the
+//! real binary: the Host and TLS name an https partner gets, path mapping,
+//! requests withdrawn whatever their body when their client leaves while
+//! queued, staged-body limits, and pausing on the upstream's own 429.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::StatusCode;
+use support::*;
+
+fn https_config(
+    ds: &HttpsDownstream,
+    ca: &std::path::Path,
+    upstream_extra: &str,
+    route_extra: &str,
+) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstream]]
+name = "partner"
+url = "https://localhost:{port}/v3"
+ca_file = "{ca}"
+{upstream_extra}
+
+[[route]]
+name = "mail"
+match = {{ path_prefix = "/mail/" }}
+strip_prefix = "/mail"
+upstream = "partner"
+key = "global"
+rate = "100/s"
+capacity = 10
+{route_extra}
+"#,
+        port = ds.addr.port(),
+        ca = ca.display(),
+    )
+}
+
+/// An https partner by name gets its own Host and TLS server name (the
+/// client's Host goes to X-Forwarded-Host), the path mapped under the URL's
+/// path with the route's prefix stripped, and the query byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_partner_gets_its_host_sni_and_mapped_path() {
+    let ca = TestCa::new();
+    let ds = HttpsDownstream::start(&ca).await;
+    let ca_file = ca.write();
+    let s = Sluice::start(&https_config(&ds, &ca_file, "", ""));
+    let c = client();
+    let a = get(
+        &c,
+        &s.url("/mail/send?b=2&a=%20x&&c"),
+        &[("host", "workers.internal")],
+    )
+    .await;
+    assert_eq!(
+        a.status,
+        StatusCode::OK,
+        "{:?}",
+        String::from_utf8_lossy(&a.body)
+    );
+    assert_eq!(&a.body[..], b"tls ok");
+    let seen = ds.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].sni.as_deref(), Some("localhost"));
+    assert_eq!(seen[0].host, Some(format!("localhost:{}", ds.addr.port())));
+    assert_eq!(seen[0].target, "/v3/send?b=2&a=%20x&&c");
+}
+
+/// `host = "client"` passes the client's Host; the TLS name stays the
+/// URL's (the certificate is still verified against it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_client_passes_the_clients_host() {
+    let ca = TestCa::new();
+    let ds = HttpsDownstream::start(&ca).await;
+    let ca_file = ca.write();
+    let s = Sluice::start(&https_config(&ds, &ca_file, "host = \"client\"", ""));
+    let a = get(
+        &client(),
+        &s.url("/mail/x"),
+        &[("host", "workers.internal")],
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK);
+    let seen = ds.seen();
+    assert_eq!(seen[0].host.as_deref(), Some("workers.internal"));
+    assert_eq!(seen[0].sni.as_deref(), Some("localhost"));
+    assert_eq!(seen[0].target, "/v3/x");
+}
+
+/// Without the partner's CA the certificate does not verify: 502, and the
+/// partner never sees a request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unverified_partner_is_not_called() {
+    let ca = TestCa::new();
+    let ds = HttpsDownstream::start(&ca).await;
+    let other = TestCa::new().write();
+    let s = Sluice::start(&https_config(&ds, &other, "", ""));
+    let a = get(&client(), &s.url("/mail/x"), &[]).await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY);
+    assert!(ds.seen().is_empty());
+}
+
+// === disconnects while queued ===
+
+fn queue_config(ds: SocketAddr, extra: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstream]]
+name = "api"
+url = "http://{ds}"
+
+[[route]]
+name = "pay"
+upstream = "api"
+key = "header:X-Client"
+rate = "2/s"
+capacity = 10
+{extra}
+"#
+    )
+}
+
+/// Open a raw HTTP/1.1 connection and send `head` (and `body`) as given;
+/// the caller decides when to close it.
+fn raw(addr: SocketAddr, head: &str, body: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    s
+}
+
+/// Every kind of abandoned request: a GET, a 200 kB POST partly sent, a
+/// POST with `Expect: 100-continue` and no body yet, a POST with a partial
+/// body, a chunked POST without its last chunk. Queued behind a live
+/// request, each client leaves; none is forwarded, and the next live
+/// request departs in its own slot (as if they had never been sent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_leave_while_queued_are_withdrawn_whatever_their_body() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&queue_config(ds.addr, ""));
+    let c = client();
+    let first = get(&c, &s.url("/live/1"), &[("x-client", "k")]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let started = Instant::now();
+
+    let h = |method: &str, extra: &str| {
+        format!("{method} /gone HTTP/1.1\r\nHost: t\r\nX-Client: k\r\n{extra}\r\n")
+    };
+    let abandoned: Vec<(String, Vec<u8>)> = vec![
+        (h("GET", ""), vec![]),
+        (h("POST", "Content-Length: 200000\r\n"), vec![b'x'; 50_000]),
+        (
+            h("POST", "Content-Length: 10\r\nExpect: 100-continue\r\n"),
+            vec![],
+        ),
+        (h("POST", "Content-Length: 100\r\n"), vec![b'y'; 10]),
+        (
+            h("POST", "Transfer-Encoding: chunked\r\n"),
+            b"5\r\nhello\r\n6\r\n world\r\n".to_vec(),
+        ),
+    ];
+    let mut open = Vec::new();
+    for (i, (head, body)) in abandoned.iter().enumerate() {
+        open.push(raw(s.addr, head, body));
+        s.wait_queued(i as u64 + 1).await;
+    }
+    // The Expect client waits for its 100 before it would send a body.
+    let mut continued = open.remove(2);
+    continued
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let n = continued.read(&mut buf).unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 100"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    drop(continued);
+    drop(open);
+    s.wait_queued(0).await;
+
+    let live = get(&c, &s.url("/live/2"), &[("x-client", "k")]).await;
+    assert_eq!(live.status, StatusCode::OK);
+    // Its slot: 500 ms after the first (the first left at `started`, near
+    // enough), not behind five withdrawn ones (3 s later).
+    let waited = live.at - started;
+    assert!(
+        waited < Duration::from_millis(1_000),
+        "the live request waited {waited:?}"
+    );
+    let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
+    assert_eq!(
+        paths,
+        vec!["/live/1", "/live/2"],
+        "nothing abandoned was forwarded"
+    );
+    let status = s.status().await;
+    assert_eq!(status["totals"]["cancelled"], 5, "{status}");
+}
+
+/// An HTTP/2 stream reset while queued withdraws the request the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_stream_reset_while_queued_withdraws_the_request() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&queue_config(ds.addr, ""));
+    let stream = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = |path: &str| {
+        http::Request::builder()
+            .uri(format!("http://{}{path}", s.addr))
+            .header("x-client", "k")
+            .body(http_body_util::Full::new(Bytes::from_static(b"payload")))
+            .unwrap()
+    };
+    let first = h2.send_request(req("/live/1")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let started = Instant::now();
+    let pending = h2.send_request(req("/gone"));
+    let waiter = tokio::spawn(pending);
+    s.wait_queued(1).await;
+    // Dropping the response future resets the stream (RST_STREAM CANCEL).
+    waiter.abort();
+    s.wait_queued(0).await;
+    let live = h2.send_request(req("/live/2")).await.unwrap();
+    assert_eq!(live.status(), StatusCode::OK);
+    assert!(
+        started.elapsed() < Duration::from_millis(1_000),
+        "{:?}",
+        started.elapsed()
+    );
+    let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
+    assert_eq!(paths, vec!["/live/1", "/live/2"]);
+}
+
+// === staged bodies ===
+
+/// A queued request's body larger than `max_staged_body` is refused with
+/// 413 at once, and withdrawn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_body_over_the_staging_limit_gets_413() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&format!(
+        "{}\n[limits]\nmax_staged_body = \"64KiB\"\n",
+        queue_config(ds.addr, "")
+    ));
+    let c = client();
+    let body = Bytes::from(vec![b'z'; 100_000]);
+    let first = send(&c, "POST", &s.url("/a"), &[("x-client", "k")], body.clone()).await;
+    assert_eq!(
+        first.status,
+        StatusCode::OK,
+        "departing at once, it streams"
+    );
+    let second = send(&c, "POST", &s.url("/b"), &[("x-client", "k")], body).await;
+    assert_eq!(second.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(s.status().await["queued"], 0);
+    assert_eq!(ds.seen().len(), 1);
+}
+
+/// Many queued large bodies: past `max_staged_bytes` the rest get 503, and
+/// resident memory stays within the bound (reported).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_global_staging_limit_refuses_with_503_and_bounds_memory() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&format!(
+        "{}\n[limits]\nmax_staged_body = \"1MiB\"\nmax_staged_bytes = \"8MiB\"\n",
+        queue_config(ds.addr, "")
+            .replace("rate = \"2/s\"", "rate = \"1/h\"")
+            .replace("capacity = 10", "capacity = 100")
+    ));
+    let c = client();
+    let before = rss_kib(s.pid());
+    let body = Bytes::from(vec![b'q'; 512 * 1024]);
+    let mut tasks = Vec::new();
+    for i in 0..41 {
+        let (c, url, body) = (c.clone(), s.url(&format!("/big/{i}")), body.clone());
+        tasks.push(tokio::spawn(async move {
+            send(&c, "POST", &url, &[("x-client", "k")], body)
+                .await
+                .status
+        }));
+        if i == 0 {
+            // The first departs at once (and streams); the rest queue.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    // 16 bodies of 512 KiB fill 8 MiB; the others are refused at once.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut refused = 0;
+    while refused < 24 && Instant::now() < deadline {
+        refused = tasks
+            .iter()
+            .filter(|t| t.is_finished())
+            .count()
+            .saturating_sub(1);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = s.status().await;
+    assert_eq!(status["queued"], 16, "{status}");
+    let after = rss_kib(s.pid());
+    println!(
+        "staging: 16 bodies of 512 KiB staged, 24 refused; RSS {} KiB before, {} KiB after (+{} KiB; bound 8 MiB staged)",
+        before,
+        after,
+        after.saturating_sub(before)
+    );
+    assert!(
+        after.saturating_sub(before) < 48 * 1024,
+        "RSS grew {} KiB",
+        after - before
+    );
+    let mut statuses = Vec::new();
+    for t in tasks.into_iter().filter(|t| t.is_finished()) {
+        statuses.push(t.await.unwrap());
+    }
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|&&st| st == StatusCode::SERVICE_UNAVAILABLE)
+            .count(),
+        24,
+        "{statuses:?}"
+    );
+}
+
+// === the upstream's own limit ===
+
+/// The upstream answers 429 with `Retry-After: 2`: nothing reaches it for
+/// 2 s, the idempotent request that was refused goes again after the pause
+/// and succeeds, a request that arrived meanwhile waits the pause out, and
+/// a POST without an Idempotency-Key gets the upstream's 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_429_pauses_it_and_retries_what_is_safe() {
+    let ds = Downstream::start().await;
+    let config = queue_config(ds.addr, "")
+        .replace("url = ", "on_throttle = \"pause\"\nurl = ")
+        .replace("rate = \"2/s\"", "rate = \"100/s\"");
+    let s = Sluice::start(&config);
+    let c = client();
+    let t0 = Instant::now();
+    let throttled = {
+        let (c, url) = (c.clone(), s.url("/throttle/get"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await })
+    };
+    // The 429 came back: the upstream is paused now.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let paused_at = ds.seen()[0].at;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let during = get(&c, &s.url("/during"), &[("x-client", "b")]).await;
+    let retried = throttled.await.unwrap();
+    assert_eq!(retried.status, StatusCode::OK, "retried after the pause");
+    assert_eq!(&retried.body[..], b"ok");
+    assert_eq!(during.status, StatusCode::OK);
+    let seen = ds.seen();
+    let later: Vec<Duration> = seen[1..].iter().map(|r| r.at - paused_at).collect();
+    assert_eq!(
+        seen.len(),
+        3,
+        "{:?}",
+        seen.iter().map(|r| &r.path).collect::<Vec<_>>()
+    );
+    assert!(
+        later.iter().all(|d| *d >= Duration::from_millis(1_900)),
+        "nothing reaches a paused upstream: {later:?} after the 429"
+    );
+    assert!(retried.at - t0 >= Duration::from_millis(1_900));
+    let status = s.status().await;
+    assert!(status["upstreams"].is_array(), "{status}");
+
+    // A POST without Idempotency-Key gets the 429 as the upstream sent it.
+    let post = send(
+        &c,
+        "POST",
+        &s.url("/throttle/post"),
+        &[("x-client", "c")],
+        Bytes::from_static(b"{}"),
+    )
+    .await;
+    assert_eq!(post.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(post.headers["retry-after"], "2");
+    assert_eq!(&post.body[..], b"slow down");
+    let text =
+        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
+    assert!(
+        text.contains("sluice_upstream_pauses_total{upstream=\"api\",protocol=\"http\"} 2"),
+        "{text}"
+    );
+}
