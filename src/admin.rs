@@ -21,7 +21,11 @@ use crate::http::Handle;
 use crate::metrics::Outcome;
 
 /// Serve the admin endpoints on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, server: Handle, metrics: PrometheusHandle) {
+pub async fn serve(
+    listener: std::sync::Arc<TcpListener>,
+    server: Handle,
+    metrics: PrometheusHandle,
+) {
     if let Ok(addr) = listener.local_addr() {
         info!(%addr, "admin listening");
     }
@@ -94,7 +98,13 @@ fn bucket(req: &Request<Incoming>, path: &str, server: &Handle) -> Response<Full
             "cost must be a whole number >= 1\n",
         );
     };
-    let Some(key) = percent_decode(key) else {
+    // The path's own percent-encoding is undone once here; the key's
+    // display form may itself hold escapes (bytes that are not text).
+    let Some(key) = percent_encoding::percent_decode_str(key)
+        .decode_utf8()
+        .ok()
+        .map(|k| k.into_owned())
+    else {
         return text(
             StatusCode::BAD_REQUEST,
             "text/plain",
@@ -131,23 +141,6 @@ fn bucket(req: &Request<Incoming>, path: &str, server: &Handle) -> Response<Full
             "no such route, or not a key of that route\n",
         ),
     }
-}
-
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 /// The `/status` document: routes, config version and load time, totals,
@@ -204,6 +197,7 @@ fn status(server: &Handle) -> serde_json::Value {
         "upstreams": upstreams,
         "clients": clients,
         "staged_bytes": server.staged_bytes(),
+        "connections": server.connections(),
         "queued": queued,
         "totals": totals,
         "deepest_queues": deepest,

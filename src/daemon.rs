@@ -36,8 +36,24 @@ fn notify(states: &[NotifyState<'_>]) {
     }
 }
 
+/// Raise the soft limit on open files to the hard one: every client
+/// connection and every upstream connection is a descriptor, and a queued
+/// request holds its connection (nginx's `worker_rlimit_nofile`).
+fn raise_open_files() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => info!(from = soft, to = hard, "open-file limit raised"),
+            Err(e) => warn!(error = %e, soft, "cannot raise the open-file limit"),
+        },
+        Ok(_) => {}
+        Err(e) => warn!(error = %e, "cannot read the open-file limit"),
+    }
+}
+
 /// Run until SIGTERM or SIGINT, then drain. `path` is re-read on SIGHUP.
 pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
+    raise_open_files();
     let prometheus = m::install()?;
     let mut hangup = signal(SignalKind::hangup()).map_err(DaemonError::Signals)?;
     let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
@@ -53,27 +69,39 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
         ),
         None => None,
     };
+    let mut background = Vec::new();
     if let Some(listener) = admin {
-        tokio::spawn(crate::admin::serve(listener, handle.clone(), prometheus));
+        let (listener, handle) = (std::sync::Arc::new(listener), handle.clone());
+        background.push(supervise("admin", move || {
+            crate::admin::serve(listener.clone(), handle.clone(), prometheus.clone())
+        }));
     }
 
     let mut watchdog_usec = 0;
     if sd_notify::watchdog_enabled(false, &mut watchdog_usec) && watchdog_usec > 0 {
         let period = Duration::from_micros(watchdog_usec / 2);
-        tokio::spawn(async move {
+        background.push(supervise("watchdog", move || async move {
             let mut tick = tokio::time::interval(period);
             loop {
                 tick.tick().await;
                 notify(&[NotifyState::Watchdog]);
             }
-        });
+        }));
     }
 
-    let reloader = tokio::spawn(async move {
+    background.push(tokio::spawn(async move {
         while hangup.recv().await.is_some() {
-            reload(&path, &handle);
+            // Each reload on its own task: a panic in one is logged and
+            // counted, and the next SIGHUP still works.
+            let (path, handle) = (path.clone(), handle.clone());
+            let done = tokio::task::spawn_blocking(move || reload(&path, &handle)).await;
+            if let Err(e) = done {
+                metrics::counter!(m::CONFIG_RELOADS_TOTAL, "result" => "error").increment(1);
+                error!(error = %e, "reload failed unexpectedly; keeping the running config");
+                notify(&[NotifyState::Ready]);
+            }
         }
-    });
+    }));
 
     let shutdown = async move {
         tokio::select! {
@@ -85,8 +113,31 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     let serving = server.run(shutdown);
     notify(&[NotifyState::Ready]);
     serving.await;
-    reloader.abort();
+    for task in background {
+        task.abort();
+    }
     Ok(())
+}
+
+/// Run a background task; if it panics, log it and start it again (after
+/// a second, so a task that keeps failing cannot spin). Never silently lost.
+fn supervise<F, Fut>(name: &'static str, make: F) -> tokio::task::JoinHandle<()>
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    tokio::spawn(async move {
+        loop {
+            match tokio::spawn(make()).await {
+                Ok(()) => return,
+                Err(e) if e.is_panic() => {
+                    error!(task = name, "background task panicked; restarting it");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(_) => return,
+            }
+        }
+    })
 }
 
 /// Re-read and validate the config; swap it in if valid, otherwise keep

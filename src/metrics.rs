@@ -30,6 +30,8 @@ pub const REDIS_CALLS_TOTAL: &str = "sluice_redis_calls_total";
 pub const REDIS_DURATION_SECONDS: &str = "sluice_redis_duration_seconds";
 /// Requests decided by `on_failure` because Redis failed, by policy.
 pub const REDIS_FALLBACKS_TOTAL: &str = "sluice_redis_fallbacks_total";
+/// Client connections open.
+pub const CONNECTIONS: &str = "sluice_connections";
 /// Bytes of request bodies staged while their requests wait.
 pub const STAGED_BYTES: &str = "sluice_staged_bytes";
 /// Pauses an upstream asked for (429/503 with a retry time), by upstream.
@@ -267,6 +269,7 @@ fn describe() {
         "Requests waiting in queues, over all clients."
     );
     describe_gauge!(ACTIVE_CLIENTS, Unit::Count, "Client states held.");
+    describe_gauge!(CONNECTIONS, Unit::Count, "Client connections open.");
     describe_gauge!(
         STAGED_BYTES,
         Unit::Bytes,

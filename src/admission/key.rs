@@ -72,9 +72,18 @@ fn display(key: &[u8]) -> String {
             }
             parts.join("|")
         }
-        [_, value @ ..] => String::from_utf8_lossy(value).into_owned(),
+        [_, value @ ..] => shown(value),
         [] => "*".to_owned(),
     }
+}
+
+/// Bytes shown in `/status`: printable text as it is; anything else (and
+/// `%` and `|`, which the display gives meaning) percent-encoded, so every
+/// key can be read back exactly by the bucket query.
+const SHOWN: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%').add(b'|');
+
+fn shown(value: &[u8]) -> String {
+    percent_encoding::percent_encode(value, SHOWN).to_string()
 }
 
 impl PartialEq for Key {
@@ -145,6 +154,12 @@ mod tests {
         assert_eq!(Key::new(&long).as_bytes(), &long[..]);
         assert_eq!(Key::new(&[0; INLINE]), Key::new(&[0; INLINE]));
         assert_ne!(Key::new(b""), Key::new(&[0]));
+    }
+
+    #[test]
+    fn keys_that_are_not_text_are_shown_percent_encoded() {
+        assert_eq!(Key::new(b"hacme").display(), "acme");
+        assert_eq!(Key::new(b"h\xff\xfe|%").display(), "%FF%FE%7C%25");
     }
 
     #[test]

@@ -671,6 +671,20 @@ impl Admission {
         self.shaper.set_limits(limits);
     }
 
+    /// Room for one more waiting request outside the engine (a request
+    /// released and waiting for an upstream's in-flight slot), counted
+    /// against `max_queued`; `None` when there is none.
+    pub fn reserve_wait(&self) -> Option<WaitSlot> {
+        self.shaper.budget().take_queued().then(|| WaitSlot {
+            shaper: self.shaper.clone(),
+        })
+    }
+
+    /// Cancelled when the drain gives up: whatever still waits ends.
+    pub fn closing(&self) -> &CancellationToken {
+        &self.closing
+    }
+
     /// Answer every waiting request "shutting down" (the drain timed out).
     pub fn close_waiting(&self) -> usize {
         self.closing.cancel();
@@ -688,6 +702,18 @@ impl Admission {
         self.cluster
             .as_ref()
             .is_some_and(|c| !c.is_healthy() && c.on_failure == OnFailure::Reject)
+    }
+}
+
+/// A unit of `max_queued` held by a request waiting outside the engine;
+/// given back when dropped.
+pub struct WaitSlot {
+    shaper: Shaper<Key>,
+}
+
+impl Drop for WaitSlot {
+    fn drop(&mut self) {
+        self.shaper.budget().give_queued();
     }
 }
 

@@ -38,6 +38,9 @@ pub struct Config {
 pub struct Server {
     pub listen: Vec<SocketAddr>,
     pub header_read_timeout: Duration,
+    /// How long a connection may stay idle after a request (HTTP/1.1
+    /// keep-alive and HTTP/2 alike).
+    pub keepalive_timeout: Duration,
     pub max_header_size: usize,
     pub max_connections: usize,
     /// Worker threads (one runtime each); `None`: one per core.
@@ -198,7 +201,7 @@ pub struct Limits {
 }
 
 /// Parse a size: a whole number of bytes with an optional unit (`B`,
-/// `kB`/`KB` = 1000, `KiB` = 1024, `MB`, `MiB`, `GB`, `GiB`).
+/// `kB`/`KB` = 1000, `KiB` = 1024, `MB`, `MiB`, `GB`, `GiB`, `TB`, `TiB`).
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text
@@ -216,9 +219,11 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         "MiB" | "Mi" => 1 << 20,
         "GB" | "G" => 1_000_000_000,
         "GiB" | "Gi" => 1 << 30,
+        "TB" | "T" => 1_000_000_000_000,
+        "TiB" | "Ti" => 1 << 40,
         other => {
             return Err(format!(
-                "'{text}': unknown unit '{other}' (use B, kB, KiB, MB, MiB, GB or GiB)"
+                "'{text}': unknown unit '{other}' (use B, kB, KiB, MB, MiB, GB, GiB, TB or TiB)"
             ));
         }
     };
@@ -296,11 +301,26 @@ fn element_path(kind: &str, index: usize, name: Option<&str>) -> String {
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(75);
 const DEFAULT_MAX_HEADER_SIZE: usize = 16 * 1024;
 const MIN_HEADER_SIZE: usize = 8 * 1024;
 const MAX_HEADER_SIZE: usize = 1024 * 1024;
 const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 const MAX_WORKERS: usize = 1024;
+/// Upper bounds of every numeric field (documented in the README's
+/// "Limits and timeouts"); `sluice check` refuses anything above them.
+const MAX_CONNECTIONS: usize = 1_000_000;
+const MAX_CONCURRENCY: usize = 1_000_000;
+const MAX_CLIENTS: usize = 100_000_000;
+const MAX_QUEUED: usize = 10_000_000;
+const MAX_CAPACITY: u32 = 1_000_000_000;
+const MAX_COST: u32 = 1_000_000;
+const MAX_BURST: u32 = 1_000_000;
+const MAX_INSTANCES: u32 = 10_000;
+/// Timeouts and pauses: at most a day.
+const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
+/// max_wait: at most the longest interval a rate may have (30 days).
+const MAX_WAIT: Duration = Duration::from_secs(30 * 86_400);
 const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -364,11 +384,13 @@ impl Validator {
                 "limits.max_clients",
                 raw.limits.max_clients,
                 DEFAULT_MAX_CLIENTS,
+                MAX_CLIENTS,
             ),
             max_queued: self.positive(
                 "limits.max_queued",
                 raw.limits.max_queued,
                 DEFAULT_MAX_QUEUED,
+                MAX_QUEUED,
             ),
             max_staged_body: self.size(
                 "limits.max_staged_body",
@@ -473,11 +495,24 @@ impl Validator {
                 None
             }
         };
+        // With on_failure = "local" every instance shapes at rate /
+        // instances while the store is unreachable: a missing count would
+        // let a fleet of N send N x r. Required then.
         let instances = match raw.instances.map(u32::try_from) {
+            None if on_failure == Some(OnFailure::Local) => {
+                self.problem(
+                    "cluster.instances",
+                    "is required with on_failure = \"local\": how many instances share the schedule (each shapes at rate / instances while the store is unreachable)",
+                );
+                None
+            }
             None => Some(1),
-            Some(Ok(n)) if n >= 1 => Some(n),
+            Some(Ok(n)) if (1..=MAX_INSTANCES).contains(&n) => Some(n),
             _ => {
-                self.problem("cluster.instances", "must be a whole number >= 1");
+                self.problem(
+                    "cluster.instances",
+                    format!("must be a whole number from 1 to {MAX_INSTANCES}"),
+                );
                 None
             }
         };
@@ -537,6 +572,11 @@ impl Validator {
             raw.header_read_timeout.as_deref(),
             DEFAULT_HEADER_READ_TIMEOUT,
         );
+        let keepalive_timeout = self.duration(
+            "server.keepalive_timeout",
+            raw.keepalive_timeout.as_deref(),
+            DEFAULT_KEEPALIVE_TIMEOUT,
+        );
         let max_header_size = match raw.max_header_size {
             None => DEFAULT_MAX_HEADER_SIZE,
             Some(n) => match usize::try_from(n) {
@@ -555,6 +595,7 @@ impl Validator {
             "server.max_connections",
             raw.max_connections,
             DEFAULT_MAX_CONNECTIONS,
+            MAX_CONNECTIONS,
         );
         let workers = raw
             .workers
@@ -583,6 +624,7 @@ impl Validator {
         ok.then_some(Server {
             listen,
             header_read_timeout: header_read_timeout?,
+            keepalive_timeout: keepalive_timeout?,
             max_header_size,
             max_connections,
             workers,
@@ -626,29 +668,41 @@ impl Validator {
         }
     }
 
-    /// A whole number >= 1, or the default when absent.
-    fn positive(&mut self, path: &str, raw: Option<i64>, default: usize) -> usize {
+    /// A whole number from 1 to `max`, or the default when absent.
+    fn positive(&mut self, path: &str, raw: Option<i64>, default: usize, max: usize) -> usize {
         match raw {
             None => default,
-            Some(n) => match usize::try_from(n) {
-                Ok(n) if n >= 1 => n,
-                _ => {
-                    self.problem(
-                        path,
-                        format!("{n} is out of range: must be a whole number >= 1"),
-                    );
-                    default
-                }
-            },
+            Some(n) => self.bounded(path, n, 1, max),
         }
     }
 
-    /// A humantime duration > 0, or the default when absent.
+    /// A humantime duration > 0 and at most a day, or the default.
     fn duration(&mut self, path: &str, raw: Option<&str>, default: Duration) -> Option<Duration> {
+        self.duration_up_to(path, raw, default, MAX_TIMEOUT)
+    }
+
+    /// A humantime duration > 0 and at most `max`, or the default.
+    fn duration_up_to(
+        &mut self,
+        path: &str,
+        raw: Option<&str>,
+        default: Duration,
+        max: Duration,
+    ) -> Option<Duration> {
         let Some(text) = raw else {
             return Some(default);
         };
         match humantime::parse_duration(text) {
+            Ok(d) if d > max => {
+                self.problem(
+                    path,
+                    format!(
+                        "'{text}' is too long: at most {}",
+                        humantime::format_duration(max)
+                    ),
+                );
+                None
+            }
             Ok(d) if d > Duration::ZERO => Some(d),
             Ok(_) => {
                 self.problem(path, format!("'{text}' must be longer than zero"));
@@ -748,9 +802,14 @@ impl Validator {
             rate: rate?,
             connect_timeout: connect_timeout?,
             request_timeout: request_timeout?,
-            max_concurrency: raw
-                .max_concurrency
-                .map(|n| self.positive(&format!("{path}: max_concurrency"), Some(n), 1)),
+            max_concurrency: raw.max_concurrency.map(|n| {
+                self.positive(
+                    &format!("{path}: max_concurrency"),
+                    Some(n),
+                    1,
+                    MAX_CONCURRENCY,
+                )
+            }),
         })
     }
 
@@ -1062,14 +1121,11 @@ impl Validator {
                 None
             }
             Some(n) => match u32::try_from(n) {
-                Ok(c) => Some(c),
-                Err(_) => {
+                Ok(c) if c <= MAX_CAPACITY => Some(c),
+                _ => {
                     self.problem(
                         &path,
-                        format!(
-                            "capacity: {n} must be a whole number >= 0 and <= {}",
-                            u32::MAX
-                        ),
+                        format!("capacity: {n} must be a whole number from 0 to {MAX_CAPACITY}"),
                     );
                     None
                 }
@@ -1078,16 +1134,24 @@ impl Validator {
         let cost = self.cost(&path, raw.cost);
         let burst = match raw.burst.map(u32::try_from) {
             None => Some(0),
-            Some(Ok(b)) => Some(b),
-            Some(Err(_)) => {
-                self.problem(&path, "burst must be a whole number >= 0");
+            Some(Ok(b)) if b <= MAX_BURST => Some(b),
+            _ => {
+                self.problem(
+                    &path,
+                    format!("burst must be a whole number from 0 to {MAX_BURST}"),
+                );
                 None
             }
         };
         let max_wait = match raw.max_wait {
             None => Some(None),
             Some(text) => self
-                .duration(&format!("{path}: max_wait"), Some(&text), Duration::ZERO)
+                .duration_up_to(
+                    &format!("{path}: max_wait"),
+                    Some(&text),
+                    Duration::ZERO,
+                    MAX_WAIT,
+                )
                 .map(Some),
         };
         let strip_prefix = match raw.strip_prefix {
@@ -1131,14 +1195,21 @@ impl Validator {
     }
 
     fn cost(&mut self, path: &str, raw: Option<RawCost>) -> Option<Cost> {
-        let whole = |n: i64| u32::try_from(n).ok().filter(|&n| n >= 1);
+        let whole = |n: i64| {
+            u32::try_from(n)
+                .ok()
+                .filter(|&n| (1..=MAX_COST).contains(&n))
+        };
         let h = match raw {
             None => return Some(Cost::Fixed(1)),
             Some(RawCost::Fixed(n)) => {
                 return match whole(n) {
                     Some(n) => Some(Cost::Fixed(n)),
                     None => {
-                        self.problem(path, format!("cost: {n} must be a whole number >= 1"));
+                        self.problem(
+                            path,
+                            format!("cost: {n} must be a whole number from 1 to {MAX_COST}"),
+                        );
                         None
                     }
                 };
@@ -1170,7 +1241,10 @@ impl Validator {
                 None
             }
             Some(n) if whole(n).is_none() => {
-                self.problem(path, format!("cost.max: {n} must be a whole number >= 1"));
+                self.problem(
+                    path,
+                    format!("cost.max: {n} must be a whole number from 1 to {MAX_COST}"),
+                );
                 None
             }
             Some(n) => whole(n),
@@ -1180,7 +1254,7 @@ impl Validator {
             Some(n) if whole(n).is_none() => {
                 self.problem(
                     path,
-                    format!("cost.default: {n} must be a whole number >= 1"),
+                    format!("cost.default: {n} must be a whole number from 1 to {MAX_COST}"),
                 );
                 None
             }

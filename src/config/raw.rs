@@ -58,6 +58,8 @@ pub struct RawServer {
     pub listen: Option<Vec<String>>,
     #[serde(default, deserialize_with = "duration")]
     pub header_read_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub keepalive_timeout: Option<String>,
     #[serde(default, deserialize_with = "whole")]
     pub max_header_size: Option<i64>,
     #[serde(default, deserialize_with = "whole")]

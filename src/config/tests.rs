@@ -68,7 +68,7 @@ fn hourly_and_daily_rates_are_valid() {
 fn negative_capacity_is_invalid() {
     assert_problem(
         &MINIMAL.replace("capacity = 10", "capacity = -1"),
-        "route 'default': capacity: -1 must be a whole number >= 0",
+        "route 'default': capacity: -1 must be a whole number from 0 to 1000000000",
     );
 }
 
@@ -251,6 +251,11 @@ fn sizes_take_units_and_are_bounded() {
     assert_eq!(parse_size("25MB"), Ok(25_000_000));
     assert_eq!(parse_size("1048576"), Ok(1 << 20));
     assert!(parse_size("1 parsec").is_err());
+    assert_eq!(parse_size("1TiB"), Ok(1 << 40));
+    assert_problem(
+        &format!("{MINIMAL}\n[limits]\nmax_staged_bytes = \"2TiB\"\n"),
+        "limits.max_staged_bytes: 2199023255552 bytes is out of range: 1 byte to 1TiB",
+    );
     let c = Config::from_toml(&format!(
         "{MINIMAL}\n[limits]\nmax_staged_body = \"64KiB\"\nmax_staged_bytes = 1000000\n"
     ))
@@ -258,8 +263,8 @@ fn sizes_take_units_and_are_bounded() {
     assert_eq!(c.limits.max_staged_body, 64 << 10);
     assert_eq!(c.limits.max_staged_bytes, 1_000_000);
     assert_problem(
-        &format!("{MINIMAL}\n[limits]\nmax_staged_body = \"2TiB\"\n"),
-        "limits.max_staged_body: '2TiB': unknown unit 'TiB'",
+        &format!("{MINIMAL}\n[limits]\nmax_staged_body = \"2 parsecs\"\n"),
+        "limits.max_staged_body: '2 parsecs': unknown unit 'parsecs'",
     );
     assert_problem(
         &format!("{MINIMAL}\n[limits]\nmax_staged_body = 0\n"),
@@ -396,7 +401,7 @@ fn cost_header_without_max_is_invalid() {
 fn zero_cost_is_invalid() {
     assert_problem(
         &MINIMAL.replace("capacity = 10", "capacity = 10\ncost = 0"),
-        "cost: 0 must be a whole number >= 1",
+        "cost: 0 must be a whole number from 1 to 1000000",
     );
 }
 
@@ -543,7 +548,7 @@ fn fractional_capacity_is_invalid() {
 fn capacity_beyond_u32_is_invalid() {
     assert_problem(
         &MINIMAL.replace("capacity = 10", "capacity = 4_294_967_296"),
-        "route 'default': capacity: 4294967296 must be a whole number >= 0 and <= 4294967295",
+        "route 'default': capacity: 4294967296 must be a whole number from 0 to 1000000000",
     );
     assert_problem(
         &MINIMAL.replace("capacity = 10", "capacity = 99999999999999999999"),
@@ -663,7 +668,7 @@ fn header_size_below_hyper_minimum_is_invalid() {
 fn zero_max_connections_is_invalid() {
     assert_problem(
         &format!("[server]\nmax_connections = 0\n{MINIMAL}"),
-        "server.max_connections: 0 is out of range: must be a whole number >= 1",
+        "server.max_connections: 0 is out of range: must be a whole number from 1 to 1000000",
     );
 }
 
@@ -671,7 +676,7 @@ fn zero_max_connections_is_invalid() {
 fn zero_max_clients_is_invalid() {
     assert_problem(
         &format!("{MINIMAL}\n[limits]\nmax_clients = 0\n"),
-        "limits.max_clients: 0 is out of range: must be a whole number >= 1",
+        "limits.max_clients: 0 is out of range: must be a whole number from 1 to 100000000",
     );
 }
 
@@ -850,4 +855,62 @@ fn table_defined_twice_names_it() {
     let p = Config::from_toml(&text).unwrap_err();
     assert_eq!(p[0].line, Some(8));
     assert_eq!(p[0].to_string(), "route: duplicate key 'route'");
+}
+
+#[test]
+fn numbers_above_their_bounds_are_invalid() {
+    // Values `run` could not use (tokio's semaphore maximum, timer
+    // overflow) are refused by `check`.
+    let with = |section: &str| format!("{MINIMAL}\n{section}\n");
+    assert_problem(
+        &MINIMAL.replace("url = ", "max_concurrency = 9223372036854775807\nurl = "),
+        "max_concurrency: 9223372036854775807 is out of range: must be a whole number from 1 to 1000000",
+    );
+    assert_problem(
+        &with("[server]\nmax_connections = 9223372036854775807"),
+        "server.max_connections: 9223372036854775807 is out of range",
+    );
+    for field in ["header_read_timeout", "drain_timeout"] {
+        assert_problem(
+            &with(&format!("[server]\n{field} = \"18446744073709551615s\"")),
+            &format!("server.{field}: '18446744073709551615s'"),
+        );
+        assert_problem(
+            &with(&format!("[server]\n{field} = \"2d\"")),
+            &format!("server.{field}: '2d' is too long: at most 1day"),
+        );
+    }
+    assert_problem(
+        &MINIMAL.replace("url = ", "request_timeout = \"25h\"\nurl = "),
+        "request_timeout: '25h' is too long",
+    );
+    assert_problem(
+        &MINIMAL.replace("rate = \"5/s\"", "rate = \"2000000000/s\""),
+        "rate is too high",
+    );
+    assert_problem(
+        &MINIMAL.replace("capacity = 10", "capacity = 10\nburst = 1000001"),
+        "burst must be a whole number from 0 to 1000000",
+    );
+    assert_problem(
+        &MINIMAL.replace("capacity = 10", "capacity = 10\nmax_wait = \"31d\""),
+        "max_wait: '31d' is too long: at most 30days",
+    );
+}
+
+#[test]
+fn local_fallback_needs_the_instance_count() {
+    let cluster = |extra: &str| {
+        format!("{MINIMAL}\n[cluster]\nredis = \"redis://127.0.0.1:6379\"\n{extra}\n")
+    };
+    assert_problem(
+        &cluster(""),
+        "cluster.instances: is required with on_failure = \"local\"",
+    );
+    assert!(Config::from_toml(&cluster("instances = 3")).is_ok());
+    assert!(Config::from_toml(&cluster("on_failure = \"reject\"")).is_ok());
+    assert_problem(
+        &cluster("instances = 10001"),
+        "cluster.instances: must be a whole number from 1 to 10000",
+    );
 }

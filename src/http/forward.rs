@@ -207,6 +207,11 @@ impl Upstream {
         })
     }
 
+    /// `max_concurrency`'s in-flight slots, if capped.
+    pub fn concurrency(&self) -> Option<&Arc<Semaphore>> {
+        self.concurrency.as_ref()
+    }
+
     /// The upstream's name.
     pub fn name(&self) -> &str {
         &self.name
@@ -290,18 +295,15 @@ impl Upstream {
     /// upstream cannot be reached, 504 when it does not answer in time.
     /// With `on_throttle = "pause"`, a 429 or 503 that says when to come
     /// back also returns that instant.
+    /// `permit` is the request's `max_concurrency` slot, held until its
+    /// response body has been sent.
     pub async fn forward(
         &self,
         parts: Parts,
         body: OutBody,
+        permit: Option<OwnedSemaphorePermit>,
     ) -> (Response<ProxyBody>, Outcome, Option<Instant>) {
         let req = Request::from_parts(parts, body);
-        // Released by the shaper; now wait for an in-flight slot if capped.
-        // This delays only this request: other clients' spacing is kept.
-        let permit = match &self.concurrency {
-            Some(sem) => sem.clone().acquire_owned().await.ok(),
-            None => None,
-        };
         let started = Instant::now();
         let result = tokio::time::timeout(self.request_timeout, self.send(req)).await;
         self.duration.record(started.elapsed());
@@ -312,6 +314,20 @@ impl Upstream {
                 (
                     problem(StatusCode::GATEWAY_TIMEOUT, detail, None),
                     Outcome::UpstreamError,
+                    None,
+                )
+            }
+            // The client's body failed while it streamed upstream: its
+            // error (400), not the upstream's.
+            Ok(Err(SendError::Request(e))) if e.is_user() => {
+                debug!(upstream = %self.name, error = %e, "client body failed");
+                (
+                    problem(
+                        StatusCode::BAD_REQUEST,
+                        "the request body is malformed",
+                        None,
+                    ),
+                    Outcome::Invalid,
                     None,
                 )
             }

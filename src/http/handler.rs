@@ -13,20 +13,24 @@
 //! 9110 calls idempotent, or an `Idempotency-Key`), and within its
 //! `max_wait`. Otherwise the upstream's answer reaches the client.
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::request::Parts;
+use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::Shared;
 use super::forward::{OutBody, Upstream};
 use super::headers::add_ratelimit_headers;
 use super::key;
+use super::path;
 use super::response::{ProxyBody, full, problem};
 use super::route::Route;
 use super::stage::{StageError, Staged, stage};
@@ -65,7 +69,22 @@ impl Body {
 impl Handler {
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
         let app = self.shared.app(self.worker);
-        let Some(route) = app.route(&req) else {
+        // Routes see (and the upstream gets) the normalized path.
+        let (normalized, path) = match path::normalize(req.uri().path()) {
+            Ok(Cow::Borrowed(p)) => (None, Cow::Borrowed(p)),
+            Ok(Cow::Owned(p)) => {
+                let pq = match req.uri().query() {
+                    Some(q) => format!("{p}?{q}"),
+                    None => p.clone(),
+                };
+                (PathAndQuery::try_from(pq).ok(), Cow::Owned(p))
+            }
+            Err(e) => {
+                self.shared.count_unrouted();
+                return problem(StatusCode::BAD_REQUEST, &e.to_string(), None);
+            }
+        };
+        let Some(route) = app.route(&path, &req) else {
             self.shared.count_unrouted();
             return problem(StatusCode::NOT_FOUND, "no route matches this request", None);
         };
@@ -89,6 +108,21 @@ impl Handler {
             }
         };
         let (mut parts, body) = req.into_parts();
+        if let Some(pq) = normalized {
+            let mut uri = parts.uri.into_parts();
+            uri.path_and_query = Some(pq);
+            parts.uri = match http::Uri::from_parts(uri) {
+                Ok(u) => u,
+                Err(_) => {
+                    route.rule.count(Outcome::Invalid);
+                    return problem(
+                        StatusCode::BAD_REQUEST,
+                        "the request target is invalid",
+                        None,
+                    );
+                }
+            };
+        }
         if upstream
             .prepare(&mut parts, peer, route.strip_prefix.as_deref())
             .is_none()
@@ -153,9 +187,9 @@ impl Handler {
             tokio::select! {
                 s = &mut staging, if staged.is_none() => match s {
                     Ok(s) => staged = Some(s),
-                    Err(StageError::Gone(_)) => {
+                    Err(StageError::Gone) => {
                         drop(hold);
-                        return Err(self.stage_failed(route, StageError::Gone(None), false));
+                        return Err(self.stage_failed(route, StageError::Gone, false));
                     }
                     Err(e) => {
                         hold.withdraw();
@@ -187,9 +221,9 @@ impl Handler {
     /// `count` (a dropped hold counts its own withdrawal).
     fn stage_failed(&self, route: &Route, e: StageError, count: bool) -> Response<ProxyBody> {
         let outcome = match e {
-            StageError::TooLarge(_) => Outcome::Invalid,
+            StageError::TooLarge(_) | StageError::Malformed(_) => Outcome::Invalid,
             StageError::Full => Outcome::Overloaded,
-            StageError::Gone(_) => Outcome::Cancelled,
+            StageError::Gone => Outcome::Cancelled,
         };
         if count {
             route.rule.count(outcome);
@@ -201,8 +235,13 @@ impl Handler {
                 None,
             ),
             StageError::Full => self.shared.overloaded(Overload::Queued),
+            StageError::Malformed(_) => problem(
+                StatusCode::BAD_REQUEST,
+                "the request body is malformed",
+                None,
+            ),
             // Nobody reads this answer: the client is gone.
-            StageError::Gone(_) => problem(
+            StageError::Gone => problem(
                 StatusCode::BAD_REQUEST,
                 "the request body was cut short",
                 None,
@@ -263,7 +302,14 @@ impl Handler {
             Body::Stream(b) => OutBody::Stream(b),
             Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
         };
-        let (response, outcome, throttle) = upstream.forward(parts, out).await;
+        let permit = match self.in_flight_slot(upstream).await {
+            Ok(p) => p,
+            Err(response) => {
+                route.rule.count(Outcome::Expired);
+                return response;
+            }
+        };
+        let (response, outcome, throttle) = upstream.forward(parts, out, permit).await;
         let Some(until) = throttle else {
             route.rule.count(outcome);
             return response;
@@ -298,9 +344,49 @@ impl Handler {
             route.rule.count(outcome);
             return kept;
         }
-        let (response, outcome, _) = upstream.forward(parts, out).await;
+        let permit = match self.in_flight_slot(upstream).await {
+            Ok(p) => p,
+            Err(response) => {
+                route.rule.count(Outcome::Expired);
+                return response;
+            }
+        };
+        let (response, outcome, _) = upstream.forward(parts, out, permit).await;
         route.rule.count(outcome);
         response
+    }
+
+    /// Released by the shaper: wait for one of the upstream's
+    /// `max_concurrency` slots (first come, first served, as calls end).
+    /// The wait counts against `max_queued`, lasts at most the upstream's
+    /// `request_timeout` (504), and ends with 503 when the drain gives up.
+    async fn in_flight_slot(
+        &self,
+        upstream: &Upstream,
+    ) -> Result<Option<OwnedSemaphorePermit>, Response<ProxyBody>> {
+        let Some(sem) = upstream.concurrency() else {
+            return Ok(None);
+        };
+        if let Ok(p) = sem.clone().try_acquire_owned() {
+            return Ok(Some(p));
+        }
+        let admission = &self.shared.admission;
+        let Some(_room) = admission.reserve_wait() else {
+            return Err(self.shared.overloaded(Overload::Queued));
+        };
+        tokio::select! {
+            p = sem.clone().acquire_owned() => Ok(p.ok()),
+            () = tokio::time::sleep(upstream.request_timeout()) => Err(problem(
+                StatusCode::GATEWAY_TIMEOUT,
+                "no upstream slot (max_concurrency) became free in time",
+                None,
+            )),
+            () = admission.closing().cancelled() => Err(problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "sluice is shutting down; this request was not forwarded",
+                Some(Duration::from_secs(1)),
+            )),
+        }
     }
 
     fn ratelimit(&self, route: &Route, key: &Key, response: &mut Response<ProxyBody>) {

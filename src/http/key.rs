@@ -116,14 +116,22 @@ pub fn extract(
     Ok(key.key())
 }
 
-/// The key for the displayed form `text` (as `/status` shows it), for the
-/// bucket query; `None` when `text` cannot be such a key.
+/// The key for the displayed form `text` (as `/status` shows it: header
+/// values percent-encoded where they are not printable), for the bucket
+/// query; `None` when `text` cannot be a key the proxy would file a
+/// request under (an empty or over-long header value).
 pub fn from_display(spec: &KeySpec, text: &str) -> Option<Key> {
     let one = |part: &KeyPart, text: &str, out: &mut KeyBuf| -> Option<()> {
         match part {
             KeyPart::Ip | KeyPart::Forwarded => ip_part(text.parse().ok()?, out),
             KeyPart::Global => {}
-            KeyPart::Header(_) => header_part(text.as_bytes(), out),
+            KeyPart::Header(_) => {
+                let value: Vec<u8> = percent_encoding::percent_decode_str(text).collect();
+                if value.is_empty() || value.len() > MAX_KEY_LEN {
+                    return None;
+                }
+                header_part(&value, out);
+            }
         }
         Some(())
     };

@@ -14,10 +14,12 @@
 //! forward, answer) stays on one thread. Only a queued request crosses
 //! threads: the pacer thread wakes it at its departure.
 
+mod conn;
 mod forward;
 mod handler;
 mod headers;
 mod key;
+pub mod path;
 pub mod response;
 mod route;
 mod serve;
@@ -183,6 +185,12 @@ impl Handle {
         metrics::gauge!(m::ACTIVE_CLIENTS).set(clients as f64);
         metrics::gauge!(m::QUEUED_REQUESTS).set(queued as f64);
         metrics::gauge!(m::STAGED_BYTES).set(self.0.staging.used() as f64);
+        metrics::gauge!(m::CONNECTIONS).set(self.connections() as f64);
+    }
+
+    /// Client connections open now.
+    pub fn connections(&self) -> usize {
+        conn::OPEN.load(Ordering::Relaxed)
     }
 
     /// Bytes of request bodies staged now.

@@ -67,9 +67,9 @@ pub struct App {
 }
 
 impl Route {
-    /// Whether this route takes `req`: every criterion it has must match.
-    pub fn matches<B>(&self, req: &Request<B>) -> bool {
-        let path = req.uri().path();
+    /// Whether this route takes `req`, whose normalized path is `path`:
+    /// every criterion it has must match.
+    pub fn matches<B>(&self, path: &str, req: &Request<B>) -> bool {
         if !path.starts_with(&self.path_prefix) {
             return false;
         }
@@ -130,9 +130,10 @@ pub fn request_host<B>(req: &Request<B>) -> Option<&str> {
 }
 
 impl App {
-    /// The first route that takes `req`.
-    pub fn route<B>(&self, req: &Request<B>) -> Option<&Route> {
-        self.routes.iter().find(|r| r.matches(req))
+    /// The first route that takes `req` (with `path`, its normalized
+    /// path).
+    pub fn route<B>(&self, path: &str, req: &Request<B>) -> Option<&Route> {
+        self.routes.iter().find(|r| r.matches(path, req))
     }
 
     /// The longest upstream request timeout, for the drain's grace period.
@@ -168,6 +169,18 @@ impl App {
             .iter()
             .map(|u| u.max_concurrency.map(|n| concurrency.get(&u.name, n)))
             .collect();
+        // Everything that can fail is built first: a reload that fails
+        // leaves the engine untouched (all or nothing).
+        let mut pools = (0..workers.max(1))
+            .map(|_| {
+                config
+                    .upstreams
+                    .iter()
+                    .zip(&semaphores)
+                    .map(|(u, sem)| Upstream::new(u, tls, sem.clone()))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let specs: Vec<RuleSpec<'_>> = config.routes.iter().map(|r| rule_spec(config, r)).collect();
         let rules = admission.rules(&specs);
         let routes: Vec<Route> = config
@@ -207,21 +220,14 @@ impl App {
                 strip_prefix: r.strip_prefix.clone(),
             })
             .collect();
-        (0..workers.max(1))
-            .map(|_| {
-                let upstreams = config
-                    .upstreams
-                    .iter()
-                    .zip(&semaphores)
-                    .map(|(u, sem)| Upstream::new(u, tls, sem.clone()))
-                    .collect::<Result<Vec<_>, _>>()?;
-                Ok(App {
-                    routes: routes.clone(),
-                    upstreams,
-                    trusted_proxies: config.server.trusted_proxies.clone(),
-                })
+        Ok(pools
+            .drain(..)
+            .map(|upstreams| App {
+                routes: routes.clone(),
+                upstreams,
+                trusted_proxies: config.server.trusted_proxies.clone(),
             })
-            .collect()
+            .collect())
     }
 }
 

@@ -3,33 +3,34 @@
 //! Each worker is an OS thread running a current-thread runtime with its
 //! own listening socket per address (`SO_REUSEPORT`: the kernel spreads
 //! new connections over the workers). Connections are served by hyper-util
-//! (HTTP/1.1 and h2c) and watched by the worker's `GracefulShutdown`.
+//! (HTTP/1.1 and h2c); [`super::conn`] closes idle ones.
 //!
 //! Shutdown: the cancellation token stops every accept loop and asks every
-//! connection to finish what it holds and close; queued requests are in
-//! hand, so they keep departing at their pace. The workers are tracked by
-//! a `TaskTracker`: when all are done the drain is over; at the drain
-//! timeout the requests still queued are answered 503, and in-flight
-//! upstream calls get a last grace period.
+//! connection to finish what it holds and close (hyper's graceful
+//! shutdown); queued requests are in hand, so they keep departing at their
+//! pace. Connections and workers are tracked by `TaskTracker`s: when all
+//! are done the drain is over; at the drain timeout the requests still
+//! queued are answered 503, and in-flight upstream calls get a last grace
+//! period.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc};
+
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+use super::conn::{Conns, OwnedPermit};
 use super::handler::Handler;
 use super::route::{App, Concurrency};
 use super::{Handle, ServeError, Shared, limits, lock, unix_now, unrouted_counter};
@@ -49,6 +50,8 @@ pub struct Server {
     addrs: Vec<SocketAddr>,
     http: auto::Builder<TokioExecutor>,
     max_connections: usize,
+    header_read_timeout: Duration,
+    keepalive_timeout: Duration,
 }
 
 /// Workers for this machine: one per core, at most `configured` when set.
@@ -132,6 +135,8 @@ impl Server {
             addrs,
             http,
             max_connections: config.server.max_connections,
+            header_read_timeout: config.server.header_read_timeout,
+            keepalive_timeout: config.server.keepalive_timeout,
         })
     }
 
@@ -155,7 +160,8 @@ impl Server {
         }
         let stop = CancellationToken::new();
         let workers = TaskTracker::new();
-        let limit = Arc::new(Semaphore::new(self.max_connections));
+        // Each worker gets its share of max_connections.
+        let share = self.max_connections.div_ceil(self.listeners.len().max(1));
         for (i, listeners) in self.listeners.into_iter().enumerate() {
             let worker = Worker {
                 handler: Handler {
@@ -163,7 +169,11 @@ impl Server {
                     worker: i,
                 },
                 http: self.http.clone(),
-                limit: limit.clone(),
+                conns: Arc::new(Conns::new(
+                    share,
+                    self.header_read_timeout,
+                    self.keepalive_timeout,
+                )),
                 stop: stop.clone(),
             };
             let token = workers.token();
@@ -209,7 +219,7 @@ impl Server {
 struct Worker {
     handler: Handler,
     http: auto::Builder<TokioExecutor>,
-    limit: Arc<Semaphore>,
+    conns: Arc<Conns>,
     stop: CancellationToken,
 }
 
@@ -229,103 +239,107 @@ impl Worker {
     }
 
     async fn serve(self, listeners: Vec<std::net::TcpListener>) {
-        // Every listener feeds one channel, so that one loop owns the
-        // worker's graceful-shutdown watcher.
-        let (tx, mut accepted) = mpsc::channel::<(TcpStream, SocketAddr, OwnedPermit)>(64);
+        let connections = TaskTracker::new();
+        let me = Arc::new(self);
         let mut loops = Vec::new();
         for listener in listeners {
-            let listener = match TcpListener::from_std(listener) {
-                Ok(l) => l,
-                Err(e) => {
-                    warn!(error = %e, "cannot register a listener");
-                    continue;
-                }
-            };
-            loops.push(tokio::spawn(accept_loop(
-                listener,
-                tx.clone(),
-                self.limit.clone(),
-                self.stop.clone(),
-            )));
-        }
-        drop(tx);
-        let graceful = GracefulShutdown::new();
-        loop {
-            tokio::select! {
-                () = self.stop.cancelled() => break,
-                next = accepted.recv() => {
-                    let Some((stream, peer, permit)) = next else { break };
-                    self.serve_connection(&graceful, stream, peer, permit);
-                }
+            match TcpListener::from_std(listener) {
+                Ok(l) => loops.push(tokio::spawn(me.clone().accept_loop(l, connections.clone()))),
+                Err(e) => warn!(error = %e, "cannot register a listener"),
             }
         }
+        me.stop.cancelled().await;
         for l in loops {
             l.abort();
         }
-        graceful.shutdown().await;
+        // Every connection finishes what it holds and closes.
+        connections.close();
+        connections.wait().await;
     }
 
-    fn serve_connection(
-        &self,
-        graceful: &GracefulShutdown,
+    async fn accept_loop(self: Arc<Self>, listener: TcpListener, connections: TaskTracker) {
+        loop {
+            // At its share of max_connections, a worker closes its oldest
+            // idle connection for the new one; with none idle, it waits
+            // (the kernel backlog holds the rest, as HAProxy's maxconn).
+            let permit = tokio::select! {
+                () = self.stop.cancelled() => return,
+                p = self.conns.admit() => match p {
+                    Some(p) => p,
+                    None => return,
+                },
+            };
+            let accepted = tokio::select! {
+                () = self.stop.cancelled() => return,
+                a = listener.accept() => a,
+            };
+            match accepted {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    connections.spawn(self.clone().serve_connection(stream, peer, permit));
+                }
+                Err(e) => {
+                    // EMFILE and friends: back off rather than spin.
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    /// Serve one connection until it ends, closing it gracefully (the
+    /// request in hand finishes) on shutdown, when it has been idle too
+    /// long, or when a new connection needs its place.
+    async fn serve_connection(
+        self: Arc<Self>,
         stream: TcpStream,
         peer: SocketAddr,
         permit: OwnedPermit,
     ) {
+        let state = self.conns.opened();
         let handler = Arc::new(self.handler.clone());
+        let (conns, st) = (self.conns.clone(), state.clone());
         let service = service_fn(move |req| {
-            let handler = handler.clone();
-            async move { Ok::<_, Infallible>(handler.handle(req, peer).await) }
-        });
-        let conn = self
-            .http
-            .serve_connection(TokioIo::new(stream), service)
-            .into_owned();
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                debug!(%peer, error = %e, "connection ended with an error");
+            let (handler, guard) = (handler.clone(), conns.request(&st));
+            async move {
+                let response = handler.handle(req, peer).await;
+                drop(guard);
+                Ok::<_, Infallible>(response)
             }
-            drop(permit);
         });
-    }
-}
-
-type OwnedPermit = tokio::sync::OwnedSemaphorePermit;
-
-async fn accept_loop(
-    listener: TcpListener,
-    tx: mpsc::Sender<(TcpStream, SocketAddr, OwnedPermit)>,
-    limit: Arc<Semaphore>,
-    stop: CancellationToken,
-) {
-    loop {
-        // Past max_connections we stop accepting; the kernel backlog holds
-        // the rest, as HAProxy's maxconn does.
-        let permit = tokio::select! {
-            () = stop.cancelled() => return,
-            p = limit.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => return,
-            },
-        };
-        let accepted = tokio::select! {
-            () = stop.cancelled() => return,
-            a = listener.accept() => a,
-        };
-        match accepted {
-            Ok((stream, peer)) => {
-                let _ = stream.set_nodelay(true);
-                if tx.send((stream, peer, permit)).await.is_err() {
-                    return;
+        let conn = self.http.serve_connection(TokioIo::new(stream), service);
+        tokio::pin!(conn);
+        let mut closing = false;
+        loop {
+            let deadline = self.conns.idle_deadline(&state);
+            let recheck = deadline.unwrap_or_else(|| Instant::now() + self.conns.keepalive_timeout);
+            tokio::select! {
+                result = conn.as_mut() => {
+                    if let Err(e) = result {
+                        debug!(%peer, error = %e, "connection ended with an error");
+                    }
+                    break;
+                }
+                () = self.stop.cancelled(), if !closing => {
+                    conn.as_mut().graceful_shutdown();
+                    closing = true;
+                }
+                () = state.evict.cancelled(), if !closing => {
+                    debug!(%peer, "idle connection closed for a new one");
+                    conn.as_mut().graceful_shutdown();
+                    closing = true;
+                }
+                () = tokio::time::sleep_until(recheck.into()), if !closing => {
+                    if self.conns.idle_deadline(&state).is_some_and(|d| d <= Instant::now()) {
+                        debug!(%peer, "idle connection closed");
+                        conn.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
                 }
             }
-            Err(e) => {
-                // EMFILE and friends: back off rather than spin.
-                warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
         }
+        self.conns.closed();
+        drop(permit);
     }
 }
 

@@ -89,9 +89,37 @@ pub enum StageError {
     /// `max_staged_bytes` are staged already (503).
     #[error("too many request bodies are staged")]
     Full,
-    /// The client went away (or sent a broken body) while it was read.
-    #[error("the client's body could not be read")]
-    Gone(Option<hyper::Error>),
+    /// The client went away while its body was read.
+    #[error("the client went away")]
+    Gone,
+    /// The body was malformed (an invalid chunk): the client's error (400).
+    #[error("the request body is malformed: {0}")]
+    Malformed(hyper::Error),
+}
+
+/// A body read error: the client gone (the message cut short), or a
+/// malformed body.
+pub fn body_error(e: hyper::Error) -> StageError {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    let cut_short = {
+        let mut source = std::error::Error::source(&e);
+        let mut io_gone = false;
+        while let Some(s) = source {
+            if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                io_gone |= matches!(
+                    io.kind(),
+                    UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe
+                );
+            }
+            source = s.source();
+        }
+        io_gone
+    };
+    if cut_short || e.is_incomplete_message() || e.is_closed() || e.is_canceled() {
+        StageError::Gone
+    } else {
+        StageError::Malformed(e)
+    }
 }
 
 /// Read `body` in full within the budget.
@@ -120,7 +148,7 @@ pub async fn stage(mut body: Incoming, budget: &Arc<StageBudget>) -> Result<Stag
     let mut len = 0usize;
     let mut trailers = None;
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| StageError::Gone(Some(e)))?;
+        let frame = frame.map_err(body_error)?;
         match frame.into_data() {
             Ok(data) => {
                 len = len.saturating_add(data.len());

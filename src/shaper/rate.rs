@@ -63,10 +63,13 @@ impl Rate {
         if !count.is_finite() || count <= 0.0 {
             return Err(RateError::Count(count.to_string()));
         }
-        let interval = (unit_nanos / count).round();
-        if interval < 1.0 {
+        let exact = unit_nanos / count;
+        // Faster than one unit per nanosecond cannot be scheduled: refused,
+        // never rounded up to 1e9/s.
+        if exact < 1.0 {
             return Err(RateError::TooFast);
         }
+        let interval = exact.round();
         if interval > MAX_INTERVAL as f64 {
             return Err(RateError::TooSlow);
         }
@@ -162,6 +165,12 @@ mod tests {
     #[test]
     fn extremes_are_refused() {
         assert_eq!("3000000000/s".parse::<Rate>(), Err(RateError::TooFast));
+        // Regression: 2e9/s rounded to a 1 ns interval (1e9/s) and passed.
+        assert_eq!("2000000000/s".parse::<Rate>(), Err(RateError::TooFast));
+        assert_eq!(
+            "1000000000/s".parse::<Rate>().map(|r| r.interval_nanos()),
+            Ok(1)
+        );
         assert_eq!(
             "1/d".parse::<Rate>().map(|r| r.interval_nanos()),
             Ok(86_400_000_000_000)

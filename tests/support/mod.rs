@@ -428,6 +428,9 @@ impl HttpsDownstream {
     }
 }
 
+/// The tests' HTTP/1.1 client type.
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
 /// A plain HTTP/1.1 client (one pool shared by the test).
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build(HttpConnector::new())

@@ -1,0 +1,214 @@
+//! Client connections of one worker: their count and limit, when they are
+//! idle, and which to close (issue 12).
+//!
+//! A connection is idle while no request of it is being handled. An idle
+//! connection is closed `header_read_timeout` after it opened if it never
+//! sent a request (a silent socket), and `keepalive_timeout` after its
+//! last request otherwise (HTTP/1.1 keep-alive and HTTP/2 alike; nginx's
+//! `client_header_timeout`, `keepalive_timeout`, `http2_idle_timeout`).
+//! When the worker is at its share of `max_connections`, a new connection
+//! closes the oldest idle one instead of waiting (nginx does the same with
+//! its "reusable" connections), so silent sockets cannot lock clients out.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
+use tokio_util::sync::CancellationToken;
+
+/// The state of one connection, shared by its task and its requests.
+pub struct ConnState {
+    /// Requests being handled now.
+    in_flight: AtomicU32,
+    /// Whether any request was ever started.
+    served: AtomicBool,
+    /// When it last became idle (ms since the worker's epoch).
+    idle_since: AtomicU64,
+    /// Whether it sits in the worker's idle queue.
+    queued: AtomicBool,
+    /// Cancelled to make the connection close (eviction).
+    pub evict: CancellationToken,
+}
+
+/// The connections of one worker.
+pub struct Conns {
+    epoch: Instant,
+    limit: Arc<Semaphore>,
+    /// Connections that became idle, oldest first (entries may be stale).
+    idle: Mutex<VecDeque<Weak<ConnState>>>,
+    open: AtomicUsize,
+    pub header_read_timeout: Duration,
+    pub keepalive_timeout: Duration,
+}
+
+/// Counted connections open in every worker (the `sluice_connections`
+/// gauge and `/status`).
+pub static OPEN: AtomicUsize = AtomicUsize::new(0);
+
+impl Conns {
+    pub fn new(limit: usize, header_read_timeout: Duration, keepalive_timeout: Duration) -> Conns {
+        Conns {
+            epoch: Instant::now(),
+            limit: Arc::new(Semaphore::new(limit.min(Semaphore::MAX_PERMITS))),
+            idle: Mutex::new(VecDeque::new()),
+            open: AtomicUsize::new(0),
+            header_read_timeout,
+            keepalive_timeout,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// A place for a new connection: at once while below the limit;
+    /// otherwise the oldest idle connection is asked to close, and the
+    /// place it frees is awaited.
+    pub async fn admit(&self) -> Option<OwnedPermit> {
+        match self.limit.clone().try_acquire_owned() {
+            Ok(p) => return Some(p),
+            Err(TryAcquireError::Closed) => return None,
+            Err(TryAcquireError::NoPermits) => {}
+        }
+        self.evict_one();
+        self.limit.clone().acquire_owned().await.ok()
+    }
+
+    /// Close the oldest idle connection, if there is one.
+    fn evict_one(&self) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(weak) = idle.pop_front() {
+            let Some(state) = weak.upgrade() else {
+                continue;
+            };
+            state.queued.store(false, Ordering::Relaxed);
+            if state.in_flight.load(Ordering::Acquire) == 0 && !state.evict.is_cancelled() {
+                state.evict.cancel();
+                return;
+            }
+        }
+    }
+
+    /// A connection opened.
+    pub fn opened(&self) -> Arc<ConnState> {
+        self.open.fetch_add(1, Ordering::Relaxed);
+        OPEN.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(ConnState {
+            in_flight: AtomicU32::new(0),
+            served: AtomicBool::new(false),
+            idle_since: AtomicU64::new(self.now_ms()),
+            queued: AtomicBool::new(false),
+            evict: CancellationToken::new(),
+        });
+        self.became_idle(&state);
+        state
+    }
+
+    /// A connection closed.
+    pub fn closed(&self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+        OPEN.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn became_idle(&self, state: &Arc<ConnState>) {
+        state.idle_since.store(self.now_ms(), Ordering::Release);
+        if !state.queued.swap(true, Ordering::AcqRel) {
+            self.idle
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push_back(Arc::downgrade(state));
+        }
+    }
+
+    /// A request of `state`'s connection starts; the guard ends it.
+    pub fn request(self: &Arc<Self>, state: &Arc<ConnState>) -> RequestGuard {
+        state.in_flight.fetch_add(1, Ordering::AcqRel);
+        state.served.store(true, Ordering::Relaxed);
+        RequestGuard {
+            conns: self.clone(),
+            state: state.clone(),
+        }
+    }
+
+    /// When `state`'s connection is due to close if it stays idle, or
+    /// `None` while a request is being handled.
+    pub fn idle_deadline(&self, state: &ConnState) -> Option<Instant> {
+        if state.in_flight.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        let timeout = if state.served.load(Ordering::Relaxed) {
+            self.keepalive_timeout
+        } else {
+            self.header_read_timeout
+        };
+        let since = Duration::from_millis(state.idle_since.load(Ordering::Acquire));
+        Some(self.epoch + since + timeout)
+    }
+}
+
+/// Marks a request in flight until dropped.
+pub struct RequestGuard {
+    conns: Arc<Conns>,
+    state: Arc<ConnState>,
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        if self.state.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.conns.became_idle(&self.state);
+        }
+    }
+}
+
+pub type OwnedPermit = OwnedSemaphorePermit;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn at_the_limit_the_oldest_idle_connection_is_evicted() {
+        let conns = Arc::new(Conns::new(
+            2,
+            Duration::from_secs(1),
+            Duration::from_secs(5),
+        ));
+        let p1 = conns.admit().await.unwrap();
+        let a = conns.opened();
+        let p2 = conns.admit().await.unwrap();
+        let b = conns.opened();
+        // b is busy, a is idle: a new connection evicts a, not b.
+        let busy = conns.request(&b);
+        let waiting = {
+            let conns = conns.clone();
+            tokio::spawn(async move { conns.admit().await })
+        };
+        tokio::time::timeout(Duration::from_secs(1), a.evict.cancelled())
+            .await
+            .unwrap();
+        assert!(!b.evict.is_cancelled());
+        drop(p1); // a closes
+        let p3 = waiting.await.unwrap();
+        assert!(p3.is_some());
+        drop((p2, busy));
+    }
+
+    #[test]
+    fn an_idle_connection_is_due_after_its_timeout_and_not_while_busy() {
+        let conns = Arc::new(Conns::new(
+            10,
+            Duration::from_secs(2),
+            Duration::from_secs(7),
+        ));
+        let s = conns.opened();
+        let first = conns.idle_deadline(&s).unwrap();
+        assert!(first <= Instant::now() + Duration::from_secs(2));
+        let guard = conns.request(&s);
+        assert_eq!(conns.idle_deadline(&s), None);
+        drop(guard);
+        let later = conns.idle_deadline(&s).unwrap();
+        assert!(later > Instant::now() + Duration::from_secs(6));
+    }
+}

@@ -1,0 +1,376 @@
+//! Hardening (issue 12), each point reproduced on loopback against the
+//! real binary: route bypass with unnormalized paths, configs at every
+//! numeric bound, reloads that fail, client errors counted as the
+//! client's. (Idle and silent connections: tests/idle_connections.rs.)
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::StatusCode;
+use support::*;
+
+fn base(ds: std::net::SocketAddr, server: &str, routes: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+{server}
+
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstream]]
+name = "api"
+url = "http://{ds}"
+{routes}
+"#
+    )
+}
+
+const ONE_ROUTE: &str = r#"
+[[route]]
+name = "default"
+upstream = "api"
+key = "ip"
+rate = "1000/s"
+capacity = 10
+"#;
+
+/// Route limits cannot be bypassed with paths the upstream normalizes
+/// back: they match the /admin route (capacity 0: refused); paths that
+/// cannot be normalized safely get 400; the upstream gets the normal path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unnormalized_paths_cannot_bypass_a_route() {
+    let ds = Downstream::start().await;
+    let routes = r#"
+[[route]]
+name = "admin"
+match = { path_prefix = "/admin" }
+upstream = "api"
+key = "ip"
+rate = "1/h"
+capacity = 0
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "ip"
+rate = "1000/s"
+capacity = 10
+"#;
+    let s = Sluice::start(&base(ds.addr, "", routes));
+    let c = client();
+    // The admin route admits one (idle) request, then refuses.
+    assert_eq!(
+        get(&c, &s.url("/admin/y"), &[]).await.status,
+        StatusCode::OK
+    );
+    for p in [
+        "/x/../admin/y",
+        "/x/%2e%2e/admin/y",
+        "/%61dmin/y",
+        "//admin/y",
+        "/./admin/y",
+    ] {
+        let a = get(&c, &s.url(p), &[]).await;
+        assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS, "{p}: {:?}", a.body);
+    }
+    for p in ["/x/%2Fadmin", "/a%5Cb", "/../admin/y", "/a%zz"] {
+        let a = get(&c, &s.url(p), &[]).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{p}");
+    }
+    let a = get(&c, &s.url("/docs//./a/%7Euser?q=%2e%2e"), &[]).await;
+    assert_eq!(a.status, StatusCode::OK);
+    let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
+    assert_eq!(paths, vec!["/admin/y", "/docs/a/~user"]);
+}
+
+/// Every numeric field at its documented maximum: `sluice check` says ok,
+/// and `run` starts, forwards, reloads and drains without a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_with_every_number_at_its_maximum_runs() {
+    let ds = Downstream::start().await;
+    let dead = closed_port();
+    let config = format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+header_read_timeout = "1day"
+keepalive_timeout = "1day"
+max_header_size = 1048576
+max_connections = 1000000
+workers = 64
+drain_timeout = "1day"
+
+[admin]
+listen = "127.0.0.1:0"
+
+[cluster]
+redis = "redis://127.0.0.1:{dead}"
+timeout = "1day"
+on_failure = "local"
+instances = 10000
+
+[[upstream]]
+name = "api"
+url = "http://{ds}"
+rate = "1000000000/s"
+connect_timeout = "1day"
+request_timeout = "1day"
+max_concurrency = 1000000
+on_throttle = "pause"
+max_pause = "1day"
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "ip"
+rate = "1000000000/s"
+capacity = 1000000000
+cost = {{ header = "x-cost", default = 1000000, max = 1000000 }}
+burst = 1000000
+max_wait = "30days"
+ratelimit_headers = true
+
+[limits]
+max_clients = 100000000
+max_queued = 10000000
+max_staged_body = "1TiB"
+max_staged_bytes = "1TiB"
+"#,
+        ds = ds.addr
+    );
+    let path = write_config(&config);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut s = Sluice::start(&config);
+    let c = client();
+    let a = get(&c, &s.url("/max"), &[("x-cost", "1000000")]).await;
+    assert_eq!(a.status, StatusCode::OK);
+    s.signal("HUP");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(get(&c, &s.url("/again"), &[]).await.status, StatusCode::OK);
+    assert_eq!(s.status().await["config"]["version"], 2);
+    s.signal("TERM");
+    let status = s.wait_exit(Duration::from_secs(20)).expect("exits");
+    assert!(status.success(), "{status:?}");
+    assert!(
+        !s.log().iter().any(|l| l.contains("panicked")),
+        "{:?}",
+        s.log()
+    );
+}
+
+/// A reload that fails (here: a file that no longer parses, then one with
+/// a value out of range) is logged and counted; the running config stays,
+/// and the next good reload still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_reload_never_disables_reloading() {
+    let ds = Downstream::start().await;
+    let good = base(ds.addr, "", ONE_ROUTE);
+    let s = Sluice::start(&good);
+    for bad in [
+        good.replace("[[route]]", "[[route"),
+        good.replace("capacity = 10", "capacity = 10\nburst = 99999999999"),
+    ] {
+        std::fs::write(&s.config, bad).unwrap();
+        s.signal("HUP");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(s.status().await["config"]["version"], 1);
+    }
+    std::fs::write(&s.config, good.replace("capacity = 10", "capacity = 11")).unwrap();
+    s.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while s.status().await["config"]["version"] != 2 {
+        assert!(Instant::now() < deadline, "the good reload was not applied");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(s.status().await["routes"][0]["capacity"], 11);
+    let text = String::from_utf8_lossy(&get(&client(), &s.admin_url("/metrics"), &[]).await.body)
+        .into_owned();
+    assert!(
+        text.contains("sluice_config_reloads_total{result=\"error\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("sluice_config_reloads_total{result=\"ok\"} 1"),
+        "{text}"
+    );
+}
+
+/// An invalid chunked body is the client's error: 400 and `invalid`,
+/// never 502 and `upstream_error` (which would trip upstream alerts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_chunked_body_is_the_clients_error() {
+    use std::io::{Read, Write};
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&base(ds.addr, "", ONE_ROUTE));
+    let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
+    sock.write_all(
+        b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nnot a chunk\r\n\r\n",
+    )
+    .unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = vec![0u8; 1024];
+    let n = sock.read(&mut buf).unwrap_or(0);
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+    let totals = s.status().await["totals"].clone();
+    assert_eq!(totals["upstream_error"], 0, "{totals}");
+    assert_eq!(totals["invalid"], 1, "{totals}");
+}
+
+/// The bucket query refuses keys the proxy itself refuses (an empty or
+/// over-long header value) instead of answering "admitted now", and shows
+/// a key that is not text, percent-encoded, exactly as /status lists it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bucket_query_knows_which_keys_exist() {
+    let ds = Downstream::start().await;
+    let routes = r#"
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "1/h"
+capacity = 5
+"#;
+    let s = Sluice::start(&base(ds.addr, "", routes));
+    let c = client();
+    let long = "a".repeat(257);
+    for key in ["", long.as_str()] {
+        let a = get(&c, &s.admin_url(&format!("/buckets/default/{key}")), &[]).await;
+        assert_eq!(a.status, StatusCode::NOT_FOUND, "key {key:?}");
+    }
+    // A key of raw bytes: the first request departs, the second waits.
+    let raw = http::HeaderValue::from_bytes(b"\xff\xfe").unwrap();
+    let send_raw = |c: support::HttpClient, url: String| {
+        let raw = raw.clone();
+        async move {
+            let req = http::Request::get(url)
+                .header("x-client", raw)
+                .body(http_body_util::Full::new(Bytes::new()))
+                .unwrap();
+            c.request(req).await.map(|r| r.status())
+        }
+    };
+    assert_eq!(
+        send_raw(c.clone(), s.url("/a")).await.unwrap(),
+        StatusCode::OK
+    );
+    let waiting = tokio::spawn(send_raw(c.clone(), s.url("/b")));
+    s.wait_queued(1).await;
+    let status = s.status().await;
+    assert_eq!(status["deepest_queues"][0]["key"], "%FF%FE", "{status}");
+    let b = get(&c, &s.admin_url("/buckets/default/%25FF%25FE"), &[]).await;
+    assert_eq!(b.status, StatusCode::OK);
+    let doc: serde_json::Value = serde_json::from_slice(&b.body).unwrap();
+    assert_eq!(doc["waiting"], 1, "{doc}");
+    waiting.abort();
+}
+
+/// Requests sent together on one HTTP/2 connection (streams written in one
+/// go) are admitted in stream order: the downstream sees them in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_streams_sent_together_are_admitted_in_stream_order() {
+    let ds = Downstream::start().await;
+    let routes = r#"
+[[route]]
+name = "default"
+upstream = "api"
+key = "global"
+rate = "50/s"
+capacity = 20
+"#;
+    let s = Sluice::start(&base(ds.addr, "", routes));
+    let stream = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    // Queue every stream before any is written: one write carries them.
+    let pending: Vec<_> = (0..10)
+        .map(|i| {
+            let req = http::Request::get(format!("http://{}/s/{i}", s.addr))
+                .body(http_body_util::Empty::<Bytes>::new())
+                .unwrap();
+            h2.send_request(req)
+        })
+        .collect();
+    for p in pending {
+        assert_eq!(p.await.unwrap().status(), StatusCode::OK);
+    }
+    let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
+    let want: Vec<String> = (0..10).map(|i| format!("/s/{i}")).collect();
+    assert_eq!(paths, want);
+}
+
+/// A request released while the upstream's `max_concurrency` slots are
+/// all taken waits for one: the wait counts against `max_queued`, and when
+/// the drain gives up it is answered 503 rather than waiting on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_max_concurrency_wait_is_counted_and_ends_with_the_drain() {
+    let ds = Downstream::start().await;
+    let routes = r#"
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "1000/s"
+capacity = 10
+"#;
+    let config = base(ds.addr, "drain_timeout = \"1s\"", routes)
+        .replace("url = ", "max_concurrency = 1\nurl = ");
+    let mut s = Sluice::start(&config);
+    let c = client();
+    let slow = {
+        let (c, url) = (c.clone(), s.url("/slow"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await.status })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let second = {
+        let (c, url) = (c.clone(), s.url("/second"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "b")]).await })
+    };
+    s.wait_queued(1).await;
+    let term = Instant::now();
+    s.signal("TERM");
+    let second = second.await.unwrap();
+    assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_between(
+        second.at - term,
+        800,
+        4_000,
+        "answered at the drain timeout",
+    );
+    assert_eq!(
+        slow.await.unwrap(),
+        StatusCode::OK,
+        "the call in flight finishes"
+    );
+    assert!(
+        s.wait_exit(Duration::from_secs(15))
+            .is_some_and(|st| st.success())
+    );
+    assert_eq!(
+        ds.seen().len(),
+        1,
+        "the waiting one never reached the upstream"
+    );
+}

@@ -1,0 +1,140 @@
+//! Idle and silent client connections (issue 12, point 1), on their own
+//! so that nothing else runs beside them: 10,000 silent sockets and 2,000
+//! idle HTTP/2 connections are closed within their timeouts, and a normal
+//! client is never locked out meanwhile.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::StatusCode;
+use support::*;
+
+/// Let this test process open as many sockets as the machine allows.
+fn raise_open_files() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+}
+
+async fn connections(s: &Sluice) -> u64 {
+    s.status().await["connections"].as_u64().unwrap_or(u64::MAX)
+}
+
+const CONFIG: &str = r#"
+[server]
+listen = ["127.0.0.1:0"]
+header_read_timeout = "2s"
+keepalive_timeout = "3s"
+
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstream]]
+name = "api"
+url = "http://DOWNSTREAM"
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "ip"
+rate = "1000/s"
+capacity = 10
+"#;
+
+/// 10,000 sockets that never send a byte (the default max_connections)
+/// and 2,000 HTTP/2 connections that went idle after one request: all are
+/// closed within their timeouts, and a normal client keeps getting answers
+/// in under 100 ms throughout (a new connection evicts an idle one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_and_idle_connections_are_closed_and_never_lock_clients_out() {
+    raise_open_files();
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&CONFIG.replace("DOWNSTREAM", &ds.addr.to_string()));
+    let addr = s.addr;
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+
+    // The normal client: a fresh connection every 50 ms.
+    let prober = {
+        let (url, done) = (s.url("/probe"), done.clone());
+        tokio::spawn(async move {
+            let mut took = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let c = client();
+                let t = Instant::now();
+                let a = tokio::time::timeout(Duration::from_secs(5), get(&c, &url, &[])).await;
+                assert!(
+                    matches!(a, Ok(ref a) if a.status == StatusCode::OK),
+                    "probe {} failed",
+                    took.len()
+                );
+                took.push(t.elapsed());
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            took
+        })
+    };
+
+    let silent: Vec<std::net::TcpStream> = tokio::task::spawn_blocking(move || {
+        (0..10_000)
+            .map(|_| std::net::TcpStream::connect(addr).expect("connect"))
+            .collect()
+    })
+    .await
+    .unwrap();
+    let mut idle_h2 = Vec::new();
+    for _ in 0..2_000 {
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut h2, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(stream),
+        )
+        .await
+        .unwrap();
+        let driver = tokio::spawn(conn);
+        let req = http::Request::get(format!("http://{addr}/h2"))
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap();
+        let _ = h2.send_request(req).await;
+        idle_h2.push((h2, driver));
+    }
+    let opened = Instant::now();
+
+    // Within the timeouts (2 s silent, 3 s idle; plus slack for this busy
+    // machine) every one of them is closed.
+    let deadline = opened + Duration::from_secs(12);
+    loop {
+        let n = connections(&s).await;
+        if n <= 5 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{n} connections still open");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let closed_after = opened.elapsed();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut took = prober.await.unwrap();
+    took.sort();
+    let p95 = took[took.len() * 95 / 100];
+    let worst = took[took.len() - 1];
+    println!(
+        "12,000 connections closed within {closed_after:?}; {} probes: p95 {p95:?}, slowest {worst:?}",
+        took.len()
+    );
+    // Locked out, a client would wait seconds (until timeouts) or forever;
+    // the tail tolerance is for a busy 2-core machine.
+    assert!(p95 < Duration::from_millis(100), "p95 of probes {p95:?}");
+    assert!(worst < Duration::from_secs(1), "a probe took {worst:?}");
+    // The silent sockets see their close.
+    for mut sock in silent.into_iter().step_by(997) {
+        use std::io::Read;
+        sock.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        let mut buf = [0u8; 1];
+        assert!(matches!(sock.read(&mut buf), Ok(0) | Err(_)));
+    }
+    for (_, driver) in idle_h2 {
+        assert!(driver.is_finished(), "an idle h2 connection is still open");
+    }
+}
