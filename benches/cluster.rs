@@ -1,15 +1,17 @@
-//! Cluster mode cost: admissions per second through one local Redis, and
-//! the latency one admission adds compared with the local engine.
+//! Cluster mode cost, every store side by side in one run: admissions per
+//! second and the latency one admission adds, through one standalone Redis
+//! and through a three-master Redis Cluster, beside the local engine.
 //!
-//! Starts its own `redis-server` on a free loopback port (ended by PID at
-//! the end). Run: `cargo bench --bench cluster`
+//! Starts its own `redis-server` processes on free loopback ports (ended
+//! by PID at the end). Run: `cargo bench --bench cluster`
 
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice::cluster::{Ask, Cluster};
-use sluice::config::{ClusterConfig, OnFailure};
+use sluice::config::{ClusterConfig, OnFailure, RedisMode};
 use sluice::pacer::Shaper;
 use sluice::shaper::{Limits, Policy, Rate};
 
@@ -28,99 +30,190 @@ fn pct(sorted: &[Duration], p: f64) -> Duration {
 }
 
 fn ask(cluster: &Cluster, key: u64) -> Ask {
-    let (k, global) = cluster.keys("bench", &key.to_be_bytes(), None);
+    let (k, slots) = cluster.keys("bench", &key.to_be_bytes(), None);
     Ask {
         key: k,
-        global,
+        slots,
         step_us: 1_000,
         capacity: 1_000_000,
         cost: 1,
         tau_us: 0,
-        global_step_us: 0,
+        slot_us: 0,
         max_wait_us: 0,
     }
 }
 
-fn main() {
-    let port = free_port();
-    let mut redis = match Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .stdout(Stdio::null())
-        .spawn()
-    {
+/// Redis servers started for the run, ended by PID on drop.
+struct Servers(Vec<Child>, Option<PathBuf>);
+
+impl Drop for Servers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if let Some(d) = &self.1 {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+fn redis_server(port: u16, cluster_dir: Option<&PathBuf>) -> Child {
+    let mut cmd = Command::new("redis-server");
+    cmd.args([
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]);
+    if let Some(dir) = cluster_dir {
+        cmd.args(["--cluster-enabled", "yes", "--cluster-config-file"])
+            .arg(format!("nodes-{port}.conf"))
+            .arg("--dir")
+            .arg(dir);
+    }
+    match cmd.stdout(Stdio::null()).spawn() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("cannot start redis-server ({e}); install it (apt-get install redis-server)");
             std::process::exit(1);
         }
-    };
-    std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+fn cli_ok(port: u16, args: &[&str], want: &str) -> bool {
+    Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(want))
+}
+
+fn wait(port: u16, args: &[&str], want: &str) {
+    let until = Instant::now() + Duration::from_secs(30);
+    while !cli_ok(port, args, want) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn config(nodes: Vec<String>, mode: RedisMode) -> ClusterConfig {
+    ClusterConfig {
+        redis: nodes,
+        mode,
+        key_prefix: "bench:".into(),
+        timeout: Duration::from_secs(1),
+        on_failure: OnFailure::Reject,
+        instances: 1,
+    }
+}
+
+/// (p50, p99 of one admission at a time; admissions/s with 64 at once).
+async fn measure(cluster: Arc<Cluster>) -> (Duration, Duration, f64) {
+    // Warm up (loads the script on each master).
+    for k in 0..300 {
+        let _ = cluster.admit(ask(&cluster, k)).await;
+    }
+    let mut lat = Vec::new();
+    for k in 0..5_000u64 {
+        let t = Instant::now();
+        if cluster.admit(ask(&cluster, 1_000_000 + k)).await.is_ok() {
+            lat.push(t.elapsed());
+        }
+    }
+    lat.sort();
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut tasks = Vec::new();
+    for w in 0..64u64 {
+        let cluster = cluster.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            let mut k = w << 32;
+            while Instant::now() < until {
+                if cluster.admit(ask(&cluster, k)).await.is_ok() {
+                    n += 1;
+                }
+                k += 1;
+            }
+            n
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap_or(0);
+    }
+    (pct(&lat, 0.5), pct(&lat, 0.99), total as f64 / 3.0)
+}
+
+fn main() {
+    let single = free_port();
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let dir = std::env::temp_dir().join(format!("sluice-bench-cluster-{}", std::process::id()));
+    let _ = std::fs::create_dir_all(&dir);
+    let mut children = vec![redis_server(single, None)];
+    children.extend(ports.iter().map(|&p| redis_server(p, Some(&dir))));
+    let _servers = Servers(children, Some(dir));
+    wait(single, &["PING"], "PONG");
+    for &p in &ports {
+        wait(p, &["PING"], "PONG");
+    }
+    let nodes: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let created = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&nodes)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .stdout(Stdio::null())
+        .status();
+    if !created.is_ok_and(|s| s.success()) {
+        eprintln!("redis-cli --cluster create failed");
+        std::process::exit(1);
+    }
+    for &p in &ports {
+        wait(p, &["CLUSTER", "INFO"], "cluster_state:ok");
+    }
+
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
-    let cfg = ClusterConfig {
-        redis: format!("redis://127.0.0.1:{port}"),
-        key_prefix: "bench:".into(),
-        timeout: Duration::from_secs(1),
-        on_failure: OnFailure::Reject,
-        instances: 1,
-    };
     rt.block_on(async {
-        let cluster = Arc::new(Cluster::new(&cfg).expect("cluster"));
-        // Warm up (loads the script).
-        for k in 0..100 {
-            let _ = cluster.admit(ask(&cluster, k)).await;
-        }
-        // Latency: one admission at a time, distinct idle clients.
-        let mut lat = Vec::new();
-        for k in 0..5_000u64 {
-            let t = Instant::now();
-            if cluster.admit(ask(&cluster, 1_000_000 + k)).await.is_ok() {
-                lat.push(t.elapsed());
-            }
-        }
-        lat.sort();
-        // Throughput: 64 concurrent admitters for 3 s.
-        let until = Instant::now() + Duration::from_secs(3);
-        let mut tasks = Vec::new();
-        for w in 0..64u64 {
-            let cluster = cluster.clone();
-            tasks.push(tokio::spawn(async move {
-                let mut n = 0u64;
-                let mut k = w << 32;
-                while Instant::now() < until {
-                    if cluster.admit(ask(&cluster, k)).await.is_ok() {
-                        n += 1;
-                    }
-                    k += 1;
-                }
-                n
-            }));
-        }
-        let mut total = 0;
-        for t in tasks {
-            total += t.await.unwrap_or(0);
-        }
+        let standalone = Arc::new(
+            Cluster::new(&config(
+                vec![format!("redis://127.0.0.1:{single}")],
+                RedisMode::Standalone,
+            ))
+            .expect("standalone"),
+        );
+        standalone.check().await.expect("standalone redis");
+        let cluster = Arc::new(
+            Cluster::new(&config(
+                ports
+                    .iter()
+                    .map(|p| format!("redis://127.0.0.1:{p}"))
+                    .collect(),
+                RedisMode::Cluster,
+            ))
+            .expect("cluster"),
+        );
+        cluster.check().await.expect("redis cluster");
+        let one = measure(standalone).await;
+        let three = measure(cluster).await;
 
-        // Local mode: the same admission through the in-process shaper.
+        // The same admission through the in-process shaper.
         let shaper: Shaper<u64> = Shaper::start(Limits {
             max_clients: 10_000_000,
             max_queued: 1_000_000,
         })
         .expect("pacer");
         let up = shaper.add_upstream(None);
-        let route = shaper.add_route(Policy::new(Rate::per_second(1_000.0).expect("rate"), 1_000_000), up);
+        let route = shaper.add_route(
+            Policy::new(Rate::per_second(1_000.0).expect("rate"), 1_000_000),
+            up,
+        );
         let mut local = Vec::new();
         for k in 0..100_000u64 {
             let t = Instant::now();
@@ -129,24 +222,23 @@ fn main() {
         }
         local.sort();
 
-        println!("| mode | p50 admission | p99 admission | admissions/s |");
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        println!("| store | p50 admission | p99 admission | admissions/s (64 at once, 3 s) |");
         println!("|---|---|---|---|");
+        for (name, (p50, p99, rate)) in [
+            ("one Redis 7.0 (standalone)", one),
+            ("Redis Cluster, 3 masters", three),
+        ] {
+            println!(
+                "| {name} | {:.1} µs | {:.1} µs | {rate:.0} |",
+                us(p50),
+                us(p99)
+            );
+        }
         println!(
-            "| cluster (1 Redis on loopback, 1 at a time) | {:.1} µs | {:.1} µs | {:.0} (64 concurrent, 3 s) |",
-            pct(&lat, 0.5).as_secs_f64() * 1e6,
-            pct(&lat, 0.99).as_secs_f64() * 1e6,
-            total as f64 / 3.0
-        );
-        println!(
-            "| local engine | {:.2} µs | {:.2} µs | n/a (in-process) |",
-            pct(&local, 0.5).as_secs_f64() * 1e6,
-            pct(&local, 0.99).as_secs_f64() * 1e6,
-        );
-        println!(
-            "added latency per request, cluster vs local (p50): {:.1} µs",
-            (pct(&lat, 0.5).saturating_sub(pct(&local, 0.5))).as_secs_f64() * 1e6
+            "| local engine (in-process) | {:.2} µs | {:.2} µs | n/a |",
+            us(pct(&local, 0.5)),
+            us(pct(&local, 0.99))
         );
     });
-    let _ = redis.kill();
-    let _ = redis.wait();
 }

@@ -193,6 +193,7 @@ fn status(server: &Handle) -> serde_json::Value {
         "config": { "version": version, "loaded_at_unix": loaded_at },
         "draining": server.is_draining(),
         "redis": server.backend_healthy().map(|ok| if ok { "ok" } else { "failing" }),
+        "redis_problem": server.backend_problem(),
         "routes": routes,
         "upstreams": upstreams,
         "clients": clients,

@@ -222,3 +222,48 @@ async fn stopped_redis_follows_on_failure_within_the_timeout() {
     );
     assert!(ds.seen().iter().all(|x| !x.path.starts_with("/stopped/")));
 }
+
+/// Regression (issue 12): under an upstream cap in cluster mode, client A's
+/// backlog (11 requests, r = 5/s, b = 10, R = 100/s) moved the shared cap
+/// to A's last departure and client B waited 1.96 s. B now takes the first
+/// free cap slot at or after its own due time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlogged_client_does_not_hold_the_cap_for_everyone() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &redis.url(), "reject", 1, "500ms")
+        .replace("url = ", "rate = \"100/s\"\nurl = ");
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let mut heavy = Vec::new();
+    for i in 0..11 {
+        let (c, url) = (c.clone(), s.url(&format!("/a/{i}")));
+        heavy.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "a")]).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = Instant::now();
+    let b = get(&c, &s.url("/b"), &[("x-client", "b")]).await;
+    assert_eq!(b.status, StatusCode::OK);
+    let waited = t.elapsed();
+    assert!(
+        waited < Duration::from_millis(400),
+        "the light client waited {waited:?}"
+    );
+    // A's requests still leave 200 ms apart.
+    let mut ok = 0;
+    for h in heavy {
+        if h.await.unwrap().status == StatusCode::OK {
+            ok += 1;
+        }
+    }
+    assert_eq!(ok, 11);
+    let a_times: Vec<Instant> = ds
+        .seen()
+        .into_iter()
+        .filter(|r| r.path.starts_with("/a/"))
+        .map(|r| r.at)
+        .collect();
+    assert_gaps(&a_times, 150, 260);
+}

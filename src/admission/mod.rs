@@ -538,19 +538,19 @@ impl Admission {
     ) -> Shared {
         let us = |ns: u64| ns / 1_000;
         let step = rule.policy.rate.interval_nanos();
-        let (k, global) = cluster.keys(
+        let (k, slots) = cluster.keys(
             &rule.name,
             key.as_bytes(),
             rule.capped().then_some(rule.upstream.as_str()),
         );
         let ask = Ask {
             key: k,
-            global,
+            slots,
             step_us: us(step),
             capacity: rule.policy.capacity,
             cost,
             tau_us: us(u64::from(rule.policy.burst.saturating_sub(1)).saturating_mul(step)),
-            global_step_us: rule.cap_step.map_or(0, us),
+            slot_us: rule.cap_step.map_or(0, us),
             max_wait_us: rule.policy.max_wait.map_or(0, us),
         };
         let verdict = match cluster.admit(ask).await {
@@ -696,12 +696,36 @@ impl Admission {
         self.cluster.as_ref().map(|c| c.is_healthy())
     }
 
-    /// Whether the instance should refuse traffic because the shared
-    /// schedule fails and `on_failure = "reject"`.
-    pub fn backend_blocks(&self) -> bool {
+    /// Why the instance should not get traffic because of the shared
+    /// schedule: it is not usable as configured (a standalone client
+    /// pointed at a cluster node, a cluster not covering every slot), or it
+    /// fails while `on_failure = "reject"`.
+    pub fn backend_not_ready(&self) -> Option<String> {
+        let cluster = self.cluster.as_ref()?;
+        if let Some(why) = cluster.misconfigured() {
+            return Some(why);
+        }
+        (!cluster.is_healthy() && cluster.on_failure == OnFailure::Reject)
+            .then(|| "the shared schedule is unavailable".to_owned())
+    }
+
+    /// Check the shared schedule's store now (at start), and keep checking
+    /// it in the background.
+    pub async fn check_backend(&self) -> Result<(), String> {
+        let Some(cluster) = &self.cluster else {
+            return Ok(());
+        };
+        let result = cluster.check().await;
+        cluster.watch();
+        result
+    }
+
+    /// Whether a failed start-up check must stop sluice (with
+    /// `on_failure = "reject"` nothing could be served anyway).
+    pub fn backend_required(&self) -> bool {
         self.cluster
             .as_ref()
-            .is_some_and(|c| !c.is_healthy() && c.on_failure == OnFailure::Reject)
+            .is_some_and(|c| c.on_failure == OnFailure::Reject)
     }
 }
 

@@ -167,8 +167,10 @@ pub enum OnMissingKey {
 /// `[cluster]`: the Redis that holds the shared schedules.
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
-    /// `redis://host:port/db` (or `rediss://`, `unix://`).
-    pub redis: String,
+    /// `redis://host:port/db` (or `rediss://`, `unix://`): one server, or
+    /// seed nodes of a Redis Cluster.
+    pub redis: Vec<String>,
+    pub mode: RedisMode,
     pub key_prefix: String,
     /// Bound on every Redis call.
     pub timeout: Duration,
@@ -176,6 +178,15 @@ pub struct ClusterConfig {
     /// Instances sharing the schedule; with `on_failure = "local"` each
     /// shapes at r / instances while Redis is unreachable.
     pub instances: u32,
+}
+
+/// Whether `redis` is one server or a Redis Cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RedisMode {
+    Standalone,
+    Cluster,
+    /// Asked at start (`CLUSTER INFO`).
+    Auto,
 }
 
 /// What to do with a request when Redis fails or times out.
@@ -461,23 +472,49 @@ impl Validator {
             None => {
                 self.problem(
                     "cluster.redis",
-                    "is required, such as \"redis://127.0.0.1:6379\"",
+                    "is required, such as \"redis://127.0.0.1:6379\" (or a list of seed nodes of a Redis Cluster)",
                 );
                 None
             }
-            Some(url)
-                if !["redis://", "rediss://", "unix://", "redis+unix://"]
-                    .iter()
-                    .any(|s| url.starts_with(s)) =>
-            {
-                self.problem(
-                    "cluster.redis",
-                    format!("'{url}' must start with redis://, rediss:// or unix://"),
-                );
+            Some(raw::RawUrls(urls)) if urls.is_empty() => {
+                self.problem("cluster.redis", "the list of nodes must not be empty");
                 None
             }
-            Some(url) => Some(url),
+            Some(raw::RawUrls(urls)) => {
+                let mut ok = true;
+                for url in &urls {
+                    if !["redis://", "rediss://", "unix://", "redis+unix://"]
+                        .iter()
+                        .any(|s| url.starts_with(s))
+                    {
+                        self.problem(
+                            "cluster.redis",
+                            format!("'{url}' must start with redis://, rediss:// or unix://"),
+                        );
+                        ok = false;
+                    }
+                }
+                ok.then_some(urls)
+            }
         };
+        let mode = match raw.mode.as_deref() {
+            None | Some("auto") => Some(RedisMode::Auto),
+            Some("standalone") => Some(RedisMode::Standalone),
+            Some("cluster") => Some(RedisMode::Cluster),
+            Some(other) => {
+                self.problem(
+                    "cluster.mode",
+                    format!("'{other}' must be \"standalone\", \"cluster\" or \"auto\""),
+                );
+                None
+            }
+        };
+        if mode == Some(RedisMode::Standalone) && redis.as_ref().is_some_and(|u| u.len() > 1) {
+            self.problem(
+                "cluster.redis",
+                "a list of nodes needs mode = \"cluster\" or \"auto\"",
+            );
+        }
         let timeout = self.duration(
             "cluster.timeout",
             raw.timeout.as_deref(),
@@ -518,6 +555,7 @@ impl Validator {
         };
         Some(Some(ClusterConfig {
             redis: redis?,
+            mode: mode?,
             key_prefix: raw.key_prefix.unwrap_or_else(|| "sluice:".to_owned()),
             timeout: timeout?,
             on_failure: on_failure?,

@@ -35,7 +35,8 @@ pub struct RawConfig {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawCluster {
-    pub redis: Option<String>,
+    pub redis: Option<RawUrls>,
+    pub mode: Option<String>,
     pub key_prefix: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     pub timeout: Option<String>,
@@ -113,6 +114,47 @@ pub struct RawRoute {
     pub dry_run: Option<bool>,
     pub ratelimit_headers: Option<bool>,
     pub strip_prefix: Option<String>,
+}
+
+/// `redis = "redis://..."` or a list of seed nodes.
+#[derive(Debug)]
+pub struct RawUrls(pub Vec<String>);
+
+impl<'de> Deserialize<'de> for RawUrls {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<RawUrls, D::Error> {
+        struct UrlsVisitor;
+
+        impl<'de> Visitor<'de> for UrlsVisitor {
+            type Value = RawUrls;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a URL such as \"redis://127.0.0.1:6379\", or a list of them")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<RawUrls, E> {
+                Ok(RawUrls(vec![v.to_owned()]))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawUrls, A::Error> {
+                let mut out = Vec::new();
+                while let Some(UrlText(u)) = seq.next_element()? {
+                    out.push(u);
+                }
+                Ok(RawUrls(out))
+            }
+        }
+
+        d.deserialize_any(UrlsVisitor)
+    }
+}
+
+struct UrlText(String);
+
+impl<'de> Deserialize<'de> for UrlText {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<UrlText, D::Error> {
+        d.deserialize_str(Text("a URL such as \"redis://127.0.0.1:6379\""))
+            .map(UrlText)
+    }
 }
 
 /// `key = "ip"` or `key = ["header:X-Tenant", "ip"]`.

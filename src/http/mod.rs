@@ -54,6 +54,8 @@ pub enum ServeError {
     Client(String),
     #[error("cannot start worker thread {0}: {1}")]
     Worker(usize, std::io::Error),
+    #[error("cluster mode: {0}")]
+    Backend(String),
 }
 
 /// State shared by every worker, the admin listener and the signal
@@ -169,14 +171,11 @@ impl Handle {
     /// Why the instance should not get traffic now, if it should not:
     /// draining, or the shared schedule failing while `on_failure =
     /// "reject"`.
-    pub fn not_ready(&self) -> Option<&'static str> {
+    pub fn not_ready(&self) -> Option<String> {
         if self.is_draining() {
-            return Some("draining");
+            return Some("draining".to_owned());
         }
-        self.0
-            .admission
-            .backend_blocks()
-            .then_some("redis unavailable")
+        self.0.admission.backend_not_ready()
     }
 
     /// Set the queue gauges from the engine (before a scrape).
@@ -235,6 +234,11 @@ impl Handle {
     /// The shared schedule's health: `None` outside cluster mode.
     pub fn backend_healthy(&self) -> Option<bool> {
         self.0.admission.backend_healthy()
+    }
+
+    /// Why the shared schedule is not usable as configured, while it is not.
+    pub fn backend_problem(&self) -> Option<String> {
+        self.0.admission.backend_not_ready()
     }
 
     /// The routes of the running config.

@@ -87,6 +87,14 @@ impl Server {
     pub async fn bind(config: &Config) -> Result<Server, ServeError> {
         let workers = worker_count(config.server.workers);
         let admission = Admission::start(limits(config), config.cluster.as_ref())?;
+        // The shared schedule's store is checked before serving: a wrong
+        // topology is logged (and /readyz says why) until it is right; with
+        // on_failure = "reject" sluice refuses to start instead.
+        if let Err(why) = admission.check_backend().await
+            && admission.backend_required()
+        {
+            return Err(ServeError::Backend(why));
+        }
         let tls = super::forward::tls_config();
         let mut concurrency = Concurrency::default();
         let apps = App::build_all(&admission, config, &tls, workers, &mut concurrency)?;

@@ -587,3 +587,142 @@ pub fn assert_between(d: Duration, lo_ms: u64, hi_ms: u64, what: &str) {
         "{what} {d:?} outside [{lo_ms} ms, {hi_ms} ms]"
     );
 }
+
+/// A real three-master Redis Cluster on loopback: `redis-server` children
+/// with `cluster-enabled`, joined by `redis-cli --cluster create`. Nodes
+/// keep serving their own slots while another is down
+/// (`cluster-require-full-coverage no`), and a node restarted on its port
+/// rejoins from its nodes.conf. Ended by PID when dropped.
+pub struct RedisCluster {
+    pub ports: Vec<u16>,
+    children: Vec<Option<Child>>,
+    dir: PathBuf,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let n = CONFIG_SEQ.fetch_add(1, Ordering::SeqCst);
+        let dir =
+            std::env::temp_dir().join(format!("sluice-redis-cluster-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ports: Vec<u16> = (0..3).map(|_| closed_port()).collect();
+        let mut c = RedisCluster {
+            children: ports.iter().map(|_| None).collect(),
+            ports,
+            dir,
+        };
+        for i in 0..3 {
+            c.start_node(i);
+        }
+        let nodes: Vec<String> = c.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let created = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&nodes)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("redis-cli is needed (bash .ci/run installs it)");
+        assert!(created.success(), "redis-cli --cluster create failed");
+        c.wait_ok();
+        c
+    }
+
+    fn start_node(&mut self, i: usize) {
+        let port = self.ports[i].to_string();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
+            .args(["--cluster-require-full-coverage", "no"])
+            .arg("--cluster-config-file")
+            .arg(format!("nodes-{port}.conf"))
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is needed (bash .ci/run installs it)");
+        self.children[i] = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.cli(i, &["PING"]).as_deref() != Some("PONG") {
+            assert!(Instant::now() < deadline, "redis node {i} did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Run `redis-cli` against node `i`; its output, trimmed.
+    pub fn cli(&self, i: usize, args: &[&str]) -> Option<String> {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.ports[i].to_string()])
+            .args(args)
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    /// Wait until every running node says the cluster is ok.
+    pub fn wait_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ok = (0..3).filter(|&i| self.children[i].is_some()).all(|i| {
+                self.cli(i, &["CLUSTER", "INFO"])
+                    .is_some_and(|info| info.contains("cluster_state:ok"))
+            });
+            if ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the cluster did not become ok");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Seed URLs of every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+
+    /// Keys held by node `i`.
+    pub fn dbsize(&self, i: usize) -> u64 {
+        self.cli(i, &["DBSIZE"])
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Kill node `i` (SIGKILL, by PID).
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.children[i].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Start node `i` again on its port; it rejoins from its nodes.conf.
+    pub fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.start_node(i);
+        self.wait_ok();
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for i in 0..self.children.len() {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,216 @@
+//! Cluster mode: several sluice instances share each client's schedule D
+//! (and each capped upstream's slot calendar) in a store, so one client's
+//! output stays smooth across the fleet.
+//!
+//! Admission is one atomic round trip per request that reads the store's
+//! own clock, applies the rules of DESIGN section 1 to the stored D,
+//! advances it, and returns the delay or the retry-after; the instance
+//! then holds the request until its departure with its own precise pacer.
+//! With an upstream cap the request also takes the first free slot of the
+//! cap's calendar at or after its own due time, in the same round trip, so
+//! one client's backlog never pushes other clients' departures back.
+//!
+//! This module is the facade: timeouts, health, metrics and `on_failure`;
+//! the store is [`redis`] (standalone or Redis Cluster).
+
+mod redis;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tracing::warn;
+
+use crate::config::{ClusterConfig, OnFailure};
+use crate::metrics as m;
+
+/// Why a shared-schedule call failed (then `on_failure` applies).
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("the shared schedule did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("redis: {0}")]
+    Redis(#[from] ::redis::RedisError),
+    #[error("unexpected reply from the admission script")]
+    Reply,
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// One admission's parameters, in microseconds.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    /// Client key in the store.
+    pub key: String,
+    /// The capped upstream's slot calendar, when the upstream is capped.
+    pub slots: Option<String>,
+    pub step_us: u64,
+    pub capacity: u32,
+    pub cost: u32,
+    pub tau_us: u64,
+    pub slot_us: u64,
+    pub max_wait_us: u64,
+}
+
+/// What the store decided.
+#[derive(Debug)]
+pub enum Verdict {
+    /// Depart after `delay`; `reservation` undoes it if the client leaves.
+    Go {
+        delay: Duration,
+        reservation: Reservation,
+    },
+    /// Queue full: 429.
+    Full { retry_after: Duration },
+    /// Departure past max_wait: 429.
+    MaxWait { retry_after: Duration },
+}
+
+/// A reservation, for the cancel: the client's D as this admission left
+/// it (given back only while it is still the client's last), and the cap
+/// slots it took (always given back).
+#[derive(Debug, Clone)]
+pub struct Reservation {
+    key: String,
+    slots: Option<String>,
+    new_d: i64,
+    undo: i64,
+    first_slot: i64,
+    cost: u32,
+}
+
+/// The shared-schedule client.
+pub struct Cluster {
+    store: Arc<redis::Redis>,
+    prefix: String,
+    timeout: Duration,
+    pub on_failure: OnFailure,
+    pub instances: u32,
+    healthy: AtomicBool,
+    duration: Arc<m::Histogram>,
+}
+
+/// Hex of a key's bytes, safe inside a store key name.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Cluster {
+    /// Set up the client. Connections are made in the background, so
+    /// sluice starts (and follows `on_failure`) while the store is down;
+    /// the store's topology is checked at start and every few seconds
+    /// after ([`Cluster::misconfigured`]).
+    pub fn new(cfg: &ClusterConfig) -> Result<Cluster, ClusterError> {
+        Ok(Cluster {
+            store: Arc::new(redis::Redis::new(cfg)?),
+            prefix: cfg.key_prefix.clone(),
+            timeout: cfg.timeout,
+            on_failure: cfg.on_failure,
+            instances: cfg.instances,
+            healthy: AtomicBool::new(true),
+            duration: m::histogram(m::REDIS_DURATION_SECONDS, &[]),
+        })
+    }
+
+    /// Check the store's topology now (and keep checking in the
+    /// background); the error when it is not usable as configured.
+    pub async fn check(&self) -> Result<(), String> {
+        self.store.check().await
+    }
+
+    /// Keep checking the topology in the background.
+    pub fn watch(&self) {
+        let store = self.store.clone();
+        tokio::spawn(async move { store.watch().await });
+    }
+
+    /// Why the store cannot be used as configured, while it cannot
+    /// (`/readyz` is 503 meanwhile).
+    pub fn misconfigured(&self) -> Option<String> {
+        self.store.problem()
+    }
+
+    /// Whether the last call succeeded.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Store keys for a client of `route` (and its capped upstream). With
+    /// a cap, all clients of the upstream share its hash tag, so that one
+    /// script touches both keys on Redis Cluster (one slot per capped
+    /// upstream); without one, each client key has its own tag (spread
+    /// over every master).
+    pub fn keys(
+        &self,
+        route: &str,
+        key: &[u8],
+        capped_upstream: Option<&str>,
+    ) -> (String, Option<String>) {
+        let p = &self.prefix;
+        match capped_upstream {
+            Some(up) => (
+                format!("{p}{{u:{up}}}:c:{route}:{}", hex(key)),
+                Some(format!("{p}{{u:{up}}}:slots")),
+            ),
+            None => (format!("{p}{{c:{route}:{}}}", hex(key)), None),
+        }
+    }
+
+    fn record(&self, started: Instant, ok: bool, result: &'static str) {
+        self.healthy.store(ok, Ordering::Relaxed);
+        self.duration.record(started.elapsed());
+        metrics::counter!(m::REDIS_CALLS_TOTAL, "result" => result).increment(1);
+    }
+
+    /// One admission round trip, bounded by the configured timeout.
+    pub async fn admit(&self, ask: Ask) -> Result<Verdict, ClusterError> {
+        let started = Instant::now();
+        let reply = match tokio::time::timeout(self.timeout, self.store.admit(&ask)).await {
+            Err(_) => {
+                self.record(started, false, "timeout");
+                return Err(ClusterError::Timeout(self.timeout));
+            }
+            Ok(Err(e)) => {
+                self.record(started, false, "error");
+                return Err(e);
+            }
+            Ok(Ok(r)) => r,
+        };
+        self.record(started, true, "ok");
+        let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
+        match reply.as_slice() {
+            [1, delay, new_d, first_slot] => Ok(Verdict::Go {
+                delay: micros(*delay),
+                reservation: Reservation {
+                    key: ask.key,
+                    slots: ask.slots,
+                    new_d: *new_d,
+                    undo: i64::from(ask.cost)
+                        .saturating_mul(i64::try_from(ask.step_us.max(1)).unwrap_or(i64::MAX)),
+                    first_slot: *first_slot,
+                    cost: ask.cost,
+                },
+            }),
+            [0, retry, ..] => Ok(Verdict::Full {
+                retry_after: micros(*retry),
+            }),
+            [2, retry, ..] => Ok(Verdict::MaxWait {
+                retry_after: micros(*retry),
+            }),
+            _ => Err(ClusterError::Reply),
+        }
+    }
+
+    /// Give a reservation back (the client left before its departure), in
+    /// the background and bounded by the timeout.
+    pub fn cancel(&self, r: Reservation) {
+        let (store, timeout) = (self.store.clone(), self.timeout);
+        tokio::spawn(async move {
+            match tokio::time::timeout(timeout, store.cancel(&r)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(error = %e, "cannot withdraw a cluster reservation"),
+                Err(_) => warn!("withdrawing a cluster reservation timed out"),
+            }
+        });
+    }
+}

@@ -1,0 +1,431 @@
+//! The Redis store for shared schedules: one server, or a Redis Cluster
+//! (the client library's async cluster connection: slot routing, MOVED
+//! and ASK followed, topology refreshed on failover).
+//!
+//! Admission is one Lua script per request (Redis `TIME`, so the store's
+//! clock is the only clock). Scripts go as `EVALSHA` and, on `NOSCRIPT`,
+//! once as `EVAL` to the same key's master (which also caches it there):
+//! the script is loaded on each master as it is first used, and a node
+//! that is down never blocks the others (the library's own fallback loads
+//! a script on every node at once and fails when one is unreachable).
+//!
+//! The cap's slot calendar: a sorted set of the reserved slot numbers
+//! (time / slot interval) of one capped upstream. A request takes the
+//! first run of `cost` free slots from the one its own due time falls in
+//! (departing at its due time if that slot is free, else at the start of
+//! the slot it got): at most one departure per slot, so never more than R
+//! per second, though two in neighbouring slots may come closer than 1/R.
+//! Past slots are trimmed on every call.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, ErrorKind, Pipeline, RedisFuture, ServerErrorKind, Value};
+use tracing::{error, info};
+
+use super::{Ask, ClusterError, Reservation};
+use crate::config::{ClusterConfig, RedisMode};
+
+/// Admission: KEYS = client key, [slot calendar]; ARGV = step, capacity,
+/// cost, tau, slot interval (0: uncapped), max_wait (µs). Returns
+/// {verdict, value, newD, first slot}: verdict 1 = go after `value` µs;
+/// 0 = queue full, retry after `value` µs; 2 = departure past max_wait,
+/// retry after `value` µs.
+const ADMIT: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local step = tonumber(ARGV[1])
+local cap = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
+local tau = tonumber(ARGV[4])
+local gstep = tonumber(ARGV[5])
+local max_wait = tonumber(ARGV[6])
+local D = tonumber(redis.call('GET', KEYS[1]) or '0')
+local own = D - tau
+local waiting = 0
+if own > now then
+  waiting = math.floor((own - now + step - 1) / step) - 1
+end
+local d = math.max(own, now)
+local first = -1
+if gstep > 0 then
+  -- (string.format: Lua's own number-to-text keeps only 14 digits)
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('(%d', math.floor(now / gstep)))
+  -- the first run of `cost` free slots from the one d falls in: a free
+  -- slot lets d stand; a later one moves d to its start
+  local s = math.floor(d / gstep)
+  local scanned = 0
+  while true do
+    local taken = redis.call('ZRANGEBYSCORE', KEYS[2], s, '+inf', 'LIMIT', 0, 256)
+    local moved = false
+    for _, m in ipairs(taken) do
+      local v = tonumber(m)
+      if v >= s + cost then break end
+      if v >= s then s = v + 1; moved = true end
+    end
+    scanned = scanned + #taken
+    if not moved or scanned > 100000 then break end
+  end
+  first = s
+  d = math.max(d, s * gstep)
+end
+if d > now and waiting + cost > cap then
+  local at = own - (cap - cost + 1) * step
+  if cost > cap then at = own end
+  return {0, math.max(at - now, 1), 0, 0}
+end
+if max_wait > 0 and d - now > max_wait then
+  return {2, d - max_wait - now, 0, 0}
+end
+local newD = math.max(D, d) + cost * step
+redis.call('SET', KEYS[1], newD, 'PX', math.floor((newD - now) / 1000) + 1000)
+if gstep > 0 then
+  for i = 0, cost - 1 do
+    redis.call('ZADD', KEYS[2], first + i, first + i)
+  end
+  local until_ms = math.floor(((first + cost) * gstep - now) / 1000) + 1000
+  if redis.call('PTTL', KEYS[2]) < until_ms then
+    redis.call('PEXPIRE', KEYS[2], until_ms)
+  end
+end
+return {1, d - now, newD, first}
+";
+
+/// Cancel: KEYS = client key, [slot calendar]; ARGV = newD, undo, first
+/// slot, cost. The client's D goes back only while this reservation is
+/// still its last (compare-and-set); the cap slots always go back.
+const CANCEL: &str = r"
+local D = tonumber(redis.call('GET', KEYS[1]) or '0')
+local undone = 0
+if D == tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], D - tonumber(ARGV[2]), 'KEEPTTL')
+  undone = 1
+end
+if #KEYS > 1 then
+  local first = tonumber(ARGV[3])
+  for i = 0, tonumber(ARGV[4]) - 1 do
+    redis.call('ZREM', KEYS[2], first + i)
+  end
+end
+return undone
+";
+
+/// A script: its text and SHA1 (for `EVALSHA`).
+struct Lua {
+    body: &'static str,
+    sha: String,
+}
+
+impl Lua {
+    fn new(body: &'static str) -> Lua {
+        Lua {
+            body,
+            sha: redis::Script::new(body).get_hash().to_owned(),
+        }
+    }
+}
+
+/// A connection to one server or to a cluster, cheap to clone.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// The Redis store.
+pub struct Redis {
+    nodes: Vec<String>,
+    mode: RedisMode,
+    timeout: Duration,
+    /// Made at start (a standalone connection until `auto` has asked).
+    conn: ArcSwap<Option<Conn>>,
+    admit: Lua,
+    cancel: Lua,
+    /// Why the store cannot be used as configured, while it cannot.
+    problem: Mutex<Option<String>>,
+}
+
+impl Redis {
+    pub fn new(cfg: &ClusterConfig) -> Result<Redis, ClusterError> {
+        Ok(Redis {
+            nodes: cfg.redis.clone(),
+            mode: cfg.mode,
+            timeout: cfg.timeout,
+            conn: ArcSwap::from_pointee(None),
+            admit: Lua::new(ADMIT),
+            cancel: Lua::new(CANCEL),
+            problem: Mutex::new(None),
+        })
+    }
+
+    fn standalone(&self) -> Result<Conn, ClusterError> {
+        let url = self
+            .nodes
+            .first()
+            .ok_or_else(|| ClusterError::Setup("no redis node".into()))?;
+        let client = redis::Client::open(url.as_str())?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_secs(1));
+        Ok(Conn::Single(ConnectionManager::new_lazy_with_config(
+            client, config,
+        )?))
+    }
+
+    /// A cluster connection from the seed nodes; connects in the
+    /// background. Retries are short (a pacer cannot wait seconds) and the
+    /// whole call is bounded by the timeout.
+    fn cluster(&self) -> Result<Conn, ClusterError> {
+        let client = ClusterClientBuilder::new(self.nodes.iter().map(String::as_str))
+            .connection_timeout(self.timeout)
+            .response_timeout(self.timeout)
+            .overall_response_timeout(Some(self.timeout))
+            .retries(2)
+            .min_retry_wait(5)
+            .max_retry_wait(50)
+            .build()?;
+        let config = redis::cluster::ClusterConfig::new()
+            .set_connection_timeout(self.timeout)
+            .set_response_timeout(self.timeout);
+        Ok(Conn::Cluster(
+            client.get_pending_async_connection_with_config(config),
+        ))
+    }
+
+    fn conn(&self) -> Result<Conn, ClusterError> {
+        (**self.conn.load())
+            .clone()
+            .ok_or_else(|| ClusterError::Setup("not connected yet".into()))
+    }
+
+    /// Whether the node at `url` runs in cluster mode (`INFO cluster`).
+    async fn is_cluster_node(&self, url: &str) -> Result<bool, ClusterError> {
+        let client = redis::Client::open(url)?;
+        let mut c = tokio::time::timeout(
+            self.timeout.max(Duration::from_secs(1)),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .map_err(|_| ClusterError::Timeout(self.timeout))??;
+        let info: String = redis::cmd("INFO")
+            .arg("cluster")
+            .query_async(&mut c)
+            .await?;
+        Ok(info.lines().any(|l| l.trim() == "cluster_enabled:1"))
+    }
+
+    /// `CLUSTER INFO` of one node: whether its cluster covers every slot.
+    async fn cluster_state(&self, url: &str) -> Result<(), String> {
+        let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+        let mut c = client
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| e.to_string())?;
+        let info: String = redis::cmd("CLUSTER")
+            .arg("INFO")
+            .query_async(&mut c)
+            .await
+            .map_err(|e| e.to_string())?;
+        let field = |name: &str| {
+            info.lines().find_map(|l| {
+                l.trim()
+                    .strip_prefix(name)?
+                    .strip_prefix(':')
+                    .map(str::to_owned)
+            })
+        };
+        let state = field("cluster_state").unwrap_or_default();
+        let ok = field("cluster_slots_ok")
+            .and_then(|v| v.parse::<u32>().ok())
+            .unwrap_or(0);
+        if state == "ok" && ok == 16_384 {
+            Ok(())
+        } else {
+            Err(format!(
+                "the Redis Cluster at {url} does not cover every slot (cluster_state:{state}, {ok} of 16384 slots ok)"
+            ))
+        }
+    }
+
+    /// Decide the mode (`auto`), make the connection, and check that the
+    /// store is what the config says: a standalone server for
+    /// `standalone`, a cluster covering all 16384 slots for `cluster`.
+    pub async fn check(&self) -> Result<(), String> {
+        let first = self.nodes.first().cloned().unwrap_or_default();
+        let cluster_node = match self.is_cluster_node(&first).await {
+            Ok(c) => Some(c),
+            Err(e) => {
+                // Unreachable now: connect as configured (auto: as one
+                // server, or as a cluster when given several seeds) and
+                // let the background check decide again.
+                if self.conn.load().is_none() {
+                    let conn = match self.mode {
+                        RedisMode::Cluster => self.cluster(),
+                        RedisMode::Auto if self.nodes.len() > 1 => self.cluster(),
+                        _ => self.standalone(),
+                    };
+                    if let Ok(conn) = conn {
+                        self.conn.store(Arc::new(Some(conn)));
+                    }
+                }
+                return self.set_problem(Some(format!("cannot reach {first}: {e}")));
+            }
+        };
+        let cluster = match (self.mode, cluster_node) {
+            (RedisMode::Standalone, Some(true)) => {
+                return self.set_problem(Some(format!(
+                    "{first} is a Redis Cluster node but cluster.mode = \"standalone\": set mode = \"cluster\" (or \"auto\")"
+                )));
+            }
+            (RedisMode::Cluster, Some(false)) => {
+                return self.set_problem(Some(format!(
+                    "{first} is not a cluster node but cluster.mode = \"cluster\": set mode = \"standalone\" (or \"auto\")"
+                )));
+            }
+            (_, c) => c == Some(true),
+        };
+        let same_kind = matches!(
+            (&**self.conn.load(), cluster),
+            (Some(Conn::Cluster(_)), true) | (Some(Conn::Single(_)), false)
+        );
+        if !same_kind {
+            let conn = if cluster {
+                self.cluster()
+            } else {
+                self.standalone()
+            };
+            match conn {
+                Ok(conn) => {
+                    info!(
+                        redis = %first,
+                        mode = if cluster { "cluster" } else { "standalone" },
+                        "shared schedules in Redis"
+                    );
+                    self.conn.store(Arc::new(Some(conn)));
+                }
+                Err(e) => return self.set_problem(Some(e.to_string())),
+            }
+        }
+        if cluster && let Err(why) = self.cluster_state(&first).await {
+            return self.set_problem(Some(why));
+        }
+        self.set_problem(None)
+    }
+
+    fn set_problem(&self, problem: Option<String>) -> Result<(), String> {
+        let mut p = self.problem.lock().unwrap_or_else(|e| e.into_inner());
+        if problem != *p {
+            match &problem {
+                Some(why) => error!("cluster mode: {why}"),
+                None if p.is_some() => info!("cluster mode: the store is usable again"),
+                None => {}
+            }
+        }
+        *p = problem.clone();
+        problem.map_or(Ok(()), Err)
+    }
+
+    /// Re-check every few seconds, so a fixed topology is seen.
+    pub async fn watch(&self) {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let _ = self.check().await;
+        }
+    }
+
+    pub fn problem(&self) -> Option<String> {
+        self.problem
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Run a script: `EVALSHA`, then `EVAL` once on `NOSCRIPT` (routed by
+    /// the first key, like the `EVALSHA`).
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        lua: &Lua,
+        keys: &[&str],
+        args: &[i64],
+    ) -> Result<T, ClusterError> {
+        let mut conn = self.conn()?;
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&lua.sha).arg(keys.len()).arg(keys).arg(args);
+        match cmd.query_async(&mut conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(lua.body).arg(keys.len()).arg(keys).arg(args);
+                Ok(cmd.query_async(&mut conn).await?)
+            }
+            r => Ok(r?),
+        }
+    }
+
+    pub async fn admit(&self, ask: &Ask) -> Result<Vec<i64>, ClusterError> {
+        let mut keys = vec![ask.key.as_str()];
+        if let Some(s) = &ask.slots {
+            keys.push(s);
+        }
+        let us = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let args = [
+            us(ask.step_us.max(1)),
+            i64::from(ask.capacity),
+            i64::from(ask.cost),
+            us(ask.tau_us),
+            us(if ask.slots.is_some() {
+                ask.slot_us.max(1)
+            } else {
+                0
+            }),
+            us(ask.max_wait_us),
+        ];
+        self.run(&self.admit, &keys, &args).await
+    }
+
+    pub async fn cancel(&self, r: &Reservation) -> Result<(), ClusterError> {
+        let mut keys = vec![r.key.as_str()];
+        if let Some(s) = &r.slots {
+            keys.push(s);
+        }
+        let args = [r.new_d, r.undo, r.first_slot, i64::from(r.cost)];
+        self.run::<i64>(&self.cancel, &keys, &args)
+            .await
+            .map(|_| ())
+    }
+}
