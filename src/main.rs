@@ -105,3 +105,8 @@ fn run(path: std::path::PathBuf, config: Config) -> ExitCode {
         }
     }
 }
+
+/// jemalloc, with its background thread purging freed pages: memory held
+/// for a load spike returns to the system once the load falls.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;

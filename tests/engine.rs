@@ -910,3 +910,20 @@ fn under_a_cap_retry_after_is_the_time_until_the_queue_accepts() {
     );
     assert_eq!(retry, 95 * MS);
 }
+
+#[test]
+fn a_ticket_from_before_memory_was_released_never_matches_a_new_request() {
+    // Regression: releasing an emptied shard's arenas restarted entry
+    // generations, so an old ticket cancelled a new request in its place.
+    let mut sim = Sim::with(policy("5/s", 10), ROOMY, None);
+    sim.arrive(1, 1, 0);
+    let (_, queued) = sim.arrive(1, 1, 0);
+    let old = ticket(&queued);
+    sim.run_to(10 * S); // departs; the shard empties and is compacted
+    assert_eq!(sim.e.clients(), 0);
+    sim.arrive(1, 1, 20 * S);
+    let (_, again) = sim.arrive(1, 1, 20 * S);
+    assert!(matches!(again, Admission::Queued { .. }));
+    assert_eq!(sim.e.cancel(old, 20 * S), None, "the old ticket is stale");
+    assert_eq!(sim.e.queued(), 1);
+}

@@ -370,7 +370,7 @@ impl Upstream {
     async fn send(&self, req: Request<OutBody>) -> Result<(Response<Incoming>, Sender), SendError> {
         let (mut sender, pooled) = match self.pool.take() {
             Some(s) => (s, true),
-            None => (self.connect().await?, false),
+            None => (Box::pin(self.connect()).await?, false),
         };
         let req = match sender.ready().await {
             Ok(()) => match sender.try_send_request(req).await {
@@ -383,7 +383,7 @@ impl Upstream {
             Err(_) if pooled => req,
             Err(e) => return Err(SendError::Request(e)),
         };
-        let mut sender = self.connect().await?;
+        let mut sender = Box::pin(self.connect()).await?;
         sender.ready().await.map_err(SendError::Request)?;
         let response = sender.send_request(req).await.map_err(SendError::Request)?;
         Ok((response, sender))

@@ -33,7 +33,7 @@ use super::key;
 use super::path;
 use super::response::{ProxyBody, full, problem};
 use super::route::Route;
-use super::stage::{StageError, Staged, stage};
+use super::stage::{Refused, StageError, Staged, linger, stage};
 use crate::admission::{Hold, HoldError, Key, Overload, Refusal, Verdict};
 use crate::metrics::Outcome;
 
@@ -167,8 +167,10 @@ impl Handler {
             },
             refused => return self.refusal(route, refused),
         };
-        self.forward(route, upstream, parts, body, (key, cost, arrival))
-            .await
+        // Boxed: the forwarding state (upstream connect, TLS, the call) is
+        // large and only exists once the request departs, so a waiting
+        // request holds none of it.
+        Box::pin(self.forward(route, upstream, parts, body, (key, cost, arrival))).await
     }
 
     /// Wait for the departure while the body is staged. A body that
@@ -187,13 +189,13 @@ impl Handler {
             tokio::select! {
                 s = &mut staging, if staged.is_none() => match s {
                     Ok(s) => staged = Some(s),
-                    Err(StageError::Gone) => {
+                    Err(refused @ Refused { error: StageError::Gone, .. }) => {
                         drop(hold);
-                        return Err(self.stage_failed(route, StageError::Gone, false));
+                        return Err(self.stage_failed(route, refused, false));
                     }
-                    Err(e) => {
+                    Err(refused) => {
                         hold.withdraw();
-                        return Err(self.stage_failed(route, e, true));
+                        return Err(self.stage_failed(route, refused, true));
                     }
                 },
                 d = hold.wait() => match d {
@@ -218,8 +220,14 @@ impl Handler {
     }
 
     /// The answer to a body that could not be staged; counted when
-    /// `count` (a dropped hold counts its own withdrawal).
-    fn stage_failed(&self, route: &Route, e: StageError, count: bool) -> Response<ProxyBody> {
+    /// `count` (a dropped hold counts its own withdrawal). What the client
+    /// still sends is read and dropped for a while, so the answer reaches
+    /// it before the connection closes.
+    fn stage_failed(&self, route: &Route, refused: Refused, count: bool) -> Response<ProxyBody> {
+        let Refused { error: e, rest } = refused;
+        if let Some(rest) = rest {
+            linger(rest);
+        }
         let outcome = match e {
             StageError::TooLarge(_) | StageError::Malformed(_) => Outcome::Invalid,
             StageError::Full => Outcome::Overloaded,

@@ -18,7 +18,7 @@ mod conn;
 mod forward;
 mod handler;
 mod headers;
-mod key;
+pub mod key;
 pub mod path;
 pub mod response;
 mod route;

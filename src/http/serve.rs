@@ -20,9 +20,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -38,6 +38,48 @@ use crate::admission::Admission;
 use crate::config::Config;
 use crate::metrics as m;
 
+/// HTTP/2 flow-control windows and stream limit of client connections.
+const H2_STREAM_WINDOW: u32 = 256 * 1024;
+const H2_CONNECTION_WINDOW: u32 = 1024 * 1024;
+const H2_MAX_STREAMS: u32 = 256;
+
+/// The connection preface of HTTP/2 with prior knowledge starts so; no
+/// HTTP/1.1 method does.
+const H2_PREFACE: &[u8] = b"PRI";
+
+/// The protocols served, configured once.
+#[derive(Clone)]
+struct Protocols {
+    http1: http1::Builder,
+    http2: http2::Builder<TokioExecutor>,
+}
+
+/// One client connection, HTTP/1.1 or HTTP/2 (prior knowledge).
+///
+/// The protocol is told by peeking at the first bytes (nothing is
+/// consumed), so hyper reads from the socket itself: no re-read prefix, and
+/// HTTP/1.1's read buffer keeps its first size (hyper-util's detection
+/// hands the sniffed bytes back through a wrapper, which doubles it).
+// The value lives in its connection's task whichever variant it holds:
+// boxing the large one would only add an allocation per connection.
+#[allow(clippy::large_enum_variant)]
+enum Conn<S>
+where
+    S: hyper::service::HttpService<hyper::body::Incoming>,
+{
+    /// Peeking; the timer paces the next peek while only a part of the
+    /// preface has arrived.
+    Sniffing(
+        Option<(TcpStream, S)>,
+        Protocols,
+        Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    ),
+    H1(http1::Connection<TokioIo<TcpStream>, S>),
+    H2(http2::Connection<TokioIo<TcpStream>, S, TokioExecutor>),
+    /// Shut down before its protocol was known, or the peer left.
+    Done,
+}
+
 /// How often refusals are summarised in the log (one line per route per
 /// interval instead of one per refusal).
 const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -48,7 +90,7 @@ pub struct Server {
     /// Per worker, one listening socket per configured address.
     listeners: Vec<Vec<std::net::TcpListener>>,
     addrs: Vec<SocketAddr>,
-    http: auto::Builder<TokioExecutor>,
+    http: Protocols,
     max_connections: usize,
     header_read_timeout: Duration,
     keepalive_timeout: Duration,
@@ -113,14 +155,22 @@ impl Server {
             }
         }
 
-        let mut http = auto::Builder::new(TokioExecutor::new());
-        http.http1()
+        let mut http1 = http1::Builder::new();
+        http1
             .timer(TokioTimer::new())
             .header_read_timeout(config.server.header_read_timeout)
             .max_buf_size(config.server.max_header_size);
-        http.http2()
+        let mut http2 = http2::Builder::new(TokioExecutor::new());
+        http2
             .timer(TokioTimer::new())
-            .max_header_list_size(u32::try_from(config.server.max_header_size).unwrap_or(u32::MAX));
+            .max_header_list_size(u32::try_from(config.server.max_header_size).unwrap_or(u32::MAX))
+            // What a client may push before sluice reads it: bodies are
+            // staged (and counted) as they arrive; the windows bound what
+            // sits in HTTP/2's own buffers meanwhile.
+            .initial_stream_window_size(H2_STREAM_WINDOW)
+            .initial_connection_window_size(H2_CONNECTION_WINDOW)
+            .max_concurrent_streams(H2_MAX_STREAMS);
+        let http = Protocols { http1, http2 };
 
         metrics::gauge!(m::CONFIG_LOADED_TIMESTAMP_SECONDS).set(unix_now() as f64);
         Ok(Server {
@@ -226,7 +276,7 @@ impl Server {
 /// What one worker thread needs.
 struct Worker {
     handler: Handler,
-    http: auto::Builder<TokioExecutor>,
+    http: Protocols,
     conns: Arc<Conns>,
     stop: CancellationToken,
 }
@@ -315,7 +365,7 @@ impl Worker {
                 Ok::<_, Infallible>(response)
             }
         });
-        let conn = self.http.serve_connection(TokioIo::new(stream), service);
+        let conn = Conn::new(&self.http, stream, service);
         tokio::pin!(conn);
         let mut closing = false;
         loop {
@@ -348,6 +398,106 @@ impl Worker {
         }
         self.conns.closed();
         drop(permit);
+    }
+}
+
+impl<S, B> Conn<S>
+where
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = B>
+        + Clone
+        + Send
+        + Unpin
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    fn new(protocols: &Protocols, stream: TcpStream, service: S) -> Conn<S> {
+        Conn::Sniffing(Some((stream, service)), protocols.clone(), None)
+    }
+
+    /// Finish what is in hand, then close (before the protocol is known:
+    /// close now).
+    fn graceful_shutdown(self: std::pin::Pin<&mut Self>) {
+        let this = self.get_mut();
+        match this {
+            Conn::H1(c) => std::pin::Pin::new(c).graceful_shutdown(),
+            Conn::H2(c) => std::pin::Pin::new(c).graceful_shutdown(),
+            Conn::Sniffing(..) | Conn::Done => *this = Conn::Done,
+        }
+    }
+}
+
+impl<S, B> std::future::Future for Conn<S>
+where
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = B>
+        + Clone
+        + Send
+        + Unpin
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Output = Result<(), hyper::Error>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        loop {
+            match this {
+                Conn::Sniffing(inner, protocols, retry) => {
+                    if let Some(sleep) = retry.as_mut() {
+                        if sleep.as_mut().poll(cx).is_pending() {
+                            return Poll::Pending;
+                        }
+                        *retry = None;
+                    }
+                    let Some((stream, _)) = inner.as_ref() else {
+                        *this = Conn::Done;
+                        continue;
+                    };
+                    let mut head = [0u8; 3];
+                    let mut buf = tokio::io::ReadBuf::new(&mut head);
+                    let n = match stream.poll_peek(cx, &mut buf) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Err(_)) | Poll::Ready(Ok(0)) => {
+                            *this = Conn::Done;
+                            continue;
+                        }
+                        Poll::Ready(Ok(n)) => n,
+                    };
+                    let prefix = &head[..n];
+                    if n < H2_PREFACE.len() && H2_PREFACE.starts_with(prefix) {
+                        // A part of the preface: look again shortly (the
+                        // bytes already there keep the socket readable, so
+                        // waiting on readiness would spin), bounded by the
+                        // connection's idle deadline.
+                        *retry = Some(Box::pin(tokio::time::sleep(Duration::from_millis(5))));
+                        continue;
+                    }
+                    let Some((stream, service)) = inner.take() else {
+                        continue;
+                    };
+                    let io = TokioIo::new(stream);
+                    *this = if prefix == H2_PREFACE {
+                        Conn::H2(protocols.http2.serve_connection(io, service))
+                    } else {
+                        Conn::H1(protocols.http1.serve_connection(io, service))
+                    };
+                }
+                Conn::H1(c) => return std::pin::Pin::new(c).poll(cx),
+                Conn::H2(c) => return std::pin::Pin::new(c).poll(cx),
+                Conn::Done => return Poll::Ready(Ok(())),
+            }
+        }
     }
 }
 

@@ -122,8 +122,56 @@ pub fn body_error(e: hyper::Error) -> StageError {
     }
 }
 
+/// A body that was refused, and what is left of it to read.
+#[derive(Debug)]
+pub struct Refused {
+    pub error: StageError,
+    /// The unread rest, when the client may still be sending it.
+    pub rest: Option<Incoming>,
+}
+
+/// How much of a refused body is read (and dropped) so that the client,
+/// still sending it, gets the refusal before the connection closes
+/// (nginx's lingering close); past this, or after [`LINGER_TIME`], the
+/// connection just closes.
+const LINGER_BYTES: usize = 1 << 20;
+const LINGER_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Read and drop what is left of a refused body, for a bounded while.
+pub fn linger(mut rest: Incoming) {
+    tokio::spawn(async move {
+        let reading = async {
+            let mut read = 0usize;
+            while let Some(Ok(frame)) = rest.frame().await {
+                read += frame.data_ref().map_or(0, |d| d.len());
+                if read > LINGER_BYTES {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(LINGER_TIME, reading).await;
+    });
+}
+
 /// Read `body` in full within the budget.
-pub async fn stage(mut body: Incoming, budget: &Arc<StageBudget>) -> Result<Staged, StageError> {
+pub async fn stage(body: Incoming, budget: &Arc<StageBudget>) -> Result<Staged, Refused> {
+    let mut body = Some(body);
+    read(&mut body, budget).await.map_err(|error| Refused {
+        rest: match error {
+            StageError::TooLarge(_) | StageError::Full => body,
+            StageError::Gone | StageError::Malformed(_) => None,
+        },
+        error,
+    })
+}
+
+async fn read(
+    slot: &mut Option<Incoming>,
+    budget: &Arc<StageBudget>,
+) -> Result<Staged, StageError> {
+    let Some(body) = slot.as_mut() else {
+        return Err(StageError::Gone);
+    };
     let max = budget.max_body();
     let declared = body
         .size_hint()

@@ -171,6 +171,9 @@ pub(super) struct Shard<K, P> {
     free_slots: Vec<u32>,
     entries: Vec<Entry<P>>,
     free_entries: Vec<u32>,
+    /// The generation new entries start at (above every one used before
+    /// the arena was last released).
+    entry_generations: u32,
     /// Heads of queues on uncapped upstreams.
     heads: BinaryHeap<Reverse<HeadRef>>,
     /// The earliest instant the releaser has promised to look at `heads`.
@@ -201,6 +204,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             free_slots: Vec::new(),
             entries: Vec::new(),
             free_entries: Vec::new(),
+            entry_generations: 0,
             heads: BinaryHeap::new(),
             armed: Nanos::MAX,
             expiry: BTreeMap::new(),
@@ -481,7 +485,10 @@ impl<K: Hash + Eq, P> Shard<K, P> {
                 i
             }
             None => {
-                self.entries.push(entry);
+                self.entries.push(Entry {
+                    generation: self.entry_generations,
+                    ..entry
+                });
                 (self.entries.len() - 1) as u32
             }
         }
@@ -824,6 +831,29 @@ impl<K: Hash + Eq, P> Shard<K, P> {
                 self.expiry.insert(bucket, later);
                 break;
             }
+        }
+        self.compact();
+    }
+
+    /// Give memory back once a load has passed: arenas and heaps that
+    /// hold nothing live are released (they grow again on demand).
+    fn compact(&mut self) {
+        if !self.entries.is_empty() && self.free_entries.len() == self.entries.len() {
+            // New entries start past every generation handed out, so an old
+            // ticket or heap reference never matches one of them.
+            let last = self.entries.iter().map(|e| e.generation).max().unwrap_or(0);
+            self.entry_generations = self.entry_generations.max(last.wrapping_add(1));
+            self.entries = Vec::new();
+            self.free_entries = Vec::new();
+        }
+        if self.index.is_empty() && !self.slots.is_empty() {
+            self.slots = Vec::new();
+            self.free_slots = Vec::new();
+            self.index = HashTable::new();
+            self.expiry = BTreeMap::new();
+        }
+        if self.heads.is_empty() && self.heads.capacity() > 0 {
+            self.heads = BinaryHeap::new();
         }
     }
 
