@@ -24,12 +24,17 @@ pub const QUEUE_WAIT_SECONDS: &str = "sluice_queue_wait_seconds";
 pub const RELEASE_LAG_SECONDS: &str = "sluice_release_lag_seconds";
 /// Time until the upstream's response headers, by upstream.
 pub const UPSTREAM_DURATION_SECONDS: &str = "sluice_upstream_duration_seconds";
-/// Redis calls in cluster mode by result (`ok`, `error`, `timeout`).
-pub const REDIS_CALLS_TOTAL: &str = "sluice_redis_calls_total";
-/// Redis round-trip time in cluster mode.
-pub const REDIS_DURATION_SECONDS: &str = "sluice_redis_duration_seconds";
-/// Requests decided by `on_failure` because Redis failed, by policy.
-pub const REDIS_FALLBACKS_TOTAL: &str = "sluice_redis_fallbacks_total";
+/// Shared-schedule calls in cluster mode, by backend (`redis`,
+/// `postgres`) and result (`ok`, `error`, `timeout`).
+pub const CLUSTER_CALLS_TOTAL: &str = "sluice_cluster_calls_total";
+/// Shared-schedule round-trip time in cluster mode, by backend.
+pub const CLUSTER_DURATION_SECONDS: &str = "sluice_cluster_duration_seconds";
+/// Requests decided by `on_failure` because the shared schedule failed, by
+/// backend and policy.
+pub const CLUSTER_FALLBACKS_TOTAL: &str = "sluice_cluster_fallbacks_total";
+/// 1 while the shared schedule answers and is usable as configured, else 0,
+/// by backend.
+pub const CLUSTER_HEALTHY: &str = "sluice_cluster_healthy";
 /// Client connections open.
 pub const CONNECTIONS: &str = "sluice_connections";
 /// Bytes of request bodies staged while their requests wait.
@@ -214,7 +219,7 @@ const HISTOGRAM_HELP: &[(&str, &str)] = &[
         "Time until the upstream's response headers.",
     ),
     (
-        REDIS_DURATION_SECONDS,
+        CLUSTER_DURATION_SECONDS,
         "Round-trip time of shared-schedule calls.",
     ),
 ];
@@ -274,6 +279,21 @@ fn describe() {
         STAGED_BYTES,
         Unit::Bytes,
         "Bytes of request bodies staged while their requests wait."
+    );
+    describe_counter!(
+        CLUSTER_CALLS_TOTAL,
+        Unit::Count,
+        "Shared-schedule calls by backend and result."
+    );
+    describe_counter!(
+        CLUSTER_FALLBACKS_TOTAL,
+        Unit::Count,
+        "Requests decided by on_failure because the shared schedule failed."
+    );
+    describe_gauge!(
+        CLUSTER_HEALTHY,
+        Unit::Count,
+        "1 while the shared schedule answers and is usable as configured."
     );
     describe_counter!(
         UPSTREAM_PAUSES_TOTAL,

@@ -136,7 +136,7 @@ async fn redis_restart_falls_back_locally_then_recovers() {
     let metrics =
         String::from_utf8_lossy(&get(&c, &a.admin_url("/metrics"), &[]).await.body).into_owned();
     assert!(
-        metrics.contains("sluice_redis_fallbacks_total{policy=\"local\"}"),
+        metrics.contains("sluice_cluster_fallbacks_total{backend=\"redis\",policy=\"local\"}"),
         "{metrics}"
     );
 

@@ -133,7 +133,7 @@ async fn client_keys_spread_over_every_master() {
     assert!(sizes.iter().all(|&n| n > 200), "unbalanced: {sizes:?}");
     let m = metrics(&s).await;
     assert!(
-        m.contains("sluice_redis_calls_total{result=\"ok\"} 1000"),
+        m.contains("sluice_cluster_calls_total{backend=\"redis\",result=\"ok\"} 1000"),
         "{m}"
     );
     assert!(!m.contains("result=\"error\""), "{m}");

@@ -595,7 +595,8 @@ impl Admission {
                     OnFailure::Reject => "reject",
                     OnFailure::Allow => "allow",
                 };
-                metrics::counter!(m::REDIS_FALLBACKS_TOTAL, "policy" => label).increment(1);
+                metrics::counter!(m::CLUSTER_FALLBACKS_TOTAL, "backend" => cluster.backend(), "policy" => label)
+                    .increment(1);
                 match policy {
                     OnFailure::Local => return Shared::Local,
                     OnFailure::Allow => Verdict::Go,

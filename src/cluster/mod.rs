@@ -90,6 +90,9 @@ pub struct Cluster {
     duration: Arc<m::Histogram>,
 }
 
+/// The `backend` label of this store's metrics.
+const BACKEND: &str = "redis";
+
 /// Hex of a key's bytes, safe inside a store key name.
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -108,7 +111,7 @@ impl Cluster {
             on_failure: cfg.on_failure,
             instances: cfg.instances,
             healthy: AtomicBool::new(true),
-            duration: m::histogram(m::REDIS_DURATION_SECONDS, &[]),
+            duration: m::histogram(m::CLUSTER_DURATION_SECONDS, &[("backend", BACKEND)]),
         })
     }
 
@@ -128,6 +131,11 @@ impl Cluster {
     /// (`/readyz` is 503 meanwhile).
     pub fn misconfigured(&self) -> Option<String> {
         self.store.problem()
+    }
+
+    /// The `backend` metric label.
+    pub fn backend(&self) -> &'static str {
+        BACKEND
     }
 
     /// Whether the last call succeeded.
@@ -159,7 +167,15 @@ impl Cluster {
     fn record(&self, started: Instant, ok: bool, result: &'static str) {
         self.healthy.store(ok, Ordering::Relaxed);
         self.duration.record(started.elapsed());
-        metrics::counter!(m::REDIS_CALLS_TOTAL, "result" => result).increment(1);
+        metrics::counter!(m::CLUSTER_CALLS_TOTAL, "backend" => BACKEND, "result" => result)
+            .increment(1);
+        metrics::gauge!(m::CLUSTER_HEALTHY, "backend" => BACKEND).set(
+            if ok && self.misconfigured().is_none() {
+                1.0
+            } else {
+                0.0
+            },
+        );
     }
 
     /// One admission round trip, bounded by the configured timeout.
