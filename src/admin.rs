@@ -165,22 +165,34 @@ fn status(server: &Handle) -> serde_json::Value {
         .routes()
         .into_iter()
         .map(|r| {
-            serde_json::json!({
+            let mut route = serde_json::json!({
                 "name": r.name,
                 "protocol": r.protocol,
-                "path_prefix": r.path_prefix,
                 "upstream": r.upstream,
                 "rate_per_second": r.rate_per_second,
                 "capacity": r.capacity,
-            })
+            });
+            match r.path_prefix {
+                Some(prefix) => route["path_prefix"] = prefix.into(),
+                None => {
+                    route["listen"] = r
+                        .listen
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .into();
+                }
+            }
+            route
         })
         .collect();
     let upstreams: Vec<serde_json::Value> = server
         .upstreams()
         .into_iter()
-        .map(|(name, paused)| {
+        .map(|(name, protocol, paused)| {
             serde_json::json!({
                 "name": name,
+                "protocol": protocol,
                 "paused_for_ms": paused.map(|d| d.as_millis() as u64),
             })
         })
@@ -199,6 +211,7 @@ fn status(server: &Handle) -> serde_json::Value {
         "clients": clients,
         "staged_bytes": server.staged_bytes(),
         "connections": server.connections(),
+        "smtp_sessions": server.smtp_sessions(),
         "queued": queued,
         "totals": totals,
         "deepest_queues": deepest,

@@ -19,3 +19,5 @@ pub mod pacer;
 pub mod plot;
 pub mod shaper;
 pub mod simulate;
+pub mod smtp;
+pub mod tls;

@@ -42,8 +42,17 @@ fn main() -> ExitCode {
         }
         Command::Check { config } => match Config::load(&config) {
             Ok(c) => {
+                let smtp = if c.smtp.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        ", {} SMTP listeners, {} SMTP upstreams",
+                        c.smtp.len(),
+                        c.smtp_upstreams.len()
+                    )
+                };
                 println!(
-                    "ok: {}: {} routes, {} upstreams",
+                    "ok: {}: {} routes, {} upstreams{smtp}",
                     config.display(),
                     c.routes.len(),
                     c.upstreams.len()

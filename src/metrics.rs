@@ -16,6 +16,8 @@ pub const REQUESTS_TOTAL: &str = "sluice_requests_total";
 pub const DRY_RUN_REFUSALS_TOTAL: &str = "sluice_dry_run_refusals_total";
 /// Requests waiting in queues, over all clients.
 pub const QUEUED_REQUESTS: &str = "sluice_queued_requests";
+/// `limits.max_queued`, beside the queue depth.
+pub const QUEUED_REQUESTS_LIMIT: &str = "sluice_queued_requests_limit";
 /// Client states held (clients with waiting requests or a future slot).
 pub const ACTIVE_CLIENTS: &str = "sluice_active_clients";
 /// Time from arrival to departure of forwarded requests, by route.
@@ -273,8 +275,17 @@ fn describe() {
         Unit::Count,
         "Requests waiting in queues, over all clients."
     );
+    describe_gauge!(
+        QUEUED_REQUESTS_LIMIT,
+        Unit::Count,
+        "limits.max_queued: past it, new requests are refused (503, SMTP 421)."
+    );
     describe_gauge!(ACTIVE_CLIENTS, Unit::Count, "Client states held.");
-    describe_gauge!(CONNECTIONS, Unit::Count, "Client connections open.");
+    describe_gauge!(
+        CONNECTIONS,
+        Unit::Count,
+        "Client connections open, by protocol (HTTP connections, SMTP sessions)."
+    );
     describe_gauge!(
         STAGED_BYTES,
         Unit::Bytes,

@@ -71,3 +71,36 @@ fn missing_file_is_reported() {
         "{stderr}"
     );
 }
+
+/// The shipped config's commented SMTP example, uncommented (with a real
+/// password file), is valid too: the documentation cannot rot.
+#[test]
+fn shipped_smtp_example_is_valid_uncommented() {
+    use std::os::unix::fs::PermissionsExt;
+    let text = std::fs::read_to_string("config/sluice.toml").unwrap();
+    let start = text.find("# [[smtp_upstream]]").expect("the SMTP example");
+    let end = text.find("[limits]").unwrap();
+    let password = std::env::temp_dir().join(format!("sluice-ses-{}.pass", std::process::id()));
+    std::fs::write(&password, "secret\n").unwrap();
+    std::fs::set_permissions(&password, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let example: String = text[start..end]
+        .lines()
+        .map(|l| {
+            l.strip_prefix("# ")
+                .or_else(|| l.strip_prefix('#'))
+                .unwrap_or(l)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        .replace("/etc/sluice/ses.pass", password.to_str().unwrap());
+    let config = format!("{}{example}\n{}", &text[..start], &text[end..]);
+    let path =
+        std::env::temp_dir().join(format!("sluice-smtp-example-{}.toml", std::process::id()));
+    std::fs::write(&path, config).unwrap();
+    let (code, stdout, stderr) = check(&path);
+    assert_eq!(code, 0, "stderr: {stderr}");
+    assert!(
+        stdout.contains("1 SMTP listeners, 1 SMTP upstreams"),
+        "{stdout}"
+    );
+}

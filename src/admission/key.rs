@@ -140,6 +140,47 @@ impl KeyBuf {
     pub fn key(&self) -> Key {
         Key::new(&self.buf)
     }
+
+    /// An address part (`i` and its octets; shown as the address).
+    pub fn ip(&mut self, ip: std::net::IpAddr) {
+        self.push(b'i');
+        match ip {
+            std::net::IpAddr::V4(v4) => self.extend(&v4.octets()),
+            std::net::IpAddr::V6(v6) => self.extend(&v6.octets()),
+        }
+    }
+
+    /// A text part (`h` and the value; shown as the value).
+    pub fn text(&mut self, value: &[u8]) {
+        self.push(b'h');
+        self.extend(value);
+    }
+}
+
+/// The key of `parts`, each written by `one`: the part itself when there
+/// is one, `c` and the length-prefixed parts when there are several. A
+/// part longer than 65535 bytes is cut there (front ends bound parts far
+/// below that).
+pub fn compose<P, E>(
+    parts: &[P],
+    mut one: impl FnMut(&P, &mut KeyBuf) -> Result<(), E>,
+) -> Result<Key, E> {
+    let mut key = KeyBuf::default();
+    match parts {
+        [single] => one(single, &mut key)?,
+        parts => {
+            key.push(b'c');
+            let mut part = KeyBuf::default();
+            for p in parts {
+                part.clear();
+                one(p, &mut part)?;
+                let n = part.len().min(usize::from(u16::MAX));
+                key.extend(&(n as u16).to_be_bytes());
+                key.extend(&part.as_bytes()[..n]);
+            }
+        }
+    }
+    Ok(key.key())
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 //! protocol: dry-run, `max_wait` while held under an upstream cap, the
 //! queue-wait histogram, and the per-rule outcome counters.
 
+mod budget;
 mod key;
 
 use std::collections::HashMap;
@@ -30,7 +31,8 @@ use crate::metrics::{self as m, Outcome};
 use crate::pacer::{AcquireError, Admitted, LagObserver, Shaper, Waiting};
 pub use crate::shaper::{ClientView, Limits, Nanos, Policy, Probe, Rate, Rejection};
 use crate::shaper::{RouteId, UpstreamId};
-pub use key::{Key, KeyBuf};
+pub use budget::{Room, StageBudget};
+pub use key::{Key, KeyBuf, compose};
 
 /// Why the admission layer could not start.
 #[derive(Debug, thiserror::Error)]
@@ -471,12 +473,13 @@ impl Admission {
                 rule: rule.clone(),
                 kind: Some(HoldKind::Local(waiting)),
                 arrival,
-                // Under an upstream cap the departure is only a lower bound
-                // at admission: max_wait is also enforced while waiting.
+                // Under an upstream cap or pause the departure is only a
+                // lower bound at admission: max_wait is also enforced while
+                // waiting.
                 deadline: rule
                     .policy
                     .max_wait
-                    .filter(|_| rule.capped())
+                    .filter(|_| rule.capped() || rule.pausable)
                     .map(|w| arrival + Duration::from_nanos(w)),
                 closing: self.closing.clone(),
             }),
@@ -665,6 +668,11 @@ impl Admission {
     /// Outcome totals since start.
     pub fn totals(&self) -> &Totals {
         &self.totals
+    }
+
+    /// The global bounds on clients and queued requests.
+    pub fn limits(&self) -> Limits {
+        self.shaper.budget().limits()
     }
 
     /// Change the global bounds on clients and queued requests.

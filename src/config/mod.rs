@@ -6,6 +6,7 @@
 //! path: `route 'api': rate '5/x': unit must be s, m, h or d`.
 
 mod raw;
+mod smtp;
 
 use std::collections::HashSet;
 use std::fmt;
@@ -18,6 +19,7 @@ use ipnet::IpNet;
 
 use crate::shaper::Rate;
 use raw::{RawConfig, RawCost, RawKey, RawRoute, RawSize, RawUpstream};
+pub use smtp::{Credentials, Secret, SmtpCost, SmtpKeyPart, SmtpListener, SmtpTls, SmtpUpstream};
 
 /// A validated configuration.
 #[derive(Debug, Clone)]
@@ -30,6 +32,10 @@ pub struct Config {
     pub cluster: Option<ClusterConfig>,
     pub upstreams: Vec<Upstream>,
     pub routes: Vec<Route>,
+    /// `[[smtp_upstream]]`: where SMTP listeners relay.
+    pub smtp_upstreams: Vec<SmtpUpstream>,
+    /// `[[smtp]]`: SMTP listeners, each with its shaping policy.
+    pub smtp: Vec<SmtpListener>,
     pub limits: Limits,
 }
 
@@ -387,7 +393,8 @@ impl Validator {
             .trusted_proxies
             .as_ref()
             .is_some_and(|t| !t.is_empty());
-        let server = self.server(raw.server);
+        let http = !raw.routes.is_empty();
+        let server = self.server(raw.server, http);
         let admin = self.admin(raw.admin);
         let cluster = self.cluster(raw.cluster);
         let limits = Limits {
@@ -415,17 +422,56 @@ impl Validator {
             ),
         };
 
-        if raw.upstreams.is_empty() {
-            self.problem("upstream", "at least one [[upstream]] is required");
+        if raw.routes.is_empty() && raw.smtp.is_empty() {
+            self.problem(
+                "route",
+                "at least one [[route]] (HTTP) or [[smtp]] listener is required",
+            );
         }
-        if raw.routes.is_empty() {
-            self.problem("route", "at least one [[route]] is required");
+        if http && raw.upstreams.is_empty() {
+            self.problem("upstream", "at least one [[upstream]] is required");
         }
         let upstream_names: Vec<Option<String>> =
             raw.upstreams.iter().map(|u| u.name.clone()).collect();
-        self.unique("upstream", &upstream_names);
-        let route_names: Vec<Option<String>> = raw.routes.iter().map(|r| r.name.clone()).collect();
+        let smtp_upstream_names: Vec<Option<String>> =
+            raw.smtp_upstreams.iter().map(|u| u.name.clone()).collect();
+        // Routes and listeners label the same metrics, upstreams of both
+        // kinds the same upstream metrics: one namespace each.
+        let all_upstreams: Vec<Option<String>> = upstream_names
+            .iter()
+            .chain(&smtp_upstream_names)
+            .cloned()
+            .collect();
+        self.unique("upstream", &all_upstreams);
+        let route_names: Vec<Option<String>> = raw
+            .routes
+            .iter()
+            .map(|r| r.name.clone())
+            .chain(raw.smtp.iter().map(|s| s.name.clone()))
+            .collect();
         self.unique("route", &route_names);
+        let smtp_upstreams: Vec<Option<SmtpUpstream>> = raw
+            .smtp_upstreams
+            .into_iter()
+            .enumerate()
+            .map(|(i, u)| self.smtp_upstream(i, u))
+            .collect();
+        let smtp: Vec<Option<SmtpListener>> = raw
+            .smtp
+            .into_iter()
+            .enumerate()
+            .map(|(i, l)| self.smtp_listener(i, l, &smtp_upstream_names))
+            .collect();
+        if let Some(s) = &server {
+            for l in smtp.iter().flatten() {
+                for addr in l.listen.iter().filter(|a| s.listen.contains(a)) {
+                    self.problem(
+                        &format!("smtp '{}'", l.name),
+                        format!("listen: {addr} is also in server.listen"),
+                    );
+                }
+            }
+        }
 
         let upstreams: Vec<Option<Upstream>> = raw
             .upstreams
@@ -442,12 +488,19 @@ impl Validator {
 
         let upstreams: Option<Vec<Upstream>> = upstreams.into_iter().collect();
         let routes: Option<Vec<Route>> = routes.into_iter().collect();
+        let smtp_upstreams: Option<Vec<SmtpUpstream>> = smtp_upstreams.into_iter().collect();
+        let smtp: Option<Vec<SmtpListener>> = smtp.into_iter().collect();
+        if let (Some(listeners), Some(ups)) = (&smtp, &smtp_upstreams) {
+            self.check_holds(listeners, ups);
+        }
         Some(Config {
             server: server?,
             admin: admin?,
             cluster: cluster?,
             upstreams: upstreams?,
             routes: routes?,
+            smtp_upstreams: smtp_upstreams?,
+            smtp: smtp?,
             limits,
         })
     }
@@ -580,31 +633,21 @@ impl Validator {
         }
     }
 
-    fn server(&mut self, raw: raw::RawServer) -> Option<Server> {
-        let listen_raw = raw
-            .listen
-            .unwrap_or_else(|| vec![DEFAULT_LISTEN.to_owned()]);
-        if listen_raw.is_empty() {
+    /// `[server]`; `http` tells whether there are HTTP routes: without
+    /// any, and without `listen`, no HTTP listener is opened (a pure SMTP
+    /// relay).
+    fn server(&mut self, raw: raw::RawServer, http: bool) -> Option<Server> {
+        let listen_raw = match raw.listen {
+            Some(l) => l,
+            None if http => vec![DEFAULT_LISTEN.to_owned()],
+            None => Vec::new(),
+        };
+        if listen_raw.is_empty() && http {
             self.problem("server.listen", "at least one address is required");
         }
-        let mut listen = Vec::new();
-        let mut ok = true;
-        for a in &listen_raw {
-            match a.parse::<SocketAddr>() {
-                Ok(addr) if listen.contains(&addr) => {
-                    self.problem("server.listen", format!("'{a}' is listed twice"));
-                    ok = false;
-                }
-                Ok(addr) => listen.push(addr),
-                Err(_) => {
-                    self.problem(
-                        "server.listen",
-                        format!("'{a}' is not an address with a port, such as 127.0.0.1:8080 or [::1]:8080"),
-                    );
-                    ok = false;
-                }
-            }
-        }
+        let listen = self.addresses("server.listen", &listen_raw);
+        let mut ok = listen.is_some();
+        let listen = listen.unwrap_or_default();
         let header_read_timeout = self.duration(
             "server.header_read_timeout",
             raw.header_read_timeout.as_deref(),
@@ -669,6 +712,29 @@ impl Validator {
             drain_timeout: drain_timeout?,
             trusted_proxies,
         })
+    }
+
+    /// Socket addresses, each listed once.
+    fn addresses(&mut self, path: &str, list: &[String]) -> Option<Vec<SocketAddr>> {
+        let mut out = Vec::new();
+        let mut ok = true;
+        for a in list {
+            match a.parse::<SocketAddr>() {
+                Ok(addr) if out.contains(&addr) => {
+                    self.problem(path, format!("'{a}' is listed twice"));
+                    ok = false;
+                }
+                Ok(addr) => out.push(addr),
+                Err(_) => {
+                    self.problem(
+                        path,
+                        format!("'{a}' is not an address with a port, such as 127.0.0.1:8080 or [::1]:8080"),
+                    );
+                    ok = false;
+                }
+            }
+        }
+        ok.then_some(out)
     }
 
     /// A whole number from `min` to `max` (reported, and `min` used, when
@@ -787,16 +853,7 @@ impl Validator {
             }
             Some(text) => self.upstream_url(&path, &text),
         };
-        let rate = match raw.rate {
-            None => Some(None),
-            Some(text) => match text.parse::<Rate>() {
-                Ok(r) => Some(Some(r)),
-                Err(e) => {
-                    self.problem(&path, format!("rate '{text}': {e}"));
-                    None
-                }
-            },
-        };
+        let rate = self.optional_rate(&path, raw.rate);
         let host = self.host_mode(&path, raw.host.as_deref(), url.as_ref());
         let ca = match raw.ca_file {
             None => Some(None),
@@ -996,25 +1053,7 @@ impl Validator {
         trusted_proxies: bool,
     ) -> Option<Route> {
         let path = element_path("route", index, raw.name.as_deref());
-        let name = match raw.name {
-            Some(n) if n.is_empty() => {
-                self.problem(&path, "name must not be empty");
-                None
-            }
-            Some(n)
-                if !n
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) =>
-            {
-                self.problem(&path, "name may only use letters, digits, '-', '_' and '.'");
-                None
-            }
-            Some(n) => Some(n),
-            None => {
-                self.problem(&path, "name is required");
-                None
-            }
-        };
+        let name = self.policy_name(&path, raw.name);
         let matcher = raw.matcher.unwrap_or_default();
         let mut match_ok = true;
         let path_prefix = match matcher.path_prefix {
@@ -1072,36 +1111,7 @@ impl Validator {
                 Some(methods)
             }
         };
-        let upstream = match raw.upstream {
-            None => {
-                self.problem(&path, "upstream is required");
-                None
-            }
-            Some(u) => match upstreams
-                .iter()
-                .position(|n| n.as_deref() == Some(u.as_str()))
-            {
-                Some(i) => Some(i),
-                None => {
-                    let known: Vec<String> = upstreams
-                        .iter()
-                        .flatten()
-                        .filter(|n| !n.trim().is_empty())
-                        .map(|n| format!("'{n}'"))
-                        .collect();
-                    let message = if known.is_empty() {
-                        format!("upstream '{u}' does not exist (no upstream has a name)")
-                    } else {
-                        format!(
-                            "upstream '{u}' does not exist (known: {})",
-                            known.join(", ")
-                        )
-                    };
-                    self.problem(&path, message);
-                    None
-                }
-            },
-        };
+        let upstream = self.upstream_ref(&path, raw.upstream, upstreams);
         let key = match raw.key {
             None => {
                 self.problem(
@@ -1140,47 +1150,8 @@ impl Validator {
                 None
             }
         };
-        let rate = match raw.rate {
-            None => {
-                self.problem(&path, "rate is required, such as \"5/s\"");
-                None
-            }
-            Some(text) => match text.parse::<Rate>() {
-                Ok(r) => Some(r),
-                Err(e) => {
-                    self.problem(&path, format!("rate '{text}': {e}"));
-                    None
-                }
-            },
-        };
-        let capacity = match raw.capacity {
-            None => {
-                self.problem(&path, "capacity is required (a whole number >= 0)");
-                None
-            }
-            Some(n) => match u32::try_from(n) {
-                Ok(c) if c <= MAX_CAPACITY => Some(c),
-                _ => {
-                    self.problem(
-                        &path,
-                        format!("capacity: {n} must be a whole number from 0 to {MAX_CAPACITY}"),
-                    );
-                    None
-                }
-            },
-        };
+        let (rate, capacity, burst) = self.shape(&path, raw.rate, raw.capacity, raw.burst);
         let cost = self.cost(&path, raw.cost);
-        let burst = match raw.burst.map(u32::try_from) {
-            None => Some(0),
-            Some(Ok(b)) if b <= MAX_BURST => Some(b),
-            _ => {
-                self.problem(
-                    &path,
-                    format!("burst must be a whole number from 0 to {MAX_BURST}"),
-                );
-                None
-            }
-        };
         let max_wait = match raw.max_wait {
             None => Some(None),
             Some(text) => self
@@ -1230,6 +1201,131 @@ impl Validator {
             ratelimit_headers: raw.ratelimit_headers.unwrap_or(false),
             strip_prefix: strip_prefix?,
         })
+    }
+
+    /// A route's or listener's name: it labels metrics and names queues in
+    /// `/status`, so letters, digits, '-', '_' and '.' only.
+    fn policy_name(&mut self, path: &str, raw: Option<String>) -> Option<String> {
+        match raw {
+            Some(n) if n.is_empty() => {
+                self.problem(path, "name must not be empty");
+                None
+            }
+            Some(n)
+                if !n
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) =>
+            {
+                self.problem(path, "name may only use letters, digits, '-', '_' and '.'");
+                None
+            }
+            Some(n) => Some(n),
+            None => {
+                self.problem(path, "name is required");
+                None
+            }
+        }
+    }
+
+    /// The index of the upstream named `raw` among `upstreams`.
+    fn upstream_ref(
+        &mut self,
+        path: &str,
+        raw: Option<String>,
+        upstreams: &[Option<String>],
+    ) -> Option<usize> {
+        let Some(u) = raw else {
+            self.problem(path, "upstream is required");
+            return None;
+        };
+        if let Some(i) = upstreams
+            .iter()
+            .position(|n| n.as_deref() == Some(u.as_str()))
+        {
+            return Some(i);
+        }
+        let known: Vec<String> = upstreams
+            .iter()
+            .flatten()
+            .filter(|n| !n.trim().is_empty())
+            .map(|n| format!("'{n}'"))
+            .collect();
+        let message = if known.is_empty() {
+            format!("upstream '{u}' does not exist (no upstream has a name)")
+        } else {
+            format!(
+                "upstream '{u}' does not exist (known: {})",
+                known.join(", ")
+            )
+        };
+        self.problem(path, message);
+        None
+    }
+
+    /// The shaping policy's rate (required), capacity (required) and burst
+    /// (default 0).
+    fn shape(
+        &mut self,
+        path: &str,
+        rate: Option<String>,
+        capacity: Option<i64>,
+        burst: Option<i64>,
+    ) -> (Option<Rate>, Option<u32>, Option<u32>) {
+        let rate = match rate {
+            None => {
+                self.problem(path, "rate is required, such as \"5/s\"");
+                None
+            }
+            Some(text) => match text.parse::<Rate>() {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    self.problem(path, format!("rate '{text}': {e}"));
+                    None
+                }
+            },
+        };
+        let capacity = match capacity {
+            None => {
+                self.problem(path, "capacity is required (a whole number >= 0)");
+                None
+            }
+            Some(n) => match u32::try_from(n) {
+                Ok(c) if c <= MAX_CAPACITY => Some(c),
+                _ => {
+                    self.problem(
+                        path,
+                        format!("capacity: {n} must be a whole number from 0 to {MAX_CAPACITY}"),
+                    );
+                    None
+                }
+            },
+        };
+        let burst = match burst.map(u32::try_from) {
+            None => Some(0),
+            Some(Ok(b)) if b <= MAX_BURST => Some(b),
+            _ => {
+                self.problem(
+                    path,
+                    format!("burst must be a whole number from 0 to {MAX_BURST}"),
+                );
+                None
+            }
+        };
+        (rate, capacity, burst)
+    }
+
+    /// An optional rate (an upstream's cap).
+    fn optional_rate(&mut self, path: &str, raw: Option<String>) -> Option<Option<Rate>> {
+        match raw {
+            None => Some(None),
+            Some(text) => match text.parse::<Rate>() {
+                Ok(r) => Some(Some(r)),
+                Err(e) => {
+                    self.problem(path, format!("rate '{text}': {e}"));
+                    None
+                }
+            },
+        }
     }
 
     fn cost(&mut self, path: &str, raw: Option<RawCost>) -> Option<Cost> {

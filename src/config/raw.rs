@@ -30,6 +30,72 @@ pub struct RawConfig {
     pub limits: RawLimits,
     pub admin: Option<RawAdmin>,
     pub cluster: Option<RawCluster>,
+    #[serde(default, rename = "smtp_upstream")]
+    pub smtp_upstreams: Vec<RawSmtpUpstream>,
+    #[serde(default, rename = "smtp")]
+    pub smtp: Vec<RawSmtp>,
+}
+
+/// `[[smtp_upstream]]`: where SMTP listeners relay.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSmtpUpstream {
+    pub name: Option<String>,
+    #[serde(default, deserialize_with = "smtp_url")]
+    pub url: Option<String>,
+    pub tls: Option<String>,
+    pub ca_file: Option<String>,
+    pub username: Option<String>,
+    pub password_file: Option<String>,
+    #[serde(default, deserialize_with = "rate")]
+    pub rate: Option<String>,
+    #[serde(default, deserialize_with = "whole")]
+    pub max_connections: Option<i64>,
+    #[serde(default, deserialize_with = "whole")]
+    pub max_messages_per_connection: Option<i64>,
+    #[serde(default, deserialize_with = "duration")]
+    pub connect_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub relay_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub idle_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub throttle_pause: Option<String>,
+    pub helo_name: Option<String>,
+}
+
+/// `[[smtp]]`: one SMTP listener and its shaping policy.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSmtp {
+    pub name: Option<String>,
+    #[serde(default, deserialize_with = "addresses")]
+    pub listen: Option<Vec<String>>,
+    pub upstream: Option<String>,
+    pub key: Option<RawKey>,
+    #[serde(default, deserialize_with = "rate")]
+    pub rate: Option<String>,
+    #[serde(default, deserialize_with = "whole")]
+    pub capacity: Option<i64>,
+    #[serde(default, deserialize_with = "whole")]
+    pub burst: Option<i64>,
+    pub cost: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub max_wait: Option<String>,
+    #[serde(default, deserialize_with = "size")]
+    pub max_message_size: Option<RawSize>,
+    #[serde(default, deserialize_with = "whole")]
+    pub max_recipients: Option<i64>,
+    #[serde(default, deserialize_with = "whole")]
+    pub max_connections: Option<i64>,
+    #[serde(default, deserialize_with = "duration")]
+    pub idle_timeout: Option<String>,
+    pub hostname: Option<String>,
+    pub tls_cert: Option<String>,
+    pub tls_key: Option<String>,
+    pub require_tls: Option<bool>,
+    pub auth_file: Option<String>,
+    pub allow_from: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -455,6 +521,11 @@ fn rate<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
 
 fn url<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
     d.deserialize_str(Text("a URL such as \"http://127.0.0.1:9000\""))
+        .map(Some)
+}
+
+fn smtp_url<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    d.deserialize_str(Text("a URL such as \"smtp://127.0.0.1:2587\""))
         .map(Some)
 }
 

@@ -275,7 +275,10 @@ fn sizes_take_units_and_are_bounded() {
 #[test]
 fn no_routes_is_invalid() {
     let text = "[[upstream]]\nname = \"api\"\nurl = \"http://127.0.0.1:9000\"\n";
-    assert_problem(text, "at least one [[route]] is required");
+    assert_problem(
+        text,
+        "at least one [[route]] (HTTP) or [[smtp]] listener is required",
+    );
 }
 
 #[test]

@@ -28,7 +28,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsConnector;
 use tokio_util::either::Either;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::ServeError;
 use super::headers::{add_forwarded, append_via, strip_hop_by_hop};
@@ -107,57 +107,6 @@ pub struct Upstream {
     concurrency: Option<Arc<Semaphore>>,
 }
 
-/// TLS settings for an https upstream with a private CA: its certificates
-/// are the only roots.
-fn private_ca_config(
-    certs: &[rustls::pki_types::CertificateDer<'static>],
-) -> Result<Arc<rustls::ClientConfig>, rustls::Error> {
-    let mut roots = rustls::RootCertStore::empty();
-    for c in certs {
-        roots.add(c.clone())?;
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    Ok(Arc::new(
-        rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots)
-            .with_no_client_auth(),
-    ))
-}
-
-/// TLS settings for https upstreams: the system's roots. A machine without
-/// any still serves http upstreams; https ones then fail to verify (502).
-pub fn tls_config() -> Arc<rustls::ClientConfig> {
-    let mut roots = rustls::RootCertStore::empty();
-    let found = rustls_native_certs::load_native_certs();
-    for cert in found.certs {
-        let _ = roots.add(cert);
-    }
-    if roots.is_empty() {
-        debug!("no system root certificates found; https upstreams will not verify");
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map(|b| {
-            b.with_root_certificates(roots.clone())
-                .with_no_client_auth()
-        });
-    match config {
-        Ok(c) => Arc::new(c),
-        // The ring provider supports the default versions; if it ever does
-        // not, https upstreams fail (502), not the daemon.
-        Err(e) => {
-            warn!(error = %e, "TLS set-up failed; https upstreams are unavailable");
-            Arc::new(
-                rustls::ClientConfig::builder()
-                    .with_root_certificates(rustls::RootCertStore::empty())
-                    .with_no_client_auth(),
-            )
-        }
-    }
-}
-
 impl Upstream {
     pub fn new(
         cfg: &config::Upstream,
@@ -179,7 +128,7 @@ impl Upstream {
             let name = ServerName::try_from(host.clone())
                 .map_err(|e| ServeError::Client(format!("upstream '{}': {host}: {e}", cfg.name)))?;
             let config = match &cfg.ca {
-                Some(certs) => private_ca_config(certs).map_err(|e| {
+                Some(certs) => crate::tls::private_ca_config(certs).map_err(|e| {
                     ServeError::Client(format!("upstream '{}': ca_file: {e}", cfg.name))
                 })?,
                 None => tls.clone(),

@@ -10,7 +10,7 @@ use http::HeaderMap;
 use http::header::HeaderName;
 use ipnet::IpNet;
 
-use crate::admission::{Key, KeyBuf};
+use crate::admission::{Key, compose};
 use crate::config::{KeyPart, KeySpec, OnMissingKey};
 
 /// Longest header value accepted as a key; longer ones are refused (400)
@@ -18,19 +18,6 @@ use crate::config::{KeyPart, KeySpec, OnMissingKey};
 pub const MAX_KEY_LEN: usize = 256;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-
-fn ip_part(ip: IpAddr, out: &mut KeyBuf) {
-    out.push(b'i');
-    match ip {
-        IpAddr::V4(v4) => out.extend(&v4.octets()),
-        IpAddr::V6(v6) => out.extend(&v6.octets()),
-    }
-}
-
-fn header_part(value: &[u8], out: &mut KeyBuf) {
-    out.push(b'h');
-    out.extend(value);
-}
 
 fn is_trusted(ip: IpAddr, trusted: &[IpNet]) -> bool {
     trusted.iter().any(|n| n.contains(&ip))
@@ -78,10 +65,10 @@ pub fn extract(
     peer: IpAddr,
     trusted: &[IpNet],
 ) -> Result<Key, String> {
-    let one = |part: &KeyPart, out: &mut KeyBuf| -> Result<(), String> {
+    compose(&spec.0, |part, out| {
         match part {
-            KeyPart::Ip => ip_part(peer, out),
-            KeyPart::Forwarded => ip_part(forwarded_client(headers, peer, trusted), out),
+            KeyPart::Ip => out.ip(peer),
+            KeyPart::Forwarded => out.ip(forwarded_client(headers, peer, trusted)),
             KeyPart::Global => {}
             KeyPart::Header(name) => match headers.get(name) {
                 Some(v) if v.len() > MAX_KEY_LEN => {
@@ -89,31 +76,15 @@ pub fn extract(
                         "the {name} header is longer than {MAX_KEY_LEN} bytes"
                     ));
                 }
-                Some(v) if !v.is_empty() => header_part(v.as_bytes(), out),
+                Some(v) if !v.is_empty() => out.text(v.as_bytes()),
                 _ => match on_missing {
-                    OnMissingKey::Ip => ip_part(peer, out),
+                    OnMissingKey::Ip => out.ip(peer),
                     OnMissingKey::Reject => return Err(format!("the {name} header is required")),
                 },
             },
         }
         Ok(())
-    };
-    let mut key = KeyBuf::default();
-    match spec.0.as_slice() {
-        [single] => one(single, &mut key)?,
-        parts => {
-            key.push(b'c');
-            let mut part = KeyBuf::default();
-            for p in parts {
-                part.clear();
-                one(p, &mut part)?;
-                // Each part is at most MAX_KEY_LEN + 1 bytes: a u16 holds it.
-                key.extend(&(part.len() as u16).to_be_bytes());
-                key.extend(part.as_bytes());
-            }
-        }
-    }
-    Ok(key.key())
+    })
 }
 
 /// The key for the displayed form `text` (as `/status` shows it: header
@@ -121,38 +92,27 @@ pub fn extract(
 /// query; `None` when `text` cannot be a key the proxy would file a
 /// request under (an empty or over-long header value).
 pub fn from_display(spec: &KeySpec, text: &str) -> Option<Key> {
-    let one = |part: &KeyPart, text: &str, out: &mut KeyBuf| -> Option<()> {
+    let texts: Vec<&str> = match spec.0.len() {
+        1 => vec![text],
+        n => Some(text.split('|').collect::<Vec<_>>()).filter(|t| t.len() == n)?,
+    };
+    let mut texts = texts.into_iter();
+    compose(&spec.0, |part, out| {
+        let text = texts.next().ok_or(())?;
         match part {
-            KeyPart::Ip | KeyPart::Forwarded => ip_part(text.parse().ok()?, out),
+            KeyPart::Ip | KeyPart::Forwarded => out.ip(text.parse().map_err(|_| ())?),
             KeyPart::Global => {}
             KeyPart::Header(_) => {
                 let value: Vec<u8> = percent_encoding::percent_decode_str(text).collect();
                 if value.is_empty() || value.len() > MAX_KEY_LEN {
-                    return None;
+                    return Err(());
                 }
-                header_part(&value, out);
+                out.text(&value);
             }
         }
-        Some(())
-    };
-    let mut key = KeyBuf::default();
-    match spec.0.as_slice() {
-        [single] => one(single, text, &mut key)?,
-        parts => {
-            let texts: Vec<&str> = text.split('|').collect();
-            if texts.len() != parts.len() {
-                return None;
-            }
-            key.push(b'c');
-            for (p, t) in parts.iter().zip(texts) {
-                let mut part = KeyBuf::default();
-                one(p, t, &mut part)?;
-                key.extend(&(part.len() as u16).to_be_bytes());
-                key.extend(part.as_bytes());
-            }
-        }
-    }
-    Some(key.key())
+        Ok(())
+    })
+    .ok()
 }
 
 #[cfg(test)]

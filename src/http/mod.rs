@@ -61,7 +61,9 @@ pub enum ServeError {
 /// State shared by every worker, the admin listener and the signal
 /// handlers.
 pub(crate) struct Shared {
-    admission: Admission,
+    admission: Arc<Admission>,
+    /// The SMTP relay's listeners and table (empty without `[[smtp]]`).
+    smtp: Arc<crate::smtp::Front>,
     /// Each worker's own routing table (its own pools), swapped on reload.
     apps: Vec<ArcSwap<App>>,
     concurrency: Mutex<Concurrency>,
@@ -111,7 +113,10 @@ pub struct Handle(Arc<Shared>);
 pub struct RouteSummary {
     pub name: String,
     pub protocol: &'static str,
-    pub path_prefix: String,
+    /// HTTP routes: the path prefix they take.
+    pub path_prefix: Option<String>,
+    /// SMTP listeners: their addresses.
+    pub listen: Vec<SocketAddr>,
     pub upstream: String,
     pub rate_per_second: f64,
     pub capacity: u32,
@@ -141,6 +146,8 @@ impl Handle {
     /// Listener addresses and `[server]` limits need a restart.
     pub fn reload(&self, config: &Config) -> Result<(), ServeError> {
         let shared = &self.0;
+        // Everything that can fail first: all or nothing.
+        let smtp = shared.smtp.prepare(config).map_err(ServeError::Client)?;
         let apps = App::build_all(
             &shared.admission,
             config,
@@ -157,6 +164,7 @@ impl Handle {
         for (slot, app) in shared.apps.iter().zip(apps) {
             slot.store(Arc::new(app));
         }
+        shared.smtp.install(smtp);
         shared.version.fetch_add(1, Ordering::Relaxed);
         shared.loaded_at.store(unix_now(), Ordering::Relaxed);
         metrics::gauge!(m::CONFIG_LOADED_TIMESTAMP_SECONDS).set(unix_now() as f64);
@@ -184,12 +192,24 @@ impl Handle {
         metrics::gauge!(m::ACTIVE_CLIENTS).set(clients as f64);
         metrics::gauge!(m::QUEUED_REQUESTS).set(queued as f64);
         metrics::gauge!(m::STAGED_BYTES).set(self.0.staging.used() as f64);
-        metrics::gauge!(m::CONNECTIONS).set(self.connections() as f64);
+        metrics::gauge!(m::QUEUED_REQUESTS_LIMIT).set(self.0.admission.limits().max_queued as f64);
+        metrics::gauge!(m::CONNECTIONS, "protocol" => "http").set(self.connections() as f64);
+        metrics::gauge!(m::CONNECTIONS, "protocol" => "smtp").set(self.smtp_sessions() as f64);
     }
 
-    /// Client connections open now.
+    /// HTTP client connections open now.
     pub fn connections(&self) -> usize {
         conn::OPEN.load(Ordering::Relaxed)
+    }
+
+    /// SMTP client sessions open now.
+    pub fn smtp_sessions(&self) -> usize {
+        self.0.smtp.sessions()
+    }
+
+    /// The SMTP listeners' bound addresses, by listener name.
+    pub fn smtp_addrs(&self) -> Vec<(String, SocketAddr)> {
+        self.0.smtp.local_addrs()
     }
 
     /// Bytes of request bodies staged now.
@@ -197,20 +217,25 @@ impl Handle {
         self.0.staging.used()
     }
 
-    /// Every upstream, with how long it stays paused if it is.
-    pub fn upstreams(&self) -> Vec<(String, Option<Duration>)> {
+    /// Every upstream (HTTP, then SMTP) with its protocol, and how long it
+    /// stays paused if it is.
+    pub fn upstreams(&self) -> Vec<(String, &'static str, Option<Duration>)> {
         let app = self.0.app(0);
-        app.upstreams
-            .iter()
-            .map(|u| {
-                let paused = app
-                    .routes
-                    .iter()
-                    .filter(|r| r.rule.upstream() == u.name())
-                    .find_map(|r| self.0.admission.paused_for(&r.rule));
-                (u.name().to_owned(), paused)
-            })
-            .collect()
+        let http = app.upstreams.iter().map(|u| {
+            let paused = app
+                .routes
+                .iter()
+                .filter(|r| r.rule.upstream() == u.name())
+                .find_map(|r| self.0.admission.paused_for(&r.rule));
+            (u.name().to_owned(), "http", paused)
+        });
+        let smtp = self
+            .0
+            .smtp
+            .upstreams()
+            .into_iter()
+            .map(|(name, paused)| (name, "smtp", paused));
+        http.chain(smtp).collect()
     }
 
     /// The config version (1 at start, +1 per reload) and when it loaded.
@@ -241,29 +266,39 @@ impl Handle {
         self.0.admission.backend_not_ready()
     }
 
-    /// The routes of the running config.
+    /// The routes of the running config: HTTP routes, then SMTP
+    /// listeners.
     pub fn routes(&self) -> Vec<RouteSummary> {
         let app = self.0.app(0);
-        app.routes
-            .iter()
-            .map(|r| RouteSummary {
-                name: r.name.clone(),
-                protocol: r.rule.protocol().as_str(),
-                path_prefix: r.path_prefix().to_owned(),
-                upstream: app
-                    .upstreams
-                    .get(r.upstream)
-                    .map_or_else(String::new, |u| u.name().to_owned()),
-                rate_per_second: r.rule.policy().rate.per_second_f64(),
-                capacity: r.rule.policy().capacity,
-            })
-            .collect()
+        let http = app.routes.iter().map(|r| RouteSummary {
+            name: r.name.clone(),
+            protocol: r.rule.protocol().as_str(),
+            path_prefix: Some(r.path_prefix().to_owned()),
+            listen: Vec::new(),
+            upstream: app
+                .upstreams
+                .get(r.upstream)
+                .map_or_else(String::new, |u| u.name().to_owned()),
+            rate_per_second: r.rule.policy().rate.per_second_f64(),
+            capacity: r.rule.policy().capacity,
+        });
+        let smtp = self.0.smtp.summaries().into_iter().map(|l| RouteSummary {
+            name: l.name,
+            protocol: crate::admission::Protocol::Smtp.as_str(),
+            path_prefix: None,
+            listen: l.listen,
+            upstream: l.upstream,
+            rate_per_second: l.rate_per_second,
+            capacity: l.capacity,
+        });
+        http.chain(smtp).collect()
     }
 
     /// The `n` deepest queues, deepest first, with the engine's clock.
     pub fn deepest(&self, n: usize) -> (Vec<QueueSummary>, u64) {
         let admission = &self.0.admission;
         let app = self.0.app(0);
+        let smtp = self.0.smtp.rules();
         let now = admission.now();
         let queues = admission
             .deepest(n)
@@ -272,8 +307,10 @@ impl Handle {
                 route: app
                     .routes
                     .iter()
-                    .find(|r| admission.is_rule_route(&r.rule, id))
-                    .map_or_else(|| "(removed)".to_owned(), |r| r.name.clone()),
+                    .map(|r| &r.rule)
+                    .chain(&smtp)
+                    .find(|r| admission.is_rule_route(r, id))
+                    .map_or_else(|| "(removed)".to_owned(), |r| r.name().to_owned()),
                 key: key.display(),
                 view,
             })
@@ -299,11 +336,12 @@ impl Handle {
 
     /// Refusals per route since the last call, for the log summary.
     fn take_refusals(&self) -> Vec<(String, u64)> {
-        self.0
-            .app(0)
-            .routes
+        let app = self.0.app(0);
+        app.routes
             .iter()
-            .map(|r| (r.name.clone(), r.rule.take_refused()))
+            .map(|r| r.rule.clone())
+            .chain(self.0.smtp.rules())
+            .map(|r| (r.name().to_owned(), r.take_refused()))
             .filter(|(_, n)| *n > 0)
             .collect()
     }

@@ -127,8 +127,13 @@ impl Server {
     /// Build the admission layer and the routing tables from `config`,
     /// then bind every listener. Nothing is served until [`Server::run`].
     pub async fn bind(config: &Config) -> Result<Server, ServeError> {
-        let workers = worker_count(config.server.workers);
-        let admission = Admission::start(limits(config), config.cluster.as_ref())?;
+        // Without HTTP listeners (a pure mail relay), no HTTP workers.
+        let workers = if config.server.listen.is_empty() {
+            0
+        } else {
+            worker_count(config.server.workers)
+        };
+        let admission = Arc::new(Admission::start(limits(config), config.cluster.as_ref())?);
         // The shared schedule's store is checked before serving: a wrong
         // topology is logged (and /readyz says why) until it is right; with
         // on_failure = "reject" sluice refuses to start instead.
@@ -137,7 +142,17 @@ impl Server {
         {
             return Err(ServeError::Backend(why));
         }
-        let tls = super::forward::tls_config();
+        let tls = crate::tls::client_config();
+        let staging = Arc::new(super::stage::StageBudget::new(
+            config.limits.max_staged_body,
+            config.limits.max_staged_bytes,
+        ));
+        let smtp = Arc::new(crate::smtp::Front::bind(
+            config,
+            admission.clone(),
+            staging.clone(),
+            tls.clone(),
+        )?);
         let mut concurrency = Concurrency::default();
         let apps = App::build_all(&admission, config, &tls, workers, &mut concurrency)?;
 
@@ -176,12 +191,10 @@ impl Server {
         Ok(Server {
             shared: Arc::new(Shared {
                 admission,
+                smtp,
                 apps: apps.into_iter().map(ArcSwap::from_pointee).collect(),
                 concurrency: Mutex::new(concurrency),
-                staging: Arc::new(super::stage::StageBudget::new(
-                    config.limits.max_staged_body,
-                    config.limits.max_staged_bytes,
-                )),
+                staging,
                 tls,
                 draining: AtomicBool::new(false),
                 drain_timeout: Mutex::new(config.server.drain_timeout),
@@ -246,6 +259,9 @@ impl Server {
             }
         }
         workers.close();
+        let smtp_sessions = TaskTracker::new();
+        self.shared.smtp.run(&stop, &smtp_sessions);
+        smtp_sessions.close();
         let summaries = tokio::spawn(log_refusals(Handle(self.shared.clone())));
 
         shutdown.await;
@@ -258,13 +274,21 @@ impl Server {
             "draining: no new connections; queued requests keep their pace"
         );
         stop.cancel();
-        if tokio::time::timeout(timeout, workers.wait()).await.is_err() {
+        let all = async {
+            workers.wait().await;
+            smtp_sessions.wait().await;
+        };
+        if tokio::time::timeout(timeout, all).await.is_err() {
             let refused = self.shared.admission.close_waiting();
             if refused > 0 {
                 warn!(refused, "drain timeout passed: answering the rest 503");
             }
             let grace = self.shared.app(0).longest_request_timeout() + Duration::from_secs(1);
-            if tokio::time::timeout(grace, workers.wait()).await.is_err() {
+            let all = async {
+                workers.wait().await;
+                smtp_sessions.wait().await;
+            };
+            if tokio::time::timeout(grace, all).await.is_err() {
                 warn!("connections still open after the in-flight grace period; closing");
             }
         }

@@ -7,77 +7,20 @@
 //! of large queued bodies cannot grow memory.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body_util::BodyExt;
 use hyper::body::{Body, Incoming};
 
-/// The staging limits and the bytes staged now, shared by every worker.
-#[derive(Debug)]
-pub struct StageBudget {
-    used: AtomicUsize,
-    max_body: AtomicUsize,
-    max_total: AtomicUsize,
-}
-
-impl StageBudget {
-    pub fn new(max_body: usize, max_total: usize) -> StageBudget {
-        StageBudget {
-            used: AtomicUsize::new(0),
-            max_body: AtomicUsize::new(max_body),
-            max_total: AtomicUsize::new(max_total),
-        }
-    }
-
-    /// New limits (reload); bodies staged now keep their room.
-    pub fn set(&self, max_body: usize, max_total: usize) {
-        self.max_body.store(max_body, Ordering::Relaxed);
-        self.max_total.store(max_total, Ordering::Relaxed);
-    }
-
-    /// Bytes staged now, over all waiting requests.
-    pub fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
-    }
-
-    fn max_body(&self) -> usize {
-        self.max_body.load(Ordering::Relaxed)
-    }
-
-    /// Room for `n` more bytes, or `false` (nothing taken).
-    fn take(&self, n: usize) -> bool {
-        let max = self.max_total.load(Ordering::Relaxed);
-        let before = self.used.fetch_add(n, Ordering::AcqRel);
-        if before.saturating_add(n) <= max {
-            true
-        } else {
-            self.used.fetch_sub(n, Ordering::AcqRel);
-            false
-        }
-    }
-}
-
-/// Room taken in the budget, given back when dropped.
-#[derive(Debug)]
-pub struct Reservation {
-    budget: Arc<StageBudget>,
-    bytes: usize,
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
-    }
-}
+pub use crate::admission::{Room, StageBudget};
 
 /// A body read in full, and the room it takes.
 #[derive(Debug)]
 pub struct Staged {
     pub data: Bytes,
     pub trailers: Option<HeaderMap>,
-    _room: Reservation,
+    _room: Room,
 }
 
 /// Why a body could not be staged.
@@ -180,17 +123,13 @@ async fn read(
     if declared.is_some_and(|n| n > max) {
         return Err(StageError::TooLarge(max));
     }
-    let mut room = Reservation {
-        budget: budget.clone(),
-        bytes: 0,
-    };
+    let mut room = budget.room();
     // A declared length is taken at once: a flood of large bodies is
     // refused before any of it is read.
-    if let Some(n) = declared {
-        if !budget.take(n) {
-            return Err(StageError::Full);
-        }
-        room.bytes = n;
+    if let Some(n) = declared
+        && !room.grow_to(n)
+    {
+        return Err(StageError::Full);
     }
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut len = 0usize;
@@ -203,12 +142,8 @@ async fn read(
                 if len > max {
                     return Err(StageError::TooLarge(max));
                 }
-                if len > room.bytes {
-                    let more = len - room.bytes;
-                    if !budget.take(more) {
-                        return Err(StageError::Full);
-                    }
-                    room.bytes = len;
+                if !room.grow_to(len) {
+                    return Err(StageError::Full);
                 }
                 chunks.push(data);
             }
@@ -235,23 +170,4 @@ async fn read(
         trailers,
         _room: room,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_budget_refuses_past_its_total_and_gives_back_on_drop() {
-        let b = Arc::new(StageBudget::new(100, 150));
-        assert!(b.take(100));
-        assert!(!b.take(51));
-        assert!(b.take(50));
-        assert_eq!(b.used(), 150);
-        drop(Reservation {
-            budget: b.clone(),
-            bytes: 100,
-        });
-        assert_eq!(b.used(), 50);
-    }
 }

@@ -239,6 +239,14 @@ impl Budget {
         self.clients.load(Ordering::Acquire)
     }
 
+    /// The bounds in force.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_clients: self.max_clients.load(Ordering::Relaxed),
+            max_queued: self.max_queued.load(Ordering::Relaxed),
+        }
+    }
+
     fn set(&self, limits: Limits) {
         self.max_clients
             .store(limits.max_clients, Ordering::Relaxed);

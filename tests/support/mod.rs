@@ -3,6 +3,8 @@
 //! and a small HTTP client.
 #![allow(dead_code)]
 
+pub mod smtp;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -127,7 +129,10 @@ impl Downstream {
 /// The real `sluice` binary, running on a config written for the test.
 pub struct Sluice {
     child: Child,
+    /// The HTTP listener (`0.0.0.0:0` for a config without routes).
     pub addr: SocketAddr,
+    /// The first SMTP listener, when the config has `[[smtp]]`.
+    pub smtp: Option<SocketAddr>,
     /// The admin listener, when the config has an `[admin]` table.
     pub admin: Option<SocketAddr>,
     pub config: PathBuf,
@@ -180,18 +185,25 @@ impl Sluice {
         let mut child = cmd.spawn().expect("start sluice");
         let stderr = child.stderr.take().unwrap();
         let want_admin = toml.contains("[admin]");
+        let want_proxy = toml.contains("[[route]]");
+        let want_smtp = toml.contains("[[smtp]]");
         let log = Arc::new(Mutex::new(Vec::new()));
         let lines = log.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            let (mut proxy, mut admin) = (None, None);
+            let (mut proxy, mut admin, mut smtp) = (None, None, None);
             let mut sent = false;
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { return };
                 proxy = proxy.or_else(|| addr_after(&line, "proxy listening"));
                 admin = admin.or_else(|| addr_after(&line, "admin listening"));
-                if !sent && proxy.is_some() && (admin.is_some() || !want_admin) {
-                    let _ = tx.send((proxy, admin));
+                smtp = smtp.or_else(|| addr_after(&line, "SMTP relay listening"));
+                if !sent
+                    && (proxy.is_some() || !want_proxy)
+                    && (admin.is_some() || !want_admin)
+                    && (smtp.is_some() || !want_smtp)
+                {
+                    let _ = tx.send((proxy, admin, smtp));
                     sent = true;
                 }
                 if std::env::var_os("SLUICE_TEST_LOG").is_some() {
@@ -200,12 +212,13 @@ impl Sluice {
                 lines.lock().unwrap().push(line);
             }
         });
-        let (addr, admin) = rx
+        let (addr, admin, smtp) = rx
             .recv_timeout(Duration::from_secs(20))
             .expect("sluice did not report its listening addresses");
         Sluice {
             child,
-            addr: addr.unwrap(),
+            addr: addr.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
+            smtp,
             admin,
             config,
             log,
@@ -330,6 +343,23 @@ impl TestCa {
             std::env::temp_dir().join(format!("sluice-test-ca-{}-{n}.pem", std::process::id()));
         std::fs::write(&path, &self.pem).unwrap();
         path
+    }
+
+    /// A server certificate for `names` and its key, as PEM files (for
+    /// servers configured by path).
+    pub fn leaf_files(&self, names: &[&str]) -> (PathBuf, PathBuf) {
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let mut params = rcgen::CertificateParams::new(names).unwrap();
+        params.use_authority_key_identifier_extension = true;
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        let n = CONFIG_SEQ.fetch_add(1, Ordering::SeqCst);
+        let base =
+            std::env::temp_dir().join(format!("sluice-test-leaf-{}-{n}", std::process::id()));
+        let (cert_path, key_path) = (base.with_extension("crt"), base.with_extension("key"));
+        std::fs::write(&cert_path, cert.pem()).unwrap();
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        (cert_path, key_path)
     }
 
     /// A server certificate for `names`, and its key.

@@ -1,0 +1,115 @@
+//! The memory held for waiting requests: HTTP bodies staged while their
+//! requests wait (DESIGN section 3) and SMTP messages held until their
+//! departure. Each is bounded per request by its front end and all of them
+//! together by `max_staged_bytes`, shared by every worker and protocol, so
+//! a flood of large waiting requests cannot grow memory.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The staging limits and the bytes held now.
+#[derive(Debug)]
+pub struct StageBudget {
+    used: AtomicUsize,
+    max_body: AtomicUsize,
+    max_total: AtomicUsize,
+}
+
+impl StageBudget {
+    pub fn new(max_body: usize, max_total: usize) -> StageBudget {
+        StageBudget {
+            used: AtomicUsize::new(0),
+            max_body: AtomicUsize::new(max_body),
+            max_total: AtomicUsize::new(max_total),
+        }
+    }
+
+    /// New limits (reload); what is held now keeps its room.
+    pub fn set(&self, max_body: usize, max_total: usize) {
+        self.max_body.store(max_body, Ordering::Relaxed);
+        self.max_total.store(max_total, Ordering::Relaxed);
+    }
+
+    /// Bytes held now, over all waiting requests.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// The largest HTTP body a waiting request may stage.
+    pub fn max_body(&self) -> usize {
+        self.max_body.load(Ordering::Relaxed)
+    }
+
+    /// Empty room, grown as data arrives.
+    pub fn room(self: &Arc<Self>) -> Room {
+        Room {
+            budget: self.clone(),
+            bytes: 0,
+        }
+    }
+
+    /// Room for `n` more bytes, or `false` (nothing taken).
+    fn take(&self, n: usize) -> bool {
+        let max = self.max_total.load(Ordering::Relaxed);
+        let before = self.used.fetch_add(n, Ordering::AcqRel);
+        if before.saturating_add(n) <= max {
+            true
+        } else {
+            self.used.fetch_sub(n, Ordering::AcqRel);
+            false
+        }
+    }
+}
+
+/// Room taken in the budget, given back when dropped.
+#[derive(Debug)]
+pub struct Room {
+    budget: Arc<StageBudget>,
+    bytes: usize,
+}
+
+impl Room {
+    /// Hold at least `total` bytes; `false` (and nothing more taken) when
+    /// the budget has no room.
+    pub fn grow_to(&mut self, total: usize) -> bool {
+        if total <= self.bytes {
+            return true;
+        }
+        if !self.budget.take(total - self.bytes) {
+            return false;
+        }
+        self.bytes = total;
+        true
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for Room {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_budget_refuses_past_its_total_and_gives_back_on_drop() {
+        let b = Arc::new(StageBudget::new(100, 150));
+        let mut first = b.room();
+        assert!(first.grow_to(100));
+        let mut second = b.room();
+        assert!(!second.grow_to(51));
+        assert_eq!(second.bytes(), 0);
+        assert!(second.grow_to(50));
+        assert_eq!(b.used(), 150);
+        drop(first);
+        assert_eq!(b.used(), 50);
+        assert!(second.grow_to(20), "shrinking is a no-op");
+        assert_eq!(b.used(), 50);
+    }
+}

@@ -1,0 +1,613 @@
+//! One session with an SMTP upstream: connect, greeting, EHLO, STARTTLS,
+//! AUTH, then messages, one transaction at a time, PIPELINING when the
+//! upstream offers it.
+//!
+//! Our own thin client on smtp-proto's reply parser rather than lettre or
+//! mail-send: the pacer needs to know exactly when a message goes out and
+//! what the upstream answered, code, enhanced code and text (lettre drops
+//! the enhanced code and turns refusals into errors without their text),
+//! with per-step deadlines (lettre has none past the connect) and a read
+//! buffer that never drops a pipelined reply (mail-send reads into a fresh
+//! buffer per reply).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use rustls::pki_types::ServerName;
+use smtp_proto::{
+    AUTH_LOGIN, AUTH_PLAIN, EXT_8BIT_MIME, EXT_PIPELINING, EXT_SIZE, EXT_SMTP_UTF8, EXT_START_TLS,
+    EhloResponse,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+use super::io::{InBuf, Stream};
+use super::reply::Reply;
+use crate::config::{SmtpTls, SmtpUpstream};
+
+/// The longest reply taken from an upstream (an EHLO reply with many
+/// extensions is a few hundred bytes).
+const MAX_REPLY: usize = 64 * 1024;
+
+/// How long a closing session waits for the reply to QUIT.
+const QUIT_WAIT: Duration = Duration::from_secs(2);
+
+/// Why a message was not relayed.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// No session: connect, TLS, or a dead connection before a reply.
+    #[error("the upstream cannot be reached: {0}")]
+    Unreachable(String),
+    /// The upstream refused while the session was set up (greeting, EHLO,
+    /// STARTTLS, AUTH).
+    #[error("the upstream refused the session: {} {}", .0.code, .0.text)]
+    Setup(Reply),
+    /// The upstream does not offer what sluice needs of it (STARTTLS, an
+    /// AUTH mechanism sluice speaks).
+    #[error("{0}")]
+    Unsupported(String),
+    /// The upstream refused the message (MAIL, RCPT, DATA or its end).
+    #[error("the upstream refused the message: {} {}", .0.code, .0.text)]
+    Refused(Reply),
+    /// The message needs an extension the upstream lacks (8BITMIME,
+    /// SMTPUTF8); the reply to give says which.
+    #[error("{}", .0.text)]
+    Incapable(Reply),
+    /// The connection failed or timed out mid-transaction; `after_dot`
+    /// when the message may have been taken (the end of data was sent).
+    #[error("the upstream connection was lost ({why}){}", if *.after_dot { " after the end of data: the message may have been taken" } else { "" })]
+    Lost { after_dot: bool, why: String },
+    /// No session became free before the deadline.
+    #[error("no upstream connection became free in time")]
+    Busy,
+}
+
+impl RelayError {
+    /// Whether trying again on a fresh session is safe and may help: the
+    /// session was stale (closed, or the upstream said 421 before the
+    /// message was sent).
+    pub fn stale_session(&self) -> bool {
+        match self {
+            RelayError::Lost { after_dot, .. } => !after_dot,
+            RelayError::Refused(r) | RelayError::Setup(r) => r.code == 421,
+            _ => false,
+        }
+    }
+}
+
+/// The message to relay.
+pub struct Envelope {
+    /// MAIL FROM address; empty for the null sender.
+    pub from: String,
+    pub eightbit: bool,
+    pub smtputf8: bool,
+    pub rcpts: Vec<String>,
+}
+
+/// What an upstream said it supports.
+#[derive(Debug, Clone, Copy, Default)]
+struct Caps {
+    pipelining: bool,
+    eightbit: bool,
+    smtputf8: bool,
+    size: bool,
+    /// `SIZE n`: 0 for no stated limit.
+    max_size: usize,
+    starttls: bool,
+    auth: u64,
+}
+
+impl Caps {
+    fn from_ehlo(e: &EhloResponse<String>) -> Caps {
+        Caps {
+            pipelining: e.has_capability(EXT_PIPELINING),
+            eightbit: e.has_capability(EXT_8BIT_MIME),
+            smtputf8: e.has_capability(EXT_SMTP_UTF8),
+            size: e.has_capability(EXT_SIZE),
+            max_size: e.size,
+            starttls: e.has_capability(EXT_START_TLS),
+            auth: e.auth(),
+        }
+    }
+}
+
+/// How to reach one upstream: its config and TLS settings.
+pub struct Target {
+    pub cfg: SmtpUpstream,
+    pub tls: Arc<rustls::ClientConfig>,
+    pub server_name: Option<ServerName<'static>>,
+}
+
+/// An open session, between transactions.
+pub struct Session {
+    stream: Stream,
+    inbuf: InBuf,
+    caps: Caps,
+    /// Messages sent on it.
+    pub messages: u32,
+    /// Since when it waits unused.
+    pub idle_since: Instant,
+    /// The upstream said 421 or the connection broke: not to be reused.
+    broken: bool,
+}
+
+/// `Err(Lost)` for an I/O failure or a passed deadline.
+async fn within<T>(
+    deadline: Instant,
+    after_dot: bool,
+    fut: impl Future<Output = std::io::Result<T>>,
+) -> Result<T, RelayError> {
+    match tokio::time::timeout_at(deadline.into(), fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(RelayError::Lost {
+            after_dot,
+            why: e.to_string(),
+        }),
+        Err(_) => Err(RelayError::Lost {
+            after_dot,
+            why: "timed out".to_owned(),
+        }),
+    }
+}
+
+/// The length of the first complete reply in `buf`: lines up to one whose
+/// fourth byte is not `-`.
+fn complete_reply(buf: &[u8]) -> Option<usize> {
+    let mut start = 0;
+    while let Some(lf) = buf[start..].iter().position(|&b| b == b'\n') {
+        let line = &buf[start..start + lf + 1];
+        start += lf + 1;
+        if line.get(3) != Some(&b'-') {
+            return Some(start);
+        }
+    }
+    None
+}
+
+/// A reply path for a command: `<>`, or the address with its local part
+/// quoted when it is not a dot-atom (smtp-proto hands addresses over
+/// unquoted).
+pub fn path(address: &str) -> String {
+    if address.is_empty() {
+        return "<>".to_owned();
+    }
+    let (local, domain) = match address.rsplit_once('@') {
+        Some((l, d)) => (l, Some(d)),
+        None => (address, None),
+    };
+    let atext =
+        |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-/=?^_`{|}~".contains(c) || !c.is_ascii();
+    let dot_atom = !local.is_empty()
+        && !local.starts_with('.')
+        && !local.ends_with('.')
+        && !local.contains("..")
+        && local.chars().all(|c| c == '.' || atext(c));
+    let local = if dot_atom {
+        local.to_owned()
+    } else {
+        let escaped: String = local
+            .chars()
+            .flat_map(|c| match c {
+                '"' | '\\' => vec!['\\', c],
+                c => vec![c],
+            })
+            .collect();
+        format!("\"{escaped}\"")
+    };
+    match domain {
+        Some(d) => format!("<{local}@{d}>"),
+        None => format!("<{local}>"),
+    }
+}
+
+/// The message as it goes on the wire: a dot doubled at the start of
+/// every line (a line starting after a bare CR or LF too, so a message
+/// cannot smuggle an end of data past a relay that reads bare line
+/// ends), then the end of data.
+pub fn stuffed(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(body.len() + body.len() / 64 + 5);
+    let mut line_start = true;
+    for &b in body {
+        if line_start && b == b'.' {
+            out.push(b'.');
+        }
+        out.push(b);
+        line_start = b == b'\n' || b == b'\r';
+    }
+    if !body.is_empty() && !body.ends_with(b"\r\n") {
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b".\r\n");
+    out
+}
+
+impl Session {
+    /// Open a session: connect, greeting, EHLO, STARTTLS (then EHLO
+    /// again), AUTH; all within the upstream's `connect_timeout`.
+    pub async fn open(target: &Target) -> Result<Session, RelayError> {
+        let cfg = &target.cfg;
+        let deadline = Instant::now() + cfg.connect_timeout;
+        let unreachable = |e: std::io::Error| RelayError::Unreachable(e.to_string());
+        let tcp = match tokio::time::timeout_at(
+            deadline.into(),
+            TcpStream::connect((cfg.host.as_str(), cfg.port)),
+        )
+        .await
+        {
+            Ok(Ok(tcp)) => tcp,
+            Ok(Err(e)) => return Err(unreachable(e)),
+            Err(_) => return Err(RelayError::Unreachable("connect timed out".to_owned())),
+        };
+        // The end of data is a small write after a large one: Nagle would
+        // hold it for an ACK.
+        let _ = tcp.set_nodelay(true);
+        let mut session = Session {
+            stream: Stream::Plain(tcp),
+            inbuf: InBuf::default(),
+            caps: Caps::default(),
+            messages: 0,
+            idle_since: Instant::now(),
+            broken: false,
+        };
+        let setup = |e: RelayError| match e {
+            RelayError::Lost { why, .. } => RelayError::Unreachable(why),
+            other => other,
+        };
+        if cfg.tls == SmtpTls::Implicit {
+            session.start_tls(target, deadline).await.map_err(setup)?;
+        }
+        let greeting = session.reply(deadline, false).await.map_err(setup)?;
+        if greeting.code != 220 {
+            return Err(RelayError::Setup(greeting));
+        }
+        session
+            .ehlo(&cfg.helo_name, deadline)
+            .await
+            .map_err(setup)?;
+        if cfg.tls == SmtpTls::StartTls {
+            if !session.caps.starttls {
+                return Err(RelayError::Unsupported(
+                    "the upstream does not offer STARTTLS (set tls = \"none\" to relay in clear text)"
+                        .to_owned(),
+                ));
+            }
+            let r = session
+                .command(b"STARTTLS\r\n", deadline)
+                .await
+                .map_err(setup)?;
+            if r.code != 220 {
+                return Err(RelayError::Setup(r));
+            }
+            // RFC 3207: nothing sent before the handshake counts.
+            session.inbuf.discard();
+            session.start_tls(target, deadline).await.map_err(setup)?;
+            session
+                .ehlo(&cfg.helo_name, deadline)
+                .await
+                .map_err(setup)?;
+        }
+        if let Some((user, password)) = &cfg.auth {
+            session
+                .auth(user, password.expose(), deadline)
+                .await
+                .map_err(setup)?;
+        }
+        Ok(session)
+    }
+
+    async fn start_tls(&mut self, target: &Target, deadline: Instant) -> Result<(), RelayError> {
+        let Some(name) = target.server_name.clone() else {
+            return Err(RelayError::Unreachable(format!(
+                "'{}' cannot be verified by TLS",
+                target.cfg.host
+            )));
+        };
+        let tls = target.tls.clone();
+        within(deadline, false, self.stream.connect_tls(tls, name)).await
+    }
+
+    async fn ehlo(&mut self, name: &str, deadline: Instant) -> Result<(), RelayError> {
+        within(
+            deadline,
+            false,
+            self.stream.write_all(format!("EHLO {name}\r\n").as_bytes()),
+        )
+        .await?;
+        let raw = self.raw_reply(deadline, false).await?;
+        match EhloResponse::parse(&mut raw.iter()) {
+            Ok(e) => {
+                self.caps = Caps::from_ehlo(&e);
+                Ok(())
+            }
+            Err(_) => Err(RelayError::Setup(parse_reply(&raw)?)),
+        }
+    }
+
+    /// AUTH PLAIN when offered, else LOGIN.
+    async fn auth(
+        &mut self,
+        user: &str,
+        password: &str,
+        deadline: Instant,
+    ) -> Result<(), RelayError> {
+        let done = if self.caps.auth & AUTH_PLAIN != 0 {
+            let token = BASE64.encode(format!("\0{user}\0{password}"));
+            self.command(format!("AUTH PLAIN {token}\r\n").as_bytes(), deadline)
+                .await?
+        } else if self.caps.auth & AUTH_LOGIN != 0 {
+            let r = self.command(b"AUTH LOGIN\r\n", deadline).await?;
+            if r.code != 334 {
+                return Err(RelayError::Setup(r));
+            }
+            let r = self
+                .command(format!("{}\r\n", BASE64.encode(user)).as_bytes(), deadline)
+                .await?;
+            if r.code != 334 {
+                return Err(RelayError::Setup(r));
+            }
+            self.command(
+                format!("{}\r\n", BASE64.encode(password)).as_bytes(),
+                deadline,
+            )
+            .await?
+        } else {
+            return Err(RelayError::Unsupported(
+                "the upstream offers neither AUTH PLAIN nor AUTH LOGIN".to_owned(),
+            ));
+        };
+        if done.code == 235 {
+            Ok(())
+        } else {
+            Err(RelayError::Setup(done))
+        }
+    }
+
+    async fn command(&mut self, line: &[u8], deadline: Instant) -> Result<Reply, RelayError> {
+        within(deadline, false, self.stream.write_all(line)).await?;
+        self.reply(deadline, false).await
+    }
+
+    /// The next complete reply's bytes.
+    async fn raw_reply(
+        &mut self,
+        deadline: Instant,
+        after_dot: bool,
+    ) -> Result<Vec<u8>, RelayError> {
+        loop {
+            if let Some(n) = complete_reply(self.inbuf.unread()) {
+                let raw = self.inbuf.unread()[..n].to_vec();
+                self.inbuf.consume(n);
+                return Ok(raw);
+            }
+            if self.inbuf.len() > MAX_REPLY {
+                self.broken = true;
+                return Err(RelayError::Lost {
+                    after_dot,
+                    why: "the upstream's reply is too long".to_owned(),
+                });
+            }
+            let n = within(deadline, after_dot, self.inbuf.fill(&mut self.stream)).await;
+            match n {
+                Ok(0) => {
+                    self.broken = true;
+                    return Err(RelayError::Lost {
+                        after_dot,
+                        why: "the upstream closed the connection".to_owned(),
+                    });
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.broken = true;
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    async fn reply(&mut self, deadline: Instant, after_dot: bool) -> Result<Reply, RelayError> {
+        let raw = self.raw_reply(deadline, after_dot).await?;
+        let reply = parse_reply(&raw).inspect_err(|_| self.broken = true)?;
+        if reply.code == 421 {
+            // The upstream closes the session (RFC 5321 3.8).
+            self.broken = true;
+        }
+        Ok(reply)
+    }
+
+    /// Relay one message; the upstream's reply to its end of data, or why
+    /// there is none.
+    pub async fn send(
+        &mut self,
+        env: &Envelope,
+        body: &[u8],
+        deadline: Instant,
+    ) -> Result<Reply, RelayError> {
+        if env.smtputf8 && !self.caps.smtputf8 {
+            return Err(RelayError::Incapable(super::reply::UTF8_UNSUPPORTED));
+        }
+        if env.eightbit && !self.caps.eightbit {
+            return Err(RelayError::Incapable(super::reply::EIGHTBIT_UNSUPPORTED));
+        }
+        if self.caps.size && self.caps.max_size > 0 && body.len() > self.caps.max_size {
+            return Err(RelayError::Refused(Reply::owned(
+                552,
+                [5, 3, 4],
+                format!(
+                    "Message size exceeds the upstream's maximum of {} bytes",
+                    self.caps.max_size
+                ),
+            )));
+        }
+        self.messages += 1;
+        let mut mail = format!("MAIL FROM:{}", path(&env.from));
+        if env.eightbit {
+            mail.push_str(" BODY=8BITMIME");
+        }
+        if env.smtputf8 {
+            mail.push_str(" SMTPUTF8");
+        }
+        if self.caps.size {
+            mail.push_str(&format!(" SIZE={}", body.len()));
+        }
+        mail.push_str("\r\n");
+        let rcpts: Vec<String> = env
+            .rcpts
+            .iter()
+            .map(|r| format!("RCPT TO:{}\r\n", path(r)))
+            .collect();
+        let replies = if self.caps.pipelining {
+            let mut group = mail.into_bytes();
+            for r in &rcpts {
+                group.extend_from_slice(r.as_bytes());
+            }
+            group.extend_from_slice(b"DATA\r\n");
+            within(deadline, false, self.stream.write_all(&group)).await?;
+            let mut replies = Vec::with_capacity(rcpts.len() + 2);
+            for _ in 0..rcpts.len() + 2 {
+                let reply = self.reply(deadline, false).await?;
+                let closing = reply.code == 421;
+                replies.push(reply);
+                if closing {
+                    break;
+                }
+            }
+            replies
+        } else {
+            let mut replies = vec![self.command(mail.as_bytes(), deadline).await?];
+            if replies[0].is_positive() {
+                for r in &rcpts {
+                    let reply = self.command(r.as_bytes(), deadline).await?;
+                    let refused = !reply.is_positive();
+                    replies.push(reply);
+                    if refused {
+                        break;
+                    }
+                }
+            }
+            if replies.iter().all(Reply::is_positive) {
+                replies.push(self.command(b"DATA\r\n", deadline).await?);
+            }
+            replies
+        };
+        let data_ok =
+            replies.len() == rcpts.len() + 2 && replies.last().is_some_and(|r| r.code == 354);
+        if let Some(refusal) = replies[..replies.len().min(rcpts.len() + 1)]
+            .iter()
+            .find(|r| !r.is_positive())
+        {
+            let refusal = refusal.clone();
+            if data_ok {
+                // The upstream waits for data for the recipients it took;
+                // all or nothing: only closing the session takes it back
+                // (RFC 2920 3.1), since an end of data would deliver.
+                self.broken = true;
+            } else if !self.broken {
+                self.reset(deadline).await;
+            }
+            return Err(RelayError::Refused(refusal));
+        }
+        if !data_ok {
+            let refusal = replies
+                .last()
+                .cloned()
+                .unwrap_or(super::reply::UPSTREAM_LOST);
+            if !self.broken {
+                self.reset(deadline).await;
+            }
+            return Err(RelayError::Refused(refusal));
+        }
+        let wire = stuffed(body);
+        within(deadline, true, self.stream.write_all(&wire)).await?;
+        let reply = self.reply(deadline, true).await?;
+        if reply.is_positive() {
+            Ok(reply)
+        } else {
+            Err(RelayError::Refused(reply))
+        }
+    }
+
+    /// RSET after a refused transaction, so the session can take the next.
+    async fn reset(&mut self, deadline: Instant) {
+        match self.command(b"RSET\r\n", deadline).await {
+            Ok(r) if r.is_positive() => {}
+            _ => self.broken = true,
+        }
+    }
+
+    /// Whether the session may take another message.
+    pub fn reusable(&mut self, max_messages: u32, idle_timeout: Duration) -> bool {
+        !self.broken
+            && self.messages < max_messages
+            && self.idle_since.elapsed() < idle_timeout
+            && self.inbuf.is_empty()
+            && !self.stream.closed_or_talking()
+    }
+
+    /// Say QUIT and close (bounded).
+    pub async fn quit(mut self) {
+        if self.broken {
+            return;
+        }
+        let deadline = Instant::now() + QUIT_WAIT;
+        let _ = self.command(b"QUIT\r\n", deadline).await;
+        let _ = tokio::time::timeout(QUIT_WAIT, self.stream.shutdown()).await;
+    }
+}
+
+fn parse_reply(raw: &[u8]) -> Result<Reply, RelayError> {
+    smtp_proto::response::parser::ResponseReceiver::default()
+        .parse(&mut raw.iter())
+        .map(Reply::from_parsed)
+        .map_err(|e| RelayError::Lost {
+            after_dot: false,
+            why: format!("the upstream's reply cannot be parsed: {e:?}"),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dots_are_doubled_at_every_line_start_and_the_end_is_added() {
+        assert_eq!(stuffed(b""), b".\r\n");
+        assert_eq!(stuffed(b"a\r\n"), b"a\r\n.\r\n");
+        assert_eq!(stuffed(b".a\r\n.\r\nb"), b"..a\r\n..\r\nb\r\n.\r\n");
+        // A bare LF or CR starts a line too: no end of data hides behind it.
+        assert_eq!(stuffed(b"x\n.\nY\r.\r"), b"x\n..\nY\r..\r\r\n.\r\n");
+    }
+
+    #[test]
+    fn local_parts_that_are_not_atoms_are_quoted() {
+        assert_eq!(path(""), "<>");
+        assert_eq!(path("a.b+c@x.org"), "<a.b+c@x.org>");
+        assert_eq!(path("john doe@x.org"), "<\"john doe\"@x.org>");
+        assert_eq!(path("a\"b@x.org"), "<\"a\\\"b\"@x.org>");
+        assert_eq!(path(".a@x.org"), "<\".a\"@x.org>");
+        assert_eq!(path("postmaster"), "<postmaster>");
+        assert_eq!(path("ü@x.org"), "<ü@x.org>");
+    }
+
+    #[test]
+    fn a_reply_is_complete_at_its_last_line() {
+        assert_eq!(complete_reply(b"250-a\r\n250-b\r\n"), None);
+        assert_eq!(complete_reply(b"250-a\r\n250 b\r\n354 go\r\n"), Some(14));
+        assert_eq!(complete_reply(b"250\r\n"), Some(5));
+        assert_eq!(complete_reply(b"250 partial"), None);
+    }
+
+    #[test]
+    fn only_a_stale_session_is_retried() {
+        let lost = |after_dot| RelayError::Lost {
+            after_dot,
+            why: String::new(),
+        };
+        assert!(lost(false).stale_session());
+        assert!(!lost(true).stale_session());
+        let r = |code| Reply::owned(code, [4, 0, 0], String::new());
+        assert!(RelayError::Refused(r(421)).stale_session());
+        assert!(!RelayError::Refused(r(451)).stale_session());
+    }
+}

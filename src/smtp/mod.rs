@@ -1,0 +1,361 @@
+//! The SMTP relay: listeners that applications (or a local Postfix, as
+//! its `relayhost`) hand mail to, each message paced by the same admission
+//! layer as HTTP requests and relayed to an upstream (a provider such as
+//! Amazon SES, a smarthost, a partner MTA) at its departure.
+//!
+//! Hold, don't store: a message is answered with the upstream's own reply
+//! to its end of data, never 250 before the upstream said so; a crash
+//! loses nothing, since every message not answered 250 is still the
+//! client's to retry. No spool.
+//!
+//! Split by job: [`session`] (one inbound connection: the protocol, the
+//! admission, the hold), [`client`] (one upstream session), [`pool`] (an
+//! upstream's sessions, and how its answers map to the client's), [`io`]
+//! (plain or TLS streams and the input buffer), [`reply`].
+//!
+//! Sessions run on the daemon's multi-threaded runtime (mail is a few
+//! messages a second, not the HTTP workers' load).
+
+mod client;
+mod io;
+mod pool;
+pub mod reply;
+mod session;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::admission::{Admission, Policy, Protocol, Rule, RuleSpec, StageBudget};
+use crate::config::{Config, SmtpListener};
+use pool::Pool;
+
+/// One listener as sessions see it: its config, admission rule, upstream
+/// pool and TLS acceptor.
+pub(crate) struct Listener {
+    pub cfg: SmtpListener,
+    pub rule: Arc<Rule>,
+    pub pool: Arc<Pool>,
+    pub acceptor: Option<TlsAcceptor>,
+}
+
+/// Everything built from one config; swapped whole on reload.
+pub struct Table {
+    listeners: Vec<Arc<Listener>>,
+    pools: Vec<Arc<Pool>>,
+}
+
+/// One SMTP listener as `/status` shows it.
+#[derive(Debug, Clone)]
+pub struct ListenerSummary {
+    pub name: String,
+    pub listen: Vec<SocketAddr>,
+    pub upstream: String,
+    pub rate_per_second: f64,
+    pub capacity: u32,
+}
+
+/// The SMTP front end: bound listeners, the current table, and the
+/// connection counts.
+pub struct Front {
+    admission: Arc<Admission>,
+    budget: Arc<StageBudget>,
+    roots: Arc<rustls::ClientConfig>,
+    table: ArcSwap<Table>,
+    /// Per listener, its name and configured addresses (a reload may not
+    /// change them).
+    listen: Vec<(String, Vec<SocketAddr>)>,
+    /// The bound sockets, until [`Front::run`] takes them.
+    sockets: Mutex<Vec<(String, std::net::TcpListener)>>,
+    addrs: Vec<(String, SocketAddr)>,
+    /// `max_connections` per listener, kept across reloads.
+    slots: Mutex<HashMap<String, (usize, Arc<Semaphore>)>>,
+    sessions: Arc<AtomicUsize>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Counts a session while it lives.
+struct Open(Arc<AtomicUsize>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Front {
+    /// Build the table and bind every `[[smtp]]` listener.
+    pub fn bind(
+        config: &Config,
+        admission: Arc<Admission>,
+        budget: Arc<StageBudget>,
+        roots: Arc<rustls::ClientConfig>,
+    ) -> Result<Front, crate::http::ServeError> {
+        let mut sockets = Vec::new();
+        let mut addrs = Vec::new();
+        for l in &config.smtp {
+            for &addr in &l.listen {
+                let socket = std::net::TcpListener::bind(addr)
+                    .and_then(|s| s.set_nonblocking(true).map(|()| s))
+                    .map_err(|source| crate::http::ServeError::Bind { addr, source })?;
+                addrs.push((l.name.clone(), socket.local_addr().unwrap_or(addr)));
+                sockets.push((l.name.clone(), socket));
+            }
+        }
+        let front = Front {
+            admission,
+            budget,
+            roots,
+            table: ArcSwap::from_pointee(Table {
+                listeners: Vec::new(),
+                pools: Vec::new(),
+            }),
+            listen: config
+                .smtp
+                .iter()
+                .map(|l| (l.name.clone(), l.listen.clone()))
+                .collect(),
+            sockets: Mutex::new(sockets),
+            addrs,
+            slots: Mutex::new(HashMap::new()),
+            sessions: Arc::new(AtomicUsize::new(0)),
+        };
+        let table = front
+            .prepare(config)
+            .map_err(crate::http::ServeError::Client)?;
+        front.install(table);
+        Ok(front)
+    }
+
+    /// Build a table for `config` (nothing changes until
+    /// [`Front::install`]). A reload cannot add, remove or move
+    /// listeners: their sockets need a restart.
+    pub fn prepare(&self, config: &Config) -> Result<Table, String> {
+        let now: Vec<(String, Vec<SocketAddr>)> = config
+            .smtp
+            .iter()
+            .map(|l| (l.name.clone(), l.listen.clone()))
+            .collect();
+        if now != self.listen {
+            return Err(
+                "[[smtp]] listeners (their names and addresses) changed: restart sluice to apply"
+                    .to_owned(),
+            );
+        }
+        let pools = config
+            .smtp_upstreams
+            .iter()
+            .map(|u| Pool::new(u, &self.roots))
+            .collect::<Result<Vec<_>, _>>()?;
+        let specs: Vec<RuleSpec<'_>> = config
+            .smtp
+            .iter()
+            .map(|l| {
+                let up = &config.smtp_upstreams[l.upstream];
+                RuleSpec {
+                    name: &l.name,
+                    protocol: Protocol::Smtp,
+                    upstream: &up.name,
+                    cap: up.rate,
+                    // An upstream's throttling reply pauses it.
+                    pausable: true,
+                    policy: Policy {
+                        rate: l.rate,
+                        capacity: l.capacity,
+                        burst: l.burst,
+                        max_wait: Some(u64::try_from(l.max_wait.as_nanos()).unwrap_or(u64::MAX)),
+                    },
+                    dry_run: false,
+                }
+            })
+            .collect();
+        let rules = self.admission.rules(&specs);
+        let listeners = config
+            .smtp
+            .iter()
+            .zip(rules)
+            .map(|(l, rule)| {
+                Arc::new(Listener {
+                    cfg: l.clone(),
+                    rule,
+                    pool: pools[l.upstream].clone(),
+                    acceptor: l.tls.clone().map(TlsAcceptor::from),
+                })
+            })
+            .collect();
+        Ok(Table { listeners, pools })
+    }
+
+    /// Swap in a prepared table: new transactions use it, messages in
+    /// hand finish with the one they started with.
+    pub fn install(&self, table: Table) {
+        let mut slots = lock(&self.slots);
+        for l in &table.listeners {
+            let limit = l.cfg.max_connections;
+            match slots.get(&l.cfg.name) {
+                Some((n, _)) if *n == limit => {}
+                _ => {
+                    slots.insert(l.cfg.name.clone(), (limit, Arc::new(Semaphore::new(limit))));
+                }
+            }
+        }
+        self.table.store(Arc::new(table));
+    }
+
+    fn listener(&self, name: &str) -> Option<Arc<Listener>> {
+        self.table
+            .load()
+            .listeners
+            .iter()
+            .find(|l| l.cfg.name == name)
+            .cloned()
+    }
+
+    fn slots(&self, name: &str) -> Option<Arc<Semaphore>> {
+        lock(&self.slots).get(name).map(|(_, s)| s.clone())
+    }
+
+    /// The addresses bound, by listener (useful with port 0).
+    pub fn local_addrs(&self) -> Vec<(String, SocketAddr)> {
+        self.addrs.clone()
+    }
+
+    /// Sessions open now.
+    pub fn sessions(&self) -> usize {
+        self.sessions.load(Ordering::Relaxed)
+    }
+
+    /// The listeners of the running config.
+    pub fn summaries(&self) -> Vec<ListenerSummary> {
+        self.table
+            .load()
+            .listeners
+            .iter()
+            .map(|l| ListenerSummary {
+                name: l.cfg.name.clone(),
+                listen: self
+                    .addrs
+                    .iter()
+                    .filter(|(n, _)| *n == l.cfg.name)
+                    .map(|(_, a)| *a)
+                    .collect(),
+                upstream: l.pool.config().name.clone(),
+                rate_per_second: l.rule.policy().rate.per_second_f64(),
+                capacity: l.rule.policy().capacity,
+            })
+            .collect()
+    }
+
+    /// The rules of the running config (to name queues in `/status`).
+    pub fn rules(&self) -> Vec<Arc<Rule>> {
+        self.table
+            .load()
+            .listeners
+            .iter()
+            .map(|l| l.rule.clone())
+            .collect()
+    }
+
+    /// Every upstream, with how long it stays paused if it is.
+    pub fn upstreams(&self) -> Vec<(String, Option<Duration>)> {
+        let table = self.table.load();
+        table
+            .pools
+            .iter()
+            .map(|p| {
+                let name = p.config().name.clone();
+                let paused = table
+                    .listeners
+                    .iter()
+                    .filter(|l| l.pool.config().name == name)
+                    .find_map(|l| self.admission.paused_for(&l.rule));
+                (name, paused)
+            })
+            .collect()
+    }
+
+    /// Accept on every listener until `stop`; sessions are tracked by
+    /// `sessions` (the drain waits for them).
+    pub fn run(self: &Arc<Self>, stop: &CancellationToken, sessions: &TaskTracker) {
+        let sockets = std::mem::take(&mut *lock(&self.sockets));
+        for (name, socket) in sockets {
+            let listener = match TcpListener::from_std(socket) {
+                Ok(l) => l,
+                Err(e) => {
+                    warn!(listener = %name, error = %e, "cannot register an SMTP listener");
+                    continue;
+                }
+            };
+            if let Ok(addr) = listener.local_addr() {
+                info!(listener = %name, %addr, "SMTP relay listening");
+            }
+            tokio::spawn(
+                self.clone()
+                    .accept(name, listener, stop.clone(), sessions.clone()),
+            );
+        }
+    }
+
+    async fn accept(
+        self: Arc<Self>,
+        name: String,
+        listener: TcpListener,
+        stop: CancellationToken,
+        sessions: TaskTracker,
+    ) {
+        loop {
+            let accepted = tokio::select! {
+                () = stop.cancelled() => return,
+                a = listener.accept() => a,
+            };
+            let (tcp, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "SMTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let (Some(l), Some(slots)) = (self.listener(&name), self.slots(&name)) else {
+                continue;
+            };
+            let Ok(permit) = slots.try_acquire_owned() else {
+                // At max_connections: said so, and closed (RFC 5321 3.1).
+                let hostname = l.cfg.hostname.clone();
+                sessions.spawn(async move {
+                    let mut tcp = tcp;
+                    let text =
+                        format!("421 4.3.2 {hostname} Too many connections, try again later\r\n");
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(1),
+                        tcp.write_all(text.as_bytes()),
+                    )
+                    .await;
+                });
+                continue;
+            };
+            self.sessions.fetch_add(1, Ordering::Relaxed);
+            let open = Open(self.sessions.clone());
+            let (front, stop) = (self.clone(), stop.clone());
+            sessions.spawn(async move {
+                session::serve(front, l, tcp, peer, stop).await;
+                drop(permit);
+                drop(open);
+            });
+        }
+    }
+}

@@ -1,0 +1,865 @@
+//! One inbound SMTP connection (RFC 5321 ESMTP with PIPELINING, SIZE,
+//! 8BITMIME, SMTPUTF8, ENHANCEDSTATUSCODES, STARTTLS and AUTH PLAIN/LOGIN).
+//!
+//! A message transaction is one request for the admission layer: admitted
+//! at MAIL FROM (at DATA with `cost = "recipients"`, when the count is
+//! known), refused there with `451 4.7.0` before any body is sent, or held.
+//! Its data is read in full while it waits (bounded by `max_message_size`
+//! and the shared staging budget), and at its departure it is relayed; the
+//! client is answered with the upstream's own reply to the end of data, so
+//! sluice never says 250 for a message the upstream has not taken. A
+//! client that goes away while held is withdrawn (its slot goes to the
+//! next message) and nothing is relayed; one that goes away mid-relay,
+//! before the end of data is sent, aborts the relay.
+//!
+//! Commands are parsed by smtp-proto (Stalwart's parser): line by line from
+//! one input buffer that is never flushed, so pipelined commands are
+//! answered in order (RFC 2920 3.2); replies are flushed before every read
+//! and before every wait.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use smtp_proto::request::receiver::{DataReceiver, DummyDataReceiver};
+use smtp_proto::{
+    AUTH_LOGIN, AUTH_PLAIN, MAIL_BODY_7BIT, MAIL_BODY_8BITMIME, MAIL_SMTPUTF8, MailFrom, RcptTo,
+    Request,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::client::Envelope;
+use super::io::{InBuf, Stream};
+use super::pool::{client_reply, throttled_error};
+use super::reply::{self, Reply};
+use super::{Front, Listener};
+use crate::admission::{Hold, HoldError, Key, Room, Verdict, compose};
+use crate::config::{SmtpCost, SmtpKeyPart};
+use crate::metrics::Outcome;
+
+/// The longest command line taken (RFC 5321 4.5.3.1.4 asks for 512; MAIL
+/// with every extension's parameters can be longer).
+const MAX_COMMAND_LINE: usize = 4096;
+/// RFC 4954 4: an AUTH response line may be 12288 octets.
+const MAX_AUTH_LINE: usize = 12_288;
+/// Errors after which a client is sent away (Postfix's
+/// `smtpd_hard_error_limit`).
+const MAX_ERRORS: u32 = 20;
+/// What a client may send ahead while its message is held, kept to be
+/// answered in order; past it, sluice stops reading until it answers.
+const MAX_AHEAD: usize = 64 * 1024;
+/// How long a failed AUTH is answered late (slows guessing).
+const AUTH_FAILURE_DELAY: Duration = Duration::from_secs(1);
+
+/// Message ids for the trace header.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Why a session ends.
+enum End {
+    /// The client went away (or its connection broke).
+    Gone,
+    /// sluice ends it (QUIT, timeout, errors, shutdown, overload); the
+    /// last reply is queued.
+    Closed,
+}
+
+/// A message transaction between MAIL FROM and the end of data.
+struct Tx {
+    from: String,
+    eightbit: bool,
+    smtputf8: bool,
+    rcpts: Vec<String>,
+    key: Key,
+    listener: Arc<Listener>,
+    /// The admission's verdict, once asked: `Some(None)` departed at once,
+    /// `Some(Some(hold))` waits.
+    admitted: Option<Option<Hold>>,
+}
+
+struct Session {
+    front: Arc<Front>,
+    listener: Arc<Listener>,
+    peer: SocketAddr,
+    stream: Stream,
+    inbuf: InBuf,
+    out: Vec<u8>,
+    /// The HELO/EHLO name; `None` before (and after STARTTLS).
+    helo: Option<String>,
+    /// EHLO (not HELO): enhanced status codes were offered.
+    esmtp: bool,
+    /// The user that authenticated.
+    user: Option<String>,
+    tx: Option<Tx>,
+    /// A message is being read or relayed (its transaction is out of
+    /// `tx` meanwhile).
+    in_data: bool,
+    errors: u32,
+    /// Discarding the rest of an over-long line.
+    skipping: bool,
+    stop: CancellationToken,
+}
+
+/// Serve one connection until it ends.
+pub(super) async fn serve(
+    front: Arc<Front>,
+    listener: Arc<Listener>,
+    tcp: TcpStream,
+    peer: SocketAddr,
+    stop: CancellationToken,
+) {
+    let _ = tcp.set_nodelay(true);
+    let mut s = Session {
+        front,
+        listener,
+        peer,
+        stream: Stream::Plain(tcp),
+        inbuf: InBuf::default(),
+        out: Vec::new(),
+        helo: None,
+        esmtp: false,
+        user: None,
+        tx: None,
+        in_data: false,
+        errors: 0,
+        skipping: false,
+        stop,
+    };
+    let listener = s.listener.clone();
+    let cfg = &listener.cfg;
+    let allowed = cfg.allow_from.iter().any(|n| n.contains(&peer.ip()));
+    if !allowed && cfg.auth.is_none() {
+        debug!(%peer, listener = %cfg.name, "relay access denied");
+        s.say(&Reply::owned(
+            554,
+            [0, 0, 0],
+            format!("{} {}", cfg.hostname, reply::RELAY_DENIED.text),
+        ));
+    } else {
+        s.say(&Reply::owned(
+            220,
+            [0, 0, 0],
+            format!("{} ESMTP sluice", cfg.hostname),
+        ));
+        match s.run().await {
+            End::Gone => debug!(%peer, "client went away"),
+            End::Closed => {}
+        }
+    }
+    let _ = s.flush().await;
+    let _ = tokio::time::timeout(Duration::from_secs(1), s.stream.shutdown()).await;
+}
+
+impl Session {
+    /// Queue a reply.
+    fn say(&mut self, r: &Reply) {
+        r.write(&mut self.out, self.esmtp);
+    }
+
+    /// A protocol error: answered, counted; too many end the session.
+    fn error(&mut self, r: &Reply) -> Result<(), End> {
+        self.say(r);
+        self.errors += 1;
+        if self.errors >= MAX_ERRORS {
+            self.say(&reply::TOO_MANY_ERRORS);
+            return Err(End::Closed);
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> Result<(), End> {
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        let timeout = self.listener.cfg.idle_timeout;
+        let written = tokio::time::timeout(timeout, self.stream.write_all(&self.out)).await;
+        self.out.clear();
+        match written {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(End::Gone),
+        }
+    }
+
+    /// Flush, then read more input; ends the session at the client's end,
+    /// its silence past `idle_timeout`, or shutdown (while no message is
+    /// in hand; when the drain gives up, always).
+    async fn read_more(&mut self) -> Result<(), End> {
+        self.flush().await?;
+        let idle = self.listener.cfg.idle_timeout;
+        let closing = self.front.admission.closing().clone();
+        let idle_only = self.tx.is_none() && !self.in_data;
+        tokio::select! {
+            n = self.inbuf.fill(&mut self.stream) => match n {
+                Ok(0) | Err(_) => Err(End::Gone),
+                Ok(_) => Ok(()),
+            },
+            () = tokio::time::sleep(idle) => {
+                self.say(&reply::TIMEOUT);
+                Err(End::Closed)
+            }
+            () = self.stop.cancelled(), if idle_only => {
+                self.say(&reply::SHUTTING_DOWN);
+                Err(End::Closed)
+            }
+            () = closing.cancelled() => {
+                self.say(&reply::SHUTTING_DOWN);
+                Err(End::Closed)
+            }
+        }
+    }
+
+    /// The next line (with its line end), at most `max` bytes; a longer
+    /// one is answered `500 5.5.2` and skipped.
+    async fn line(&mut self, max: usize, too_long: &Reply) -> Result<Vec<u8>, End> {
+        loop {
+            let unread = self.inbuf.unread();
+            let lf = unread.iter().position(|&b| b == b'\n');
+            if self.skipping {
+                match lf {
+                    Some(i) => {
+                        self.inbuf.consume(i + 1);
+                        self.skipping = false;
+                    }
+                    None => self.inbuf.discard(),
+                }
+                if self.skipping {
+                    self.read_more().await?;
+                }
+                continue;
+            }
+            match lf {
+                Some(i) if i < max => {
+                    let line = unread[..=i].to_vec();
+                    self.inbuf.consume(i + 1);
+                    return Ok(line);
+                }
+                Some(i) => {
+                    self.inbuf.consume(i + 1);
+                    self.error(too_long)?;
+                }
+                None if unread.len() >= max => {
+                    self.inbuf.discard();
+                    self.skipping = true;
+                    self.error(too_long)?;
+                }
+                None => self.read_more().await?,
+            }
+        }
+    }
+
+    async fn run(&mut self) -> End {
+        loop {
+            let line = match self.line(MAX_COMMAND_LINE, &reply::LINE_TOO_LONG).await {
+                Ok(l) => l,
+                Err(end) => return end,
+            };
+            let parsed = Request::parse(&mut line.iter()).map(Request::into_owned);
+            let step = match parsed {
+                Ok(request) => self.command(request).await,
+                Err(e) => self.parse_error(e),
+            };
+            if let Err(end) = step {
+                return end;
+            }
+        }
+    }
+
+    fn parse_error(&mut self, e: smtp_proto::Error) -> Result<(), End> {
+        use smtp_proto::Error as E;
+        let r = match e {
+            E::UnknownCommand | E::NeedsMoreData { .. } => reply::UNKNOWN_COMMAND,
+            E::InvalidSenderAddress => reply::BAD_SENDER,
+            E::InvalidRecipientAddress => reply::BAD_RECIPIENT,
+            E::SyntaxError { syntax } => {
+                Reply::owned(501, [5, 5, 4], format!("Syntax error, expected: {syntax}"))
+            }
+            E::InvalidParameter { param } => {
+                Reply::owned(501, [5, 5, 4], format!("Invalid {param} parameter"))
+            }
+            E::UnsupportedParameter { .. } => reply::UNSUPPORTED_PARAMETER,
+            E::ResponseTooLong => reply::LINE_TOO_LONG,
+            E::InvalidResponse { .. } => reply::SYNTAX,
+        };
+        self.error(&r)
+    }
+
+    async fn command(&mut self, request: Request<String>) -> Result<(), End> {
+        match request {
+            Request::Ehlo { host } => {
+                self.tx = None;
+                self.helo = Some(host);
+                self.esmtp = true;
+                let ehlo = self.ehlo_reply();
+                // The EHLO reply carries no enhanced code.
+                ehlo.write(&mut self.out, false);
+            }
+            Request::Helo { host } => {
+                self.tx = None;
+                self.helo = Some(host);
+                self.esmtp = false;
+                let name = self.listener.cfg.hostname.clone();
+                self.say(&Reply::owned(250, [0, 0, 0], name));
+            }
+            Request::Mail { from } => self.mail(from).await?,
+            Request::Rcpt { to } => self.rcpt(to)?,
+            Request::Data => self.data().await?,
+            Request::Rset => {
+                self.tx = None;
+                self.say(&reply::OK);
+            }
+            Request::Noop { .. } => self.say(&reply::OK),
+            Request::Quit => {
+                self.say(&reply::BYE);
+                return Err(End::Closed);
+            }
+            Request::Vrfy { .. } => self.say(&reply::VRFY_REFUSED),
+            Request::Expn { .. } => self.say(&reply::EXPN_REFUSED),
+            Request::Help { .. } => self.say(&reply::HELP),
+            Request::StartTls => self.starttls().await?,
+            Request::Auth {
+                mechanism,
+                initial_response,
+            } => self.auth(mechanism, initial_response).await?,
+            Request::Lhlo { .. } => self.error(&reply::UNKNOWN_COMMAND)?,
+            Request::Bdat { .. }
+            | Request::Etrn { .. }
+            | Request::Atrn { .. }
+            | Request::Burl { .. } => self.error(&reply::NOT_IMPLEMENTED)?,
+        }
+        Ok(())
+    }
+
+    fn tls_offered(&self) -> bool {
+        self.listener.acceptor.is_some() && !self.stream.is_tls()
+    }
+
+    /// AUTH is offered over TLS, or to a client on this machine.
+    fn auth_offered(&self) -> bool {
+        self.listener.cfg.auth.is_some() && (self.stream.is_tls() || self.peer.ip().is_loopback())
+    }
+
+    fn ehlo_reply(&self) -> Reply {
+        let cfg = &self.listener.cfg;
+        let mut lines = vec![
+            format!(
+                "{} greets {}",
+                cfg.hostname,
+                self.helo.as_deref().unwrap_or("")
+            ),
+            "PIPELINING".to_owned(),
+            format!("SIZE {}", cfg.max_message_size),
+            "8BITMIME".to_owned(),
+            "SMTPUTF8".to_owned(),
+            "ENHANCEDSTATUSCODES".to_owned(),
+        ];
+        if self.tls_offered() {
+            lines.push("STARTTLS".to_owned());
+        }
+        if self.auth_offered() {
+            lines.push("AUTH PLAIN LOGIN".to_owned());
+        }
+        lines.push("HELP".to_owned());
+        Reply::owned(250, [0, 0, 0], lines.join("\n"))
+    }
+
+    async fn mail(&mut self, from: MailFrom<String>) -> Result<(), End> {
+        if self.helo.is_none() {
+            return self.error(&reply::NEED_HELO);
+        }
+        if self.tx.is_some() {
+            return self.error(&reply::NESTED_MAIL);
+        }
+        // Each transaction uses the listener's policy as it is now (a
+        // reload applies to kept-open connections too).
+        match self.front.listener(&self.listener.cfg.name) {
+            Some(l) => self.listener = l,
+            None => {
+                self.say(&reply::SHUTTING_DOWN);
+                return Err(End::Closed);
+            }
+        }
+        let listener = self.listener.clone();
+        let cfg = &listener.cfg;
+        if cfg.require_tls && !self.stream.is_tls() {
+            return self.error(&reply::TLS_REQUIRED);
+        }
+        if cfg.auth.is_some() && self.user.is_none() {
+            return self.error(&reply::AUTH_REQUIRED);
+        }
+        let known = MAIL_BODY_7BIT | MAIL_BODY_8BITMIME | MAIL_SMTPUTF8;
+        let extra = from.flags & !known != 0
+            || from.env_id.is_some()
+            || from.trans_id.is_some()
+            || from.solicit.is_some()
+            || from.mtrk.is_some()
+            || from.by != 0
+            || from.hold_for != 0
+            || from.hold_until != 0
+            || from.mt_priority != 0;
+        if extra || (!self.esmtp && from.flags != 0) {
+            return self.error(&reply::UNSUPPORTED_PARAMETER);
+        }
+        if from.address.chars().any(char::is_control) {
+            return self.error(&reply::BAD_SENDER);
+        }
+        if from.size > cfg.max_message_size {
+            return self.error(&reply::TOO_BIG);
+        }
+        let key = self.key(&from.address);
+        let mut tx = Tx {
+            from: from.address,
+            eightbit: from.flags & MAIL_BODY_8BITMIME != 0,
+            smtputf8: from.flags & MAIL_SMTPUTF8 != 0,
+            rcpts: Vec::new(),
+            key,
+            listener: self.listener.clone(),
+            admitted: None,
+        };
+        if cfg.cost == SmtpCost::Message {
+            match self.admit(&tx, 1).await? {
+                Some(admitted) => tx.admitted = Some(admitted),
+                None => return Ok(()),
+            }
+        }
+        self.tx = Some(tx);
+        self.say(&reply::SENDER_OK);
+        Ok(())
+    }
+
+    /// The client key of a transaction from `sender`.
+    fn key(&self, sender: &str) -> Key {
+        let sender = sender.to_lowercase();
+        let domain = match sender.rsplit_once('@') {
+            Some((_, d)) => d,
+            None => "",
+        };
+        let shown = |s: &str| {
+            if s.is_empty() {
+                b"<>".to_vec()
+            } else {
+                s.as_bytes().to_vec()
+            }
+        };
+        let user = self.user.clone().unwrap_or_default();
+        let peer = self.peer.ip();
+        compose(&self.listener.cfg.key, |part, out| {
+            match part {
+                SmtpKeyPart::Global => {}
+                SmtpKeyPart::Ip => out.ip(peer),
+                SmtpKeyPart::Sender => out.text(&shown(&sender)),
+                SmtpKeyPart::SenderDomain => out.text(&shown(domain)),
+                SmtpKeyPart::Auth => out.text(user.as_bytes()),
+            }
+            Ok::<(), ()>(())
+        })
+        .unwrap_or_else(|()| Key::new(b""))
+    }
+
+    /// Ask the admission layer for a message of `cost`: `Some(None)` goes
+    /// now, `Some(Some(hold))` waits, `None` was refused (answered).
+    async fn admit(&mut self, tx: &Tx, cost: u32) -> Result<Option<Option<Hold>>, End> {
+        // Replies so far go out before a wait on the shared schedule.
+        self.flush().await?;
+        let rule = &tx.listener.rule;
+        match self.front.admission.admit(rule, tx.key.clone(), cost).await {
+            Verdict::Go => Ok(Some(None)),
+            Verdict::Wait(hold) => Ok(Some(Some(hold))),
+            Verdict::Refused { retry_after, .. } => {
+                let secs = retry_after.as_secs_f64().ceil().max(1.0);
+                self.say(&Reply::owned(
+                    451,
+                    [4, 7, 0],
+                    format!(
+                        "Rate limited: too much mail waiting for '{}'; try again in {secs:.0} seconds",
+                        tx.listener.cfg.name
+                    ),
+                ));
+                Ok(None)
+            }
+            Verdict::Overloaded(_) => {
+                self.say(&reply::OVERLOADED);
+                Err(End::Closed)
+            }
+        }
+    }
+
+    fn rcpt(&mut self, to: RcptTo<String>) -> Result<(), End> {
+        let max = self.listener.cfg.max_recipients;
+        let Some(tx) = self.tx.as_mut() else {
+            return self.error(&reply::NEED_MAIL);
+        };
+        if to.orcpt.is_some() || to.flags != 0 || to.rrvs != 0 {
+            return self.error(&reply::UNSUPPORTED_PARAMETER);
+        }
+        if to.address.chars().any(char::is_control) {
+            return self.error(&reply::BAD_RECIPIENT);
+        }
+        if tx.rcpts.len() >= max {
+            self.say(&reply::TOO_MANY_RECIPIENTS);
+            return Ok(());
+        }
+        // `<postmaster>` comes out of the parser empty.
+        let address = if to.address.is_empty() {
+            "postmaster".to_owned()
+        } else {
+            to.address
+        };
+        tx.rcpts.push(address);
+        self.say(&reply::RECIPIENT_OK);
+        Ok(())
+    }
+
+    async fn data(&mut self) -> Result<(), End> {
+        let Some(mut tx) = self.tx.take() else {
+            return self.error(&reply::NEED_MAIL);
+        };
+        if tx.rcpts.is_empty() {
+            self.tx = Some(tx);
+            return self.error(&reply::NEED_RCPT);
+        }
+        if tx.admitted.is_none() {
+            let cost = u32::try_from(tx.rcpts.len()).unwrap_or(u32::MAX);
+            match self.admit(&tx, cost).await? {
+                Some(admitted) => tx.admitted = Some(admitted),
+                // Refused: the transaction is over, the client starts again.
+                None => return Ok(()),
+            }
+        }
+        // The message is read while it waits (a client gone meanwhile
+        // drops the transaction, and its hold with it).
+        self.say(&reply::START_DATA);
+        self.in_data = true;
+        let answer = self.take_message(tx).await;
+        self.in_data = false;
+        let answer = answer?;
+        self.say(&answer);
+        Ok(())
+    }
+
+    /// Read the message and relay it at its departure: the answer to its
+    /// end of data.
+    async fn take_message(&mut self, mut tx: Tx) -> Result<Reply, End> {
+        let max = self.listener.cfg.max_message_size;
+        let (message, room) = match self.read_data(max).await? {
+            Ok(m) => m,
+            Err(refusal) => {
+                if let Some(Some(hold)) = tx.admitted.take() {
+                    hold.withdraw();
+                }
+                tx.listener.rule.count(Outcome::Invalid);
+                return Ok(refusal);
+            }
+        };
+        self.deliver(tx, message, room).await
+    }
+
+    /// Read the message to its end of data: the message with a trace
+    /// header, and the room it holds; or, for one over `max` or the
+    /// staging budget, the refusal (after its end, as RFC 1870 wants).
+    async fn read_data(&mut self, max: usize) -> Result<Result<(Vec<u8>, Room), Reply>, End> {
+        let trace = self.trace_header();
+        let mut rx = DataReceiver::new();
+        let mut message = Vec::new();
+        // The receiver does not know it starts at a line start: primed
+        // with a line end, an empty message and a first line starting
+        // with a dot are read right (the line end is taken off after).
+        rx.ingest(&mut b"\r\n".iter(), &mut message);
+        let mut room = self.front.budget.room();
+        let mut refused: Option<(Reply, DummyDataReceiver)> = None;
+        loop {
+            let unread = self.inbuf.unread();
+            let mut it = unread.iter();
+            let done = match &mut refused {
+                Some((_, discard)) => discard.ingest(&mut it),
+                None => rx.ingest(&mut it, &mut message),
+            };
+            let used = unread.len() - it.len();
+            self.inbuf.consume(used);
+            if refused.is_none() {
+                let size = message.len().saturating_sub(2);
+                let why = if size > max {
+                    Some(reply::TOO_BIG)
+                } else if !room.grow_to(message.len() + trace.len()) {
+                    Some(reply::NO_STORAGE)
+                } else {
+                    None
+                };
+                if let Some(why) = why {
+                    message = Vec::new();
+                    refused = Some((why, DummyDataReceiver::new_data(&rx)));
+                }
+            }
+            if done {
+                break;
+            }
+            self.read_more().await?;
+        }
+        if let Some((why, _)) = refused {
+            return Ok(Err(why));
+        }
+        let mut out = trace.into_bytes();
+        out.extend_from_slice(message.get(2..).unwrap_or_default());
+        Ok(Ok((out, room)))
+    }
+
+    /// The `Received:` line a relay puts before the message (RFC 5321
+    /// 4.4).
+    fn trace_header(&self) -> String {
+        let with = match (self.esmtp, self.stream.is_tls(), self.user.is_some()) {
+            (false, _, _) => "SMTP",
+            (true, false, false) => "ESMTP",
+            (true, true, false) => "ESMTPS",
+            (true, false, true) => "ESMTPA",
+            (true, true, true) => "ESMTPSA",
+        };
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let date = httpdate::fmt_http_date(std::time::SystemTime::now()).replace(" GMT", " +0000");
+        let helo: String = self
+            .helo
+            .as_deref()
+            .unwrap_or("unknown")
+            .chars()
+            .filter(|c| !c.is_control())
+            .take(255)
+            .collect();
+        format!(
+            "Received: from {helo} ([{}])\r\n\tby {} (sluice) with {with} id {id:x};\r\n\t{date}\r\n",
+            self.peer.ip(),
+            self.listener.cfg.hostname,
+        )
+    }
+
+    /// Wait for the message's departure, then relay it; the reply for the
+    /// client. Watches the client all along: gone before the end of data
+    /// is relayed, nothing is relayed.
+    async fn deliver(&mut self, tx: Tx, message: Vec<u8>, room: Room) -> Result<Reply, End> {
+        let Tx {
+            from,
+            eightbit,
+            smtputf8,
+            rcpts,
+            listener,
+            admitted,
+            ..
+        } = tx;
+        let rule = listener.rule.clone();
+        if let Some(Some(mut hold)) = admitted {
+            self.flush().await?;
+            let waited = tokio::select! {
+                w = hold.wait() => w,
+                () = watch(&mut self.inbuf, &mut self.stream) => {
+                    // The dropped hold withdraws the message, counted as
+                    // cancelled; its slot goes to the next in line.
+                    drop(hold);
+                    return Err(End::Gone);
+                }
+            };
+            match waited {
+                Ok(()) => {}
+                Err(HoldError::Expired) => return Ok(reply::EXPIRED),
+                Err(HoldError::Closed) => {
+                    self.say(&reply::SHUTTING_DOWN);
+                    return Err(End::Closed);
+                }
+            }
+        }
+        let env = Envelope {
+            from,
+            eightbit,
+            smtputf8,
+            rcpts,
+        };
+        let pool = listener.pool.clone();
+        let deadline = Instant::now() + pool.config().relay_timeout;
+        let relayed = tokio::select! {
+            r = pool.send(&env, &message, deadline) => r,
+            () = watch(&mut self.inbuf, &mut self.stream) => {
+                // Dropping the relay closes its upstream session: a
+                // message whose end of data was not sent is not taken.
+                rule.count(Outcome::Cancelled);
+                return Err(End::Gone);
+            }
+        };
+        drop(room);
+        match relayed {
+            Ok(r) => {
+                rule.count(Outcome::Forwarded);
+                info!(
+                    listener = %listener.cfg.name,
+                    upstream = %pool.config().name,
+                    code = r.code,
+                    reply = %r.text,
+                    "relayed"
+                );
+                Ok(r)
+            }
+            Err(e) => {
+                let answered = matches!(
+                    e,
+                    super::client::RelayError::Refused(_) | super::client::RelayError::Setup(_)
+                );
+                rule.count(if answered {
+                    Outcome::Forwarded
+                } else {
+                    Outcome::UpstreamError
+                });
+                if throttled_error(&e) {
+                    let pause = pool.config().throttle_pause;
+                    self.front.admission.pause(&rule, Instant::now() + pause);
+                    warn!(
+                        upstream = %pool.config().name,
+                        pause = %humantime::format_duration(pause),
+                        error = %e,
+                        "the upstream is throttling: releases to it are paused"
+                    );
+                } else if answered {
+                    debug!(upstream = %pool.config().name, error = %e, "relay refused");
+                } else {
+                    warn!(upstream = %pool.config().name, error = %e, "relay failed");
+                }
+                Ok(client_reply(&e))
+            }
+        }
+    }
+
+    async fn starttls(&mut self) -> Result<(), End> {
+        if !self.tls_offered() {
+            return self.error(&reply::NOT_IMPLEMENTED);
+        }
+        if self.tx.is_some() {
+            return self.error(&reply::IN_TRANSACTION);
+        }
+        let Some(acceptor) = self.listener.acceptor.clone() else {
+            return self.error(&reply::TLS_UNAVAILABLE);
+        };
+        self.say(&reply::TLS_READY);
+        self.flush().await?;
+        // RFC 3207 4.2: what the client sent before the handshake must
+        // not be acted on.
+        self.inbuf.discard();
+        let timeout = self.listener.cfg.idle_timeout;
+        match tokio::time::timeout(timeout, self.stream.accept_tls(&acceptor)).await {
+            Ok(Ok(())) => {}
+            _ => return Err(End::Gone),
+        }
+        // Everything learned before TLS is forgotten.
+        self.helo = None;
+        self.esmtp = false;
+        self.user = None;
+        Ok(())
+    }
+
+    async fn auth(&mut self, mechanism: u64, initial: String) -> Result<(), End> {
+        let Some(credentials) = self.listener.cfg.auth.clone() else {
+            return self.error(&reply::NOT_IMPLEMENTED);
+        };
+        if self.helo.is_none() || !self.esmtp {
+            return self.error(&reply::NEED_HELO);
+        }
+        if self.user.is_some() {
+            return self.error(&reply::ALREADY_AUTHENTICATED);
+        }
+        if self.tx.is_some() {
+            return self.error(&reply::IN_TRANSACTION);
+        }
+        if !self.auth_offered() {
+            return self.error(&reply::AUTH_NEEDS_TLS);
+        }
+        let pair = match mechanism {
+            AUTH_PLAIN => {
+                let token = match initial.as_str() {
+                    "" => self.challenge("").await?,
+                    "=" => Some(Vec::new()),
+                    t => self.decoded(t)?,
+                };
+                let Some(token) = token else {
+                    return Ok(());
+                };
+                // authzid NUL authcid NUL password (RFC 4616)
+                let mut parts = token.split(|&b| b == 0);
+                match (parts.next(), parts.next(), parts.next(), parts.next()) {
+                    (Some(_), Some(user), Some(password), None) => {
+                        (user.to_vec(), password.to_vec())
+                    }
+                    _ => return self.error(&reply::AUTH_BAD_BASE64),
+                }
+            }
+            AUTH_LOGIN => {
+                let user = match initial.as_str() {
+                    "" => self.challenge("VXNlcm5hbWU6").await?,
+                    t => self.decoded(t)?,
+                };
+                let Some(user) = user else {
+                    return Ok(());
+                };
+                let Some(password) = self.challenge("UGFzc3dvcmQ6").await? else {
+                    return Ok(());
+                };
+                (user, password)
+            }
+            _ => return self.error(&reply::AUTH_MECHANISM),
+        };
+        let (user, password) = pair;
+        let user = String::from_utf8_lossy(&user).into_owned();
+        if credentials.check(&user, &password) {
+            info!(peer = %self.peer, %user, "authenticated");
+            self.user = Some(user);
+            self.say(&reply::AUTH_OK);
+            Ok(())
+        } else {
+            warn!(peer = %self.peer, %user, "authentication failed");
+            self.flush().await?;
+            tokio::time::sleep(AUTH_FAILURE_DELAY).await;
+            self.error(&reply::AUTH_FAILED)
+        }
+    }
+
+    /// Send a `334` challenge and read the answer: its decoded bytes, or
+    /// `None` when it was cancelled or undecodable (answered).
+    async fn challenge(&mut self, text: &'static str) -> Result<Option<Vec<u8>>, End> {
+        self.say(&Reply::new(334, [0, 0, 0], text));
+        let line = self.line(MAX_AUTH_LINE, &reply::AUTH_LINE_TOO_LONG).await?;
+        let answer = String::from_utf8_lossy(&line);
+        let answer = answer.trim_end_matches(['\r', '\n']);
+        if answer == "*" {
+            self.error(&reply::AUTH_CANCELLED)?;
+            return Ok(None);
+        }
+        self.decoded(answer)
+    }
+
+    /// `text` decoded from base64, or `None` (answered) when it is not.
+    fn decoded(&mut self, text: &str) -> Result<Option<Vec<u8>>, End> {
+        match decode(text) {
+            Some(bytes) => Ok(Some(bytes)),
+            None => {
+                self.error(&reply::AUTH_BAD_BASE64)?;
+                Ok(None)
+            }
+        }
+    }
+}
+
+fn decode(text: &str) -> Option<Vec<u8>> {
+    BASE64.decode(text.trim()).ok()
+}
+
+/// Resolve when the client has gone away. What it sends meanwhile (its
+/// next pipelined commands) is kept, up to [`MAX_AHEAD`]; past that
+/// nothing more is read until it is answered.
+async fn watch(inbuf: &mut InBuf, stream: &mut Stream) {
+    loop {
+        if inbuf.len() >= MAX_AHEAD {
+            std::future::pending::<()>().await;
+        }
+        match inbuf.fill(stream).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
+}

@@ -1,0 +1,685 @@
+//! The SMTP relay end to end: the real sluice binary between a real SMTP
+//! client (Python's smtplib, or raw lines) and a real SMTP server
+//! (aiosmtpd), all child processes on loopback.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use support::smtp::{self, Raw, SmtpUpstream, UpstreamOpts, admin_get, arrival_ns, wait_queued};
+use support::{Sluice, TestCa};
+
+/// A config with one upstream on `port` and one listener; `upstream` and
+/// `listener` add lines to each table.
+fn config(port: u16, upstream: &str, listener: &str) -> String {
+    format!(
+        r#"
+[admin]
+listen = "127.0.0.1:0"
+
+[[smtp_upstream]]
+name = "relay"
+url = "smtp://127.0.0.1:{port}"
+{upstream}
+
+[[smtp]]
+name = "mail"
+listen = ["127.0.0.1:0"]
+upstream = "relay"
+hostname = "sluice.test"
+{listener}
+"#
+    )
+}
+
+/// A plain-text upstream, key global, 5/s, b = 10.
+fn plain(port: u16) -> String {
+    config(
+        port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"5/s\"\ncapacity = 10",
+    )
+}
+
+fn code(v: &Value) -> Option<u64> {
+    v[0].as_u64()
+}
+
+fn text(v: &Value) -> &str {
+    v[1].as_str().unwrap_or("")
+}
+
+/// A file only its owner may read.
+fn secret_file(contents: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::temp_dir().join(format!(
+        "sluice-secret-{}-{}",
+        std::process::id(),
+        contents.len() ^ contents.as_ptr() as usize
+    ));
+    std::fs::write(&path, contents).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+fn metrics(s: &Sluice) -> String {
+    admin_get(s.admin.unwrap(), "/metrics")
+}
+
+/// One full transaction on a raw connection, up to (not including) the
+/// end of data.
+fn start_message(raw: &mut Raw, subject: &str) {
+    assert!(raw.cmd("EHLO raw.test").starts_with("250"));
+    assert!(raw.cmd("MAIL FROM:<raw@example.com>").starts_with("250"));
+    assert!(raw.cmd("RCPT TO:<user@example.org>").starts_with("250"));
+    assert!(raw.cmd("DATA").starts_with("354"));
+    raw.send(&format!("Subject: {subject}\r\n\r\nbody\r\n"));
+}
+
+#[test]
+fn a_burst_of_twenty_is_paced_and_the_excess_refused_at_mail_with_each_client_told_its_queue_id() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&plain(up.port));
+    let results = smtp::send(sluice.smtp.unwrap(), &["--count", "20"]);
+    assert_eq!(results.len(), 20);
+    let (accepted, refused): (Vec<&Value>, Vec<&Value>) =
+        results.iter().partition(|r| code(&r["mail"]) == Some(250));
+    // DESIGN section 1 with every MAIL at once: one departs, b = 10 wait,
+    // the other nine find ten waiting.
+    assert_eq!(accepted.len(), 11, "{results:#?}");
+    for r in &refused {
+        assert_eq!(code(&r["mail"]), Some(451), "{r}");
+        assert!(text(&r["mail"]).starts_with("4.7.0 "), "{r}");
+        assert!(text(&r["mail"]).contains("try again in"), "{r}");
+        assert!(r["data"].is_null(), "a refused message sends no body");
+    }
+    let arrivals = up.wait_arrivals(11, Duration::from_secs(15));
+    assert_eq!(
+        arrivals.len(),
+        11,
+        "every admitted message reaches the upstream"
+    );
+    // Each client got the upstream's own reply: its queue id.
+    for r in &accepted {
+        let i = r["i"].as_u64().unwrap();
+        let arrival = arrivals
+            .iter()
+            .find(|a| a["subject"] == format!("message {i}"))
+            .unwrap_or_else(|| panic!("message {i} did not arrive"));
+        assert_eq!(code(&r["data"]), Some(250), "{r}");
+        let qid = arrival["qid"].as_str().unwrap();
+        assert!(
+            text(&r["data"]).ends_with(&format!("queued as {qid}")),
+            "client got {r}, upstream said {qid}"
+        );
+        assert!(
+            arrival["body"]
+                .as_str()
+                .unwrap()
+                .contains("\r\n.starts with a dot\r\n"),
+            "dot-stuffing is undone inbound and redone outbound"
+        );
+    }
+    // Paced 200 ms apart at the upstream.
+    let t: Vec<u64> = arrivals.iter().map(arrival_ns).collect();
+    let mean = (t[10] - t[0]) / 10;
+    assert!(
+        (185_000_000..=230_000_000).contains(&mean),
+        "mean gap {} ms",
+        mean / 1_000_000
+    );
+    for w in t.windows(2) {
+        assert!(
+            w[1] - w[0] >= 100_000_000,
+            "two messages {} ms apart",
+            (w[1] - w[0]) / 1_000_000
+        );
+    }
+    let m = metrics(&sluice);
+    assert!(
+        m.contains(r#"sluice_requests_total{route="mail",protocol="smtp",outcome="forwarded"} 11"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"sluice_requests_total{route="mail",protocol="smtp",outcome="rejected"} 9"#),
+        "{m}"
+    );
+}
+
+#[test]
+fn starttls_both_ways_with_a_private_ca() {
+    let ca = TestCa::new();
+    let ca_file = ca.write();
+    let up_tls = ca.leaf_files(&["localhost", "127.0.0.1"]);
+    let (cert, key) = ca.leaf_files(&["localhost", "127.0.0.1"]);
+    let up = SmtpUpstream::start(UpstreamOpts {
+        tls: Some(up_tls),
+        auth: None,
+    });
+    let toml = config(
+        up.port,
+        &format!("tls = \"starttls\"\nca_file = \"{}\"", ca_file.display()),
+        &format!(
+            "key = \"ip\"\nrate = \"50/s\"\ncapacity = 10\ntls_cert = \"{}\"\ntls_key = \"{}\"\nrequire_tls = true",
+            cert.display(),
+            key.display()
+        ),
+    );
+    let sluice = Sluice::start(&toml);
+    let addr = sluice.smtp.unwrap();
+    let ca_arg = ca_file.to_str().unwrap();
+    let results = smtp::send(addr, &["--count", "2", "--starttls", "--ca", ca_arg]);
+    for r in &results {
+        assert_eq!(code(&r["data"]), Some(250), "{r}");
+    }
+    let arrivals = up.wait_arrivals(2, Duration::from_secs(10));
+    assert_eq!(arrivals.len(), 2);
+    let received = arrivals[0]["received"][0].as_str().unwrap();
+    assert!(
+        received.contains("by sluice.test (sluice) with ESMTPS"),
+        "{received}"
+    );
+
+    // STARTTLS is offered, and required before MAIL.
+    let mut raw = Raw::connect(addr);
+    let ehlo = raw.cmd("EHLO raw.test");
+    assert!(ehlo.contains("STARTTLS"), "{ehlo}");
+    assert!(
+        raw.cmd("MAIL FROM:<a@example.com>")
+            .starts_with("530 5.7.0")
+    );
+
+    // The upstream's certificate is verified: without the CA, nothing goes.
+    let unverified = config(
+        up.port,
+        "tls = \"starttls\"",
+        "key = \"global\"\nrate = \"50/s\"\ncapacity = 10",
+    );
+    let other = Sluice::start(&unverified);
+    let results = smtp::send(other.smtp.unwrap(), &["--count", "1"]);
+    assert_eq!(code(&results[0]["data"]), Some(451), "{results:?}");
+    assert!(
+        text(&results[0]["data"]).starts_with("4.4.1"),
+        "{results:?}"
+    );
+    assert_eq!(up.arrivals().len(), 2, "nothing reached the upstream");
+}
+
+#[test]
+fn auth_inbound_and_outbound() {
+    let ca = TestCa::new();
+    let ca_file = ca.write();
+    let up = SmtpUpstream::start(UpstreamOpts {
+        tls: Some(ca.leaf_files(&["127.0.0.1"])),
+        auth: Some("relayuser:relay-pass".to_owned()),
+    });
+    let users = secret_file("# inbound users\napp:s3cret\nother:pw2\n");
+    let password = secret_file("relay-pass\n");
+    let toml = config(
+        up.port,
+        &format!(
+            "ca_file = \"{}\"\nusername = \"relayuser\"\npassword_file = \"{}\"",
+            ca_file.display(),
+            password.display()
+        ),
+        &format!(
+            "key = \"auth\"\nrate = \"50/s\"\ncapacity = 10\nauth_file = \"{}\"",
+            users.display()
+        ),
+    );
+    let sluice = Sluice::start(&toml);
+    let addr = sluice.smtp.unwrap();
+    // PLAIN (smtplib's choice) and LOGIN without an initial response.
+    let plain = smtp::send(addr, &["--auth", "app:s3cret"]);
+    assert_eq!(code(&plain[0]["data"]), Some(250), "{plain:?}");
+    let login = smtp::send(addr, &["--auth", "other:pw2", "--login"]);
+    assert_eq!(code(&login[0]["data"]), Some(250), "{login:?}");
+    let arrivals = up.wait_arrivals(2, Duration::from_secs(10));
+    assert_eq!(arrivals.len(), 2, "relayed with sluice's own AUTH upstream");
+    assert!(
+        arrivals[0]["received"][0]
+            .as_str()
+            .unwrap()
+            .contains("with ESMTPA")
+    );
+
+    let wrong = smtp::send(addr, &["--auth", "app:wrong"]);
+    assert_eq!(wrong[0]["error_code"].as_u64(), Some(535), "{wrong:?}");
+    let anonymous = smtp::send(addr, &[]);
+    assert_eq!(code(&anonymous[0]["mail"]), Some(530), "{anonymous:?}");
+
+    // A wrong upstream password: the client gets a 4xx, never a 250.
+    let bad = secret_file("not-the-password\n");
+    let toml = config(
+        up.port,
+        &format!(
+            "ca_file = \"{}\"\nusername = \"relayuser\"\npassword_file = \"{}\"",
+            ca_file.display(),
+            bad.display()
+        ),
+        &format!(
+            "key = \"auth\"\nrate = \"50/s\"\ncapacity = 10\nauth_file = \"{}\"",
+            users.display()
+        ),
+    );
+    let other = Sluice::start(&toml);
+    let r = smtp::send(other.smtp.unwrap(), &["--auth", "app:s3cret"]);
+    assert_eq!(code(&r[0]["data"]), Some(451), "{r:?}");
+    assert_eq!(up.arrivals().len(), 2);
+}
+
+#[test]
+fn a_client_that_hangs_up_while_held_sends_nothing_and_its_slot_goes_to_the_next() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"1/s\"\ncapacity = 10",
+    ));
+    let (addr, admin) = (sluice.smtp.unwrap(), sluice.admin.unwrap());
+    let mut first = Raw::connect(addr);
+    start_message(&mut first, "first");
+    assert!(first.cmd(".").starts_with("250 2.0.0"), "departs at once");
+    let mut gone = Raw::connect(addr);
+    start_message(&mut gone, "gone");
+    gone.send(".\r\n");
+    wait_queued(admin, 1);
+    let mut next = Raw::connect(addr);
+    start_message(&mut next, "next");
+    next.send(".\r\n");
+    wait_queued(admin, 2);
+    gone.hang_up();
+    wait_queued(admin, 1);
+    let reply = next.reply();
+    assert!(reply.starts_with("250 2.0.0"), "{reply}");
+    let arrivals = up.wait_arrivals(2, Duration::from_secs(5));
+    let subjects: Vec<&str> = arrivals
+        .iter()
+        .map(|a| a["subject"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        subjects,
+        ["first", "next"],
+        "nothing of the hung-up message"
+    );
+    // 'next' took the slot 'gone' had (1 s after 'first'), not its own (2 s).
+    let gap = Duration::from_nanos(arrival_ns(&arrivals[1]) - arrival_ns(&arrivals[0]));
+    assert!(
+        gap >= Duration::from_millis(800) && gap <= Duration::from_millis(1600),
+        "{gap:?}"
+    );
+    assert!(
+        metrics(&sluice).contains(
+            r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 1"#
+        )
+    );
+}
+
+#[test]
+fn a_throttling_upstream_pauses_releases_and_the_client_gets_its_reply() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    up.set_mode("throttle-once");
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"\nthrottle_pause = \"2s\"",
+        "key = \"global\"\nrate = \"10/s\"\ncapacity = 10",
+    ));
+    let admin = sluice.admin.unwrap();
+    let started = Instant::now();
+    let results = smtp::send(sluice.smtp.unwrap(), &["--count", "3"]);
+    let elapsed = started.elapsed();
+    let throttled: Vec<&Value> = results
+        .iter()
+        .filter(|r| code(&r["data"]) == Some(454))
+        .collect();
+    assert_eq!(throttled.len(), 1, "{results:#?}");
+    assert!(text(&throttled[0]["data"]).contains("Throttling failure"));
+    let t_throttled = throttled[0]["done"].as_u64().unwrap();
+    let arrivals = up.wait_arrivals(2, Duration::from_secs(10));
+    assert_eq!(arrivals.len(), 2);
+    for a in &arrivals {
+        let after = Duration::from_nanos(arrival_ns(a).saturating_sub(t_throttled));
+        assert!(
+            after >= Duration::from_millis(1700),
+            "released {after:?} after the throttle, inside the 2 s pause"
+        );
+    }
+    assert!(elapsed >= Duration::from_millis(1800), "{elapsed:?}");
+    let m = metrics(&sluice);
+    assert!(
+        m.contains(r#"sluice_upstream_pauses_total{upstream="relay",protocol="smtp"} 1"#),
+        "{m}"
+    );
+    // The pause shows in /status (here, while a new one is active).
+    up.set_mode("ok");
+    let status = smtp::status(admin);
+    let relay = status["upstreams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|u| u["name"] == "relay")
+        .cloned()
+        .unwrap();
+    assert_eq!(relay["protocol"], "smtp");
+}
+
+#[test]
+fn a_paused_upstream_shows_in_status() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    up.set_mode("throttle-once");
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"\nthrottle_pause = \"30s\"",
+        "key = \"global\"\nrate = \"10/s\"\ncapacity = 10",
+    ));
+    let r = smtp::send(sluice.smtp.unwrap(), &[]);
+    assert_eq!(code(&r[0]["data"]), Some(454), "{r:?}");
+    let status = smtp::status(sluice.admin.unwrap());
+    let relay = status["upstreams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|u| u["name"] == "relay")
+        .cloned()
+        .unwrap();
+    let paused = relay["paused_for_ms"].as_u64().unwrap_or(0);
+    assert!((20_000..=30_000).contains(&paused), "{relay}");
+}
+
+#[test]
+fn an_upstream_that_goes_away_gives_a_4xx_never_a_250() {
+    let mut up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&plain(up.port));
+    let addr = sluice.smtp.unwrap();
+    // It closes at the end of data without a word: the message may or may
+    // not have been taken, so the client must keep it.
+    up.set_mode("drop-at-dot");
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["data"]), Some(451), "{r:?}");
+    assert!(text(&r[0]["data"]).starts_with("4.4.2"), "{r:?}");
+    // It refuses service with 421: not relayed to the client as 421.
+    up.set_mode("421-close");
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["data"]), Some(451), "{r:?}");
+    // It is gone.
+    up.stop();
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["data"]), Some(451), "{r:?}");
+    assert!(text(&r[0]["data"]).starts_with("4.4.1"), "{r:?}");
+    let m = metrics(&sluice);
+    assert!(
+        m.contains(
+            r#"sluice_requests_total{route="mail",protocol="smtp",outcome="upstream_error"}"#
+        ),
+        "{m}"
+    );
+}
+
+#[test]
+fn the_protocol_pipelining_limits_and_smuggling() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"sender_domain\"\nrate = \"50/s\"\ncapacity = 10\nmax_message_size = \"4KiB\"",
+    ));
+    let addr = sluice.smtp.unwrap();
+    let mut raw = Raw::connect(addr);
+    let ehlo = raw.cmd("EHLO raw.test");
+    for ext in [
+        "PIPELINING",
+        "SIZE 4096",
+        "8BITMIME",
+        "SMTPUTF8",
+        "ENHANCEDSTATUSCODES",
+    ] {
+        assert!(ehlo.contains(ext), "{ehlo}");
+    }
+    assert!(
+        !ehlo.contains("STARTTLS") && !ehlo.contains("AUTH"),
+        "{ehlo}"
+    );
+    assert!(raw.cmd("VRFY postmaster").starts_with("252 2.5.0"));
+    assert!(raw.cmd("NOOP").starts_with("250 2.0.0"));
+    assert!(raw.cmd("FROB").starts_with("500 5.5.1"));
+    assert!(raw.cmd("RCPT TO:<a@b.c>").starts_with("503 5.5.1"));
+    assert!(
+        raw.cmd("MAIL FROM:<a@example.com> SIZE=99999")
+            .starts_with("552 5.3.4")
+    );
+    assert!(
+        raw.cmd("MAIL FROM:<a@example.com> RET=FULL")
+            .starts_with("555 5.5.4")
+    );
+    let long = format!("NOOP {}", "x".repeat(5000));
+    assert!(raw.cmd(&long).starts_with("500 5.5.2"));
+    assert!(raw.cmd("NOOP").starts_with("250"), "the session goes on");
+
+    // Pipelined: one write, replies in order; the body and the next
+    // command in one write too.
+    raw.send("MAIL FROM:<p@example.com>\r\nRCPT TO:<u@example.org>\r\nDATA\r\n");
+    assert!(raw.reply().starts_with("250 2.1.0"));
+    assert!(raw.reply().starts_with("250 2.1.5"));
+    assert!(raw.reply().starts_with("354"));
+    // A bare-LF dot line does not end the data (SMTP smuggling).
+    raw.send("Subject: piped\r\n\r\nline\n.\nMAIL FROM:<smuggled@example.com>\r\n.\r\nNOOP\r\n");
+    let queued = raw.reply();
+    assert!(queued.starts_with("250 2.0.0 Ok: queued as"), "{queued}");
+    assert!(raw.reply().starts_with("250"), "the pipelined NOOP");
+    let arrivals = up.wait_arrivals(1, Duration::from_secs(5));
+    assert_eq!(arrivals.len(), 1);
+    let body = arrivals[0]["body"].as_str().unwrap();
+    assert!(body.contains("MAIL FROM:<smuggled@example.com>"), "{body}");
+
+    // Over max_message_size: read to the end, then 552; nothing relayed.
+    assert!(raw.cmd("MAIL FROM:<big@example.com>").starts_with("250"));
+    assert!(raw.cmd("RCPT TO:<u@example.org>").starts_with("250"));
+    assert!(raw.cmd("DATA").starts_with("354"));
+    raw.send(&format!("Subject: big\r\n\r\n{}\r\n", "y".repeat(8000)));
+    assert!(raw.cmd(".").starts_with("552 5.3.4"));
+
+    // 100 recipients are taken (RFC 5321 4.5.3.1.8), the 101st is not.
+    assert!(raw.cmd("MAIL FROM:<many@example.com>").starts_with("250"));
+    for i in 0..100 {
+        assert!(
+            raw.cmd(&format!("RCPT TO:<u{i}@example.org>"))
+                .starts_with("250")
+        );
+    }
+    assert!(
+        raw.cmd("RCPT TO:<u100@example.org>")
+            .starts_with("452 4.5.3")
+    );
+    assert!(raw.cmd("RSET").starts_with("250"));
+    assert!(raw.cmd("QUIT").starts_with("221"));
+    assert!(raw.closed(Duration::from_secs(5)));
+    assert_eq!(up.arrivals().len(), 1);
+
+    // /status lists the listener beside HTTP routes, with its address.
+    let status = smtp::status(sluice.admin.unwrap());
+    let route = &status["routes"][0];
+    assert_eq!(route["protocol"], "smtp", "{status}");
+    assert_eq!(route["name"], "mail");
+    assert_eq!(route["listen"][0], addr.to_string());
+}
+
+#[test]
+fn cost_by_recipients_is_decided_at_data() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"1/s\"\ncapacity = 2\ncost = \"recipients\"",
+    ));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    assert!(raw.cmd("EHLO raw.test").starts_with("250"));
+    let message = |raw: &mut Raw| {
+        assert!(raw.cmd("MAIL FROM:<a@example.com>").starts_with("250"));
+        for r in ["x@example.org", "y@example.org", "z@example.org"] {
+            assert!(raw.cmd(&format!("RCPT TO:<{r}>")).starts_with("250"));
+        }
+        raw.cmd("DATA")
+    };
+    // Idle: goes at once, whatever its cost.
+    assert!(message(&mut raw).starts_with("354"));
+    assert!(
+        raw.cmd("Subject: three\r\n\r\nhi\r\n.")
+            .starts_with("250 2.0.0")
+    );
+    // Three more recipients would wait with cost 3 > capacity 2.
+    let refused = message(&mut raw);
+    assert!(refused.starts_with("451 4.7.0"), "{refused}");
+    assert!(raw.cmd("NOOP").starts_with("250"));
+}
+
+#[test]
+fn a_client_outside_allow_from_without_auth_is_refused_at_the_greeting() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"ip\"\nrate = \"5/s\"\ncapacity = 1\nallow_from = [\"10.0.0.0/8\"]",
+    ));
+    let mut s = std::net::TcpStream::connect(sluice.smtp.unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut greeting = String::new();
+    use std::io::Read;
+    s.read_to_string(&mut greeting).unwrap();
+    assert!(greeting.starts_with("554 sluice.test"), "{greeting}");
+}
+
+#[test]
+fn check_accepts_the_shipped_smtp_example_shape_and_names_problems() {
+    let ok = support::write_config(&config(
+        2587,
+        "rate = \"14/s\"",
+        "key = \"sender_domain\"\nrate = \"2/s\"\ncapacity = 20",
+    ));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", "--config"])
+        .arg(&ok)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("1 SMTP listeners"), "{stdout}");
+
+    let bad = support::write_config(
+        r#"
+[[smtp_upstream]]
+name = "relay"
+url = "http://relay.example"
+
+[[smtp]]
+name = "mail"
+listen = ["127.0.0.1:0"]
+upstream = "relay"
+key = "auth"
+rate = "2/s"
+capacity = 20
+"#,
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("key 'auth' needs auth_file"), "{stderr}");
+    assert!(
+        stderr.contains("must start with smtp:// or smtps://"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn on_sigterm_held_messages_still_go_and_idle_sessions_are_told_421() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let mut sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"1/s\"\ncapacity = 10",
+    ));
+    let (addr, admin) = (sluice.smtp.unwrap(), sluice.admin.unwrap());
+    let mut first = Raw::connect(addr);
+    start_message(&mut first, "first");
+    assert!(first.cmd(".").starts_with("250"));
+    let mut held = Raw::connect(addr);
+    start_message(&mut held, "held");
+    held.send(".\r\n");
+    wait_queued(admin, 1);
+    let mut idle = Raw::connect(addr);
+    assert!(idle.cmd("EHLO idle.test").starts_with("250"));
+    sluice.signal("TERM");
+    let bye = idle.reply();
+    assert!(bye.starts_with("421 4.3.2"), "{bye}");
+    let reply = held.reply();
+    assert!(
+        reply.starts_with("250 2.0.0"),
+        "the held message departs: {reply}"
+    );
+    let status = sluice.wait_exit(Duration::from_secs(10)).expect("exits");
+    assert!(status.success());
+    assert_eq!(up.arrivals().len(), 2);
+}
+
+#[test]
+fn a_reload_applies_new_policy_and_refuses_moved_listeners() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let base = |key: &str, listen: &str| {
+        config(
+            up.port,
+            "tls = \"none\"",
+            &format!("key = \"{key}\"\nrate = \"1/m\"\ncapacity = 0"),
+        )
+        .replace(
+            "listen = [\"127.0.0.1:0\"]",
+            &format!("listen = [\"{listen}\"]"),
+        )
+    };
+    let sluice = Sluice::start(&base("global", "127.0.0.1:0"));
+    let addr = sluice.smtp.unwrap();
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["data"]), Some(250));
+    // b = 0 and 1/m: the next one now is refused.
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["mail"]), Some(451), "{r:?}");
+    // Same listener, keyed by sender now: applies to the next transaction
+    // (this sender has sent nothing yet).
+    std::fs::write(&sluice.config, base("sender", "127.0.0.1:0")).unwrap();
+    sluice.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sluice.log().iter().any(|l| l.contains("config reloaded")) {
+        assert!(Instant::now() < deadline, "no reload");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["data"]), Some(250), "{r:?}");
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["mail"]), Some(451), "{r:?}");
+    // A moved listener needs a restart: the reload is refused, the old
+    // config keeps serving.
+    std::fs::write(&sluice.config, base("global", "127.0.0.1:1")).unwrap();
+    sluice.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sluice
+        .log()
+        .iter()
+        .any(|l| l.contains("restart sluice to apply"))
+    {
+        assert!(Instant::now() < deadline, "no refusal");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = smtp::send(addr, &["--sender", "new@example.com"]);
+    assert_eq!(
+        code(&r[0]["data"]),
+        Some(250),
+        "still keyed by sender: {r:?}"
+    );
+}
