@@ -5,9 +5,9 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-/// A queue-based traffic shaper: a reverse proxy that releases each
-/// client's requests exactly 1/r apart and refuses what would overflow its
-/// queue.
+/// A queue-based traffic shaper: a reverse proxy (and SMTP relay) that
+/// releases each client's requests exactly 1/r apart and refuses what would
+/// overflow its queue.
 #[derive(Debug, Parser)]
 #[command(name = "sluice", version, about, long_about = None)]
 pub struct Cli {
@@ -35,7 +35,7 @@ pub enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the proxy with a config file.
+    /// Run the proxy and SMTP relay listeners of a config file.
     Run {
         /// The TOML config file.
         #[arg(long, short)]

@@ -34,7 +34,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use arc_swap::ArcSwap;
 use metrics::Counter;
 
-use crate::admission::{Admission, AdmissionError, ClientView, Key, Probe};
+use crate::admission::{Admission, AdmissionError, ClientView, Key, Probe, Protocol};
 use crate::config::Config;
 use crate::metrics::{self as m, Outcome};
 use route::{App, Concurrency};
@@ -335,14 +335,14 @@ impl Handle {
     }
 
     /// Refusals per route since the last call, for the log summary.
-    fn take_refusals(&self) -> Vec<(String, u64)> {
+    fn take_refusals(&self) -> Vec<(String, Protocol, u64)> {
         let app = self.0.app(0);
         app.routes
             .iter()
             .map(|r| r.rule.clone())
             .chain(self.0.smtp.rules())
-            .map(|r| (r.name().to_owned(), r.take_refused()))
-            .filter(|(_, n)| *n > 0)
+            .map(|r| (r.name().to_owned(), r.protocol(), r.take_refused()))
+            .filter(|(_, _, n)| *n > 0)
             .collect()
     }
 }

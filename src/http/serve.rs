@@ -533,8 +533,12 @@ async fn log_refusals(handle: Handle) {
     tick.tick().await;
     loop {
         tick.tick().await;
-        for (route, refused) in handle.take_refusals() {
-            warn!(%route, refused, interval = ?REFUSAL_LOG_INTERVAL, "requests refused (429/503)");
+        for (route, protocol, refused) in handle.take_refusals() {
+            let answers = match protocol {
+                crate::admission::Protocol::Http => "429/503",
+                crate::admission::Protocol::Smtp => "451/421",
+            };
+            warn!(%route, refused, interval = ?REFUSAL_LOG_INTERVAL, "requests refused ({answers})");
         }
     }
 }
