@@ -63,6 +63,26 @@ pub enum Command {
     /// shaping engine in virtual time; write one row per request and an
     /// SVG plot.
     Simulate(SimulateArgs),
+    /// A live view of a running instance from its admin listener: per route
+    /// requests in, out and refused per second, the deepest queues, paused
+    /// upstreams, release lag. Plain lines when stdout is not a terminal.
+    Top(TopArgs),
+}
+
+/// `sluice top`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TopArgs {
+    /// The instance's admin listen address ([admin] listen).
+    #[arg(long, default_value = "127.0.0.1:9090")]
+    pub admin: String,
+
+    /// Time between updates (at least 50ms).
+    #[arg(long, value_parser = parse_interval, default_value = "1s")]
+    pub interval: std::time::Duration,
+
+    /// Stop after this many updates (default: until interrupted).
+    #[arg(long)]
+    pub count: Option<u64>,
 }
 
 /// `sluice demo`.
@@ -118,6 +138,15 @@ fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
     if d < std::time::Duration::from_secs(1) {
         return Err("must be at least 1s".into());
+    }
+    Ok(d)
+}
+
+/// `sluice top --interval`: at least 50 ms (tokio's interval refuses zero).
+fn parse_interval(text: &str) -> Result<std::time::Duration, String> {
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if d < std::time::Duration::from_millis(50) {
+        return Err("must be at least 50ms".into());
     }
     Ok(d)
 }

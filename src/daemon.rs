@@ -70,6 +70,11 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
         None => None,
     };
     let mut background = Vec::new();
+    // Both series exist from the start (at 0), so dashboards and alerts on
+    // them never see "no data".
+    for result in ["ok", "error"] {
+        metrics::counter!(m::CONFIG_RELOADS_TOTAL, "result" => result).increment(0);
+    }
     if let Some(listener) = admin {
         let (listener, handle) = (std::sync::Arc::new(listener), handle.clone());
         background.push(supervise("admin", move || {

@@ -20,4 +20,6 @@ pub mod plot;
 pub mod shaper;
 pub mod simulate;
 pub mod smtp;
+pub mod term;
 pub mod tls;
+pub mod top;

@@ -82,6 +82,13 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Top(args) => match sluice::top::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("sluice top: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Simulate(args) => match sluice::simulate::run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

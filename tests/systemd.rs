@@ -13,7 +13,7 @@ fn unit_passes_systemd_analyze_verify() {
     let unit = dir.join("sluice.service");
     std::fs::write(
         &unit,
-        UNIT.replace("/usr/local/bin/sluice", env!("CARGO_BIN_EXE_sluice")),
+        UNIT.replace("/usr/bin/sluice", env!("CARGO_BIN_EXE_sluice")),
     )
     .unwrap();
     let out = Command::new("systemd-analyze")
@@ -38,6 +38,7 @@ fn unit_passes_systemd_analyze_verify() {
 fn unit_has_the_operational_directives() {
     for line in [
         "Type=notify",
+        "ExecReload=/usr/bin/sluice check --config /etc/sluice/sluice.toml",
         "ExecReload=/bin/kill -HUP $MAINPID",
         "WatchdogSec=",
         "NoNewPrivileges=yes",

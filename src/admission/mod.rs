@@ -87,7 +87,9 @@ pub struct Rule {
     upstream: String,
     upstream_id: UpstreamId,
     cap_step: Option<Nanos>,
-    pausable: bool,
+    /// Counts the upstream's pauses; registered (at 0) only when the rule
+    /// may pause it, so the series exists before the first pause.
+    pauses: Option<Counter>,
     dry_run: bool,
     outcomes: [Counter; Outcome::ALL.len()],
     dry_run_refusals: Counter,
@@ -117,7 +119,7 @@ impl Rule {
 
     /// Whether the upstream may be paused.
     pub fn pausable(&self) -> bool {
-        self.pausable
+        self.pauses.is_some()
     }
 
     /// The upstream's name.
@@ -444,7 +446,9 @@ impl Admission {
             upstream: spec.upstream.to_owned(),
             upstream_id: upstream,
             cap_step: spec.cap.map(Rate::interval_nanos),
-            pausable: spec.pausable,
+            pauses: spec.pausable.then(|| {
+                metrics::counter!(m::UPSTREAM_PAUSES_TOTAL, "upstream" => spec.upstream.to_owned(), "protocol" => protocol)
+            }),
             dry_run: spec.dry_run,
             outcomes,
             dry_run_refusals: metrics::counter!(m::DRY_RUN_REFUSALS_TOTAL, "route" => name.clone(), "protocol" => protocol),
@@ -479,7 +483,7 @@ impl Admission {
                 deadline: rule
                     .policy
                     .max_wait
-                    .filter(|_| rule.capped() || rule.pausable)
+                    .filter(|_| rule.capped() || rule.pausable())
                     .map(|w| arrival + Duration::from_nanos(w)),
                 closing: self.closing.clone(),
             }),
@@ -593,12 +597,7 @@ impl Admission {
             Err(e) => {
                 let policy = cluster.on_failure;
                 debug!(error = %e, ?policy, "shared schedule failed; applying on_failure");
-                let label = match policy {
-                    OnFailure::Local => "local",
-                    OnFailure::Reject => "reject",
-                    OnFailure::Allow => "allow",
-                };
-                metrics::counter!(m::CLUSTER_FALLBACKS_TOTAL, "backend" => cluster.backend(), "policy" => label)
+                metrics::counter!(m::CLUSTER_FALLBACKS_TOTAL, "backend" => cluster.backend(), "policy" => policy.as_str())
                     .increment(1);
                 match policy {
                     OnFailure::Local => return Shared::Local,
@@ -618,10 +617,12 @@ impl Admission {
             u64::try_from(until.saturating_duration_since(Instant::now()).as_nanos())
                 .unwrap_or(u64::MAX),
         );
-        let paused = rule.pausable && self.shaper.pause(rule.upstream_id, at);
+        let Some(pauses) = &rule.pauses else {
+            return false;
+        };
+        let paused = self.shaper.pause(rule.upstream_id, at);
         if paused {
-            metrics::counter!(m::UPSTREAM_PAUSES_TOTAL, "upstream" => rule.upstream.clone(), "protocol" => rule.protocol.as_str())
-                .increment(1);
+            pauses.increment(1);
         }
         paused
     }

@@ -104,6 +104,13 @@ impl Cluster {
     /// the store's topology is checked at start and every few seconds
     /// after ([`Cluster::misconfigured`]).
     pub fn new(cfg: &ClusterConfig) -> Result<Cluster, ClusterError> {
+        // The series alerts watch exist from the start, at 0.
+        for result in ["ok", "error", "timeout"] {
+            metrics::counter!(m::CLUSTER_CALLS_TOTAL, "backend" => BACKEND, "result" => result)
+                .increment(0);
+        }
+        metrics::counter!(m::CLUSTER_FALLBACKS_TOTAL, "backend" => BACKEND, "policy" => cfg.on_failure.as_str())
+            .increment(0);
         Ok(Cluster {
             store: Arc::new(redis::Redis::new(cfg)?),
             prefix: cfg.key_prefix.clone(),

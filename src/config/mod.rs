@@ -206,6 +206,17 @@ pub enum OnFailure {
     Allow,
 }
 
+impl OnFailure {
+    /// The `policy` metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnFailure::Local => "local",
+            OnFailure::Reject => "reject",
+            OnFailure::Allow => "allow",
+        }
+    }
+}
+
 /// `[limits]`: bounds on memory.
 #[derive(Debug, Clone)]
 pub struct Limits {

@@ -12,28 +12,12 @@ use std::io::{self, Write};
 use std::time::Duration;
 
 use super::record::TickCounts;
-
-/// How to print.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Style {
-    /// Redraw a chart in place (stdout is a terminal).
-    pub live: bool,
-    /// Use colours (live only; off with `NO_COLOR`).
-    pub color: bool,
-}
+use crate::term::{BOLD, DIM, Frame, GREEN, MAGENTA, RED, Style, YELLOW, bar, pad, spark};
 
 /// Columns of history shown in the live chart.
 const HISTORY: usize = 20;
 /// Width of a bar in the live chart.
 const BAR: usize = 20;
-
-const YELLOW: &str = "\x1b[33m";
-const GREEN: &str = "\x1b[32m";
-const MAGENTA: &str = "\x1b[35m";
-const RED: &str = "\x1b[31m";
-const DIM: &str = "\x1b[2m";
-const BOLD: &str = "\x1b[1m";
-const RESET: &str = "\x1b[0m";
 
 /// The tick printer.
 pub struct Screen<'a> {
@@ -47,8 +31,7 @@ pub struct Screen<'a> {
     duration: Duration,
     /// Every tick so far, per client.
     history: Vec<Vec<TickCounts>>,
-    /// Lines of the last live frame (to move back over).
-    drawn: usize,
+    frame: Frame,
     announced_drain: bool,
 }
 
@@ -72,7 +55,7 @@ impl<'a> Screen<'a> {
             capacity,
             duration,
             history,
-            drawn: 0,
+            frame: Frame::default(),
             announced_drain: false,
         }
     }
@@ -118,11 +101,7 @@ impl<'a> Screen<'a> {
     }
 
     fn paint(&self, color: &str, text: &str) -> String {
-        if self.style.color {
-            format!("{color}{text}{RESET}")
-        } else {
-            text.to_string()
-        }
+        self.style.paint(color, text)
     }
 
     fn frame(&mut self, t: u64, sending: bool, counts: &[TickCounts]) -> io::Result<()> {
@@ -197,77 +176,13 @@ impl<'a> Screen<'a> {
             "in: sent by the client   out: reached the downstream   queue: waiting in sluice   429s: refused",
         ));
 
-        if self.drawn > 0 {
-            write!(self.out, "\x1b[{}A\r", self.drawn)?;
-        }
-        for l in &lines {
-            writeln!(self.out, "\x1b[2K{l}")?;
-        }
-        self.drawn = lines.len();
-        self.out.flush()
+        self.frame.draw(self.out, &lines)
     }
-}
-
-/// A history strip: one block character per value, ' ' for zero, ▁..█
-/// scaled to `full` (values above it show as █).
-fn spark(values: impl Iterator<Item = f64>, full: f64) -> String {
-    const LEVELS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
-    values
-        .map(|v| {
-            if v <= 0.0 {
-                ' '
-            } else {
-                let i = ((v / full) * 8.0).ceil().clamp(1.0, 8.0) as usize;
-                LEVELS[i - 1]
-            }
-        })
-        .collect()
-}
-
-/// A horizontal bar of `width` cells (eighths for the last one) for
-/// `value` out of `full`; `▸` at the end when the value is above `full`.
-fn bar(value: f64, full: f64, width: usize) -> String {
-    const PARTS: [char; 7] = ['▏', '▎', '▍', '▌', '▋', '▊', '▉'];
-    let over = value > full;
-    let eighths = ((value.min(full) / full) * (width * 8) as f64).round() as usize;
-    let mut s: String = "█".repeat(eighths / 8);
-    if let Some(part) = (eighths % 8).checked_sub(1) {
-        s.push(PARTS[part]);
-    }
-    let mut s = pad(&s, width);
-    if over {
-        s.push('▸');
-    } else {
-        s.push(' ');
-    }
-    s
-}
-
-/// Pad with spaces to `width` characters.
-fn pad(s: &str, width: usize) -> String {
-    let n = s.chars().count();
-    let mut out = s.to_string();
-    out.extend(std::iter::repeat_n(' ', width.saturating_sub(n)));
-    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn bars_fill_in_eighths_and_mark_overflow() {
-        assert_eq!(bar(0.0, 10.0, 4), "     ");
-        assert_eq!(bar(10.0, 10.0, 4), "████ ");
-        assert_eq!(bar(5.0, 10.0, 4), "██   ");
-        assert_eq!(bar(30.0, 10.0, 4), "████▸");
-        assert_eq!(bar(1.0, 16.0, 2), "▏  ");
-    }
-
-    #[test]
-    fn sparks_scale_and_show_zero_as_blank() {
-        assert_eq!(spark([0.0, 1.0, 15.0, 30.0].into_iter(), 15.0), " ▁██");
-    }
 
     #[test]
     fn plain_lines_have_no_escape_codes() {

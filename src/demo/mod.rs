@@ -17,7 +17,7 @@ mod display;
 mod downstream;
 mod record;
 
-use std::io::{self, IsTerminal, Write};
+use std::io::{self, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -31,7 +31,7 @@ use crate::config::Config;
 use crate::http::{Handle, ServeError, Server};
 use crate::plot;
 use crate::simulate::human_interval;
-pub use display::Style;
+pub use crate::term::Style;
 pub use record::ClientSummary;
 
 /// Why the demo could not run.
@@ -114,10 +114,9 @@ pub fn run(args: &DemoArgs) -> Result<Report, DemoError> {
         .build()
         .map_err(DemoError::Runtime)?;
     let stdout = io::stdout();
-    let live = stdout.is_terminal() && std::env::var("TERM").map_or(true, |t| t != "dumb");
-    let color = live && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let style = Style::detect(&stdout);
     let mut out = stdout.lock();
-    let report = runtime.block_on(run_with(args, &mut out, Style { live, color }));
+    let report = runtime.block_on(run_with(args, &mut out, style));
     // Stray connection tasks must not hold the exit.
     runtime.shutdown_timeout(Duration::from_secs(1));
     report

@@ -1,0 +1,579 @@
+//! `sluice top`: a live view of a running instance, read from its admin
+//! listener (`/status` and `/metrics`) every interval.
+//!
+//! Per route: requests in, out (forwarded or relayed) and refused per
+//! second over the last interval, with a short history; the deepest queues;
+//! paused upstreams; the instance's clients, queued requests and the
+//! pacer's release lag p99 over the interval. On a terminal the view is
+//! redrawn in place; otherwise (a pipe, a file, CI) it prints plain
+//! `key=value` lines, as `sluice demo` does, with the same drawing code
+//! ([`crate::term`]).
+
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+
+use crate::cli::TopArgs;
+use crate::metrics as m;
+use crate::term::{BOLD, DIM, Frame, GREEN, MAGENTA, RED, Style, YELLOW, bar, pad, spark};
+
+/// How long one admin request may take.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(2);
+/// Columns of history in the live view.
+const HISTORY: usize = 20;
+/// The shortest time between updates.
+const MIN_INTERVAL: Duration = Duration::from_millis(50);
+/// Deepest queues shown.
+const QUEUES: usize = 5;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TopError {
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(#[source] io::Error),
+    #[error(
+        "cannot read http://{addr}{path}: {why} (is [admin] enabled, and is this its listen address?)"
+    )]
+    Fetch {
+        addr: String,
+        path: &'static str,
+        why: String,
+    },
+    #[error("unexpected answer from http://{addr}{path}: {why}")]
+    Parse {
+        addr: String,
+        path: &'static str,
+        why: String,
+    },
+    #[error("cannot write to standard output: {0}")]
+    Output(#[from] io::Error),
+}
+
+/// Run as `sluice top` does: its own runtime, standard output, a live
+/// view when that is a terminal.
+pub fn run(args: &TopArgs) -> Result<(), TopError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(TopError::Runtime)?;
+    let stdout = io::stdout();
+    let style = Style::detect(&stdout);
+    let mut out = stdout.lock();
+    runtime.block_on(run_with(args, &mut out, style))
+}
+
+/// Poll the admin listener and print `args.count` updates (or until
+/// interrupted). The first poll only sets the baseline for rates; an
+/// instance unreachable at the first poll is an error, later failures are
+/// shown and polling goes on.
+pub async fn run_with(args: &TopArgs, out: &mut dyn Write, style: Style) -> Result<(), TopError> {
+    let mut previous = fetch(&args.admin).await?;
+    let mut view = View::new(style);
+    let start = Instant::now();
+    // tokio's interval panics on zero (the command line refuses < 50 ms;
+    // this keeps a library caller safe too).
+    let mut tick = tokio::time::interval(args.interval.max(MIN_INTERVAL));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    let mut shown = 0u64;
+    while args.count.is_none_or(|n| shown < n) {
+        tick.tick().await;
+        shown += 1;
+        let t = start.elapsed().as_secs_f64();
+        match fetch(&args.admin).await {
+            Ok(sample) => {
+                view.show(out, t, &previous, &sample)?;
+                previous = sample;
+            }
+            Err(e) => view.problem(out, t, &e.to_string())?,
+        }
+    }
+    Ok(())
+}
+
+/// What one poll read.
+struct Sample {
+    at: Instant,
+    status: Status,
+    /// `sluice_requests_total` by (route, protocol, outcome).
+    requests: HashMap<(String, String, String), f64>,
+    /// `sluice_release_lag_seconds` cumulative buckets: (le, count).
+    lag: Vec<(f64, f64)>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Status {
+    #[serde(default)]
+    draining: bool,
+    #[serde(default)]
+    routes: Vec<RouteStatus>,
+    #[serde(default)]
+    upstreams: Vec<UpstreamStatus>,
+    #[serde(default)]
+    clients: u64,
+    #[serde(default)]
+    queued: u64,
+    #[serde(default)]
+    connections: u64,
+    #[serde(default)]
+    smtp_sessions: u64,
+    #[serde(default)]
+    deepest_queues: Vec<QueueStatus>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RouteStatus {
+    name: String,
+    protocol: String,
+    rate_per_second: f64,
+    capacity: u64,
+}
+
+#[derive(Debug, Deserialize)]
+struct UpstreamStatus {
+    name: String,
+    protocol: String,
+    paused_for_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct QueueStatus {
+    route: String,
+    key: String,
+    waiting: u64,
+    drains_in_ms: u64,
+}
+
+async fn fetch(addr: &str) -> Result<Sample, TopError> {
+    let status = get(addr, "/status").await?;
+    let metrics = get(addr, "/metrics").await?;
+    let at = Instant::now();
+    let status: Status = serde_json::from_slice(&status).map_err(|e| TopError::Parse {
+        addr: addr.to_owned(),
+        path: "/status",
+        why: e.to_string(),
+    })?;
+    let text = String::from_utf8_lossy(&metrics);
+    let mut requests = HashMap::new();
+    let mut lag = Vec::new();
+    let lag_bucket = format!("{}_bucket", m::RELEASE_LAG_SECONDS);
+    for (name, labels, value) in text.lines().filter_map(sample_line) {
+        if name == m::REQUESTS_TOTAL {
+            let get = |k: &str| label(&labels, k).unwrap_or_default().to_owned();
+            requests.insert((get("route"), get("protocol"), get("outcome")), value);
+        } else if name == lag_bucket {
+            let le = match label(&labels, "le") {
+                Some("+Inf") => f64::INFINITY,
+                Some(v) => v.parse().unwrap_or(f64::INFINITY),
+                None => continue,
+            };
+            lag.push((le, value));
+        }
+    }
+    lag.sort_by(|a, b| a.0.total_cmp(&b.0));
+    Ok(Sample {
+        at,
+        status,
+        requests,
+        lag,
+    })
+}
+
+/// GET `path` from the admin listener over one HTTP/1.1 connection.
+async fn get(addr: &str, path: &'static str) -> Result<Bytes, TopError> {
+    let fail = |why: String| TopError::Fetch {
+        addr: addr.to_owned(),
+        path,
+        why,
+    };
+    let call = async {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let request = Request::get(path)
+            .header(hyper::header::HOST, addr)
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| e.to_string())?;
+        let response = send
+            .send_request(request)
+            .await
+            .map_err(|e| e.to_string())?;
+        if !response.status().is_success() {
+            return Err(format!("status {}", response.status()));
+        }
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(body.to_bytes())
+    };
+    match tokio::time::timeout(FETCH_TIMEOUT, call).await {
+        Ok(result) => result.map_err(fail),
+        Err(_) => Err(fail(format!("no answer within {FETCH_TIMEOUT:?}"))),
+    }
+}
+
+/// A sample's labels: (name, unescaped value).
+type Labels<'a> = Vec<(&'a str, String)>;
+
+/// One Prometheus text sample: name, raw label pairs, value. `None` for
+/// comments, blank lines and anything unparsable.
+fn sample_line(line: &str) -> Option<(&str, Labels<'_>, f64)> {
+    if line.starts_with('#') || line.trim().is_empty() {
+        return None;
+    }
+    let (head, value) = line.rsplit_once(' ')?;
+    let value: f64 = value.parse().ok()?;
+    let Some((name, rest)) = head.split_once('{') else {
+        return Some((head, Vec::new(), value));
+    };
+    let rest = rest.strip_suffix('}')?;
+    let mut labels = Vec::new();
+    let mut chars = rest.char_indices().peekable();
+    let mut start = 0;
+    while let Some((i, c)) = chars.next() {
+        if c != '=' {
+            continue;
+        }
+        let key = rest[start..i].trim_start_matches(',');
+        if chars.next().map(|(_, c)| c) != Some('"') {
+            return None;
+        }
+        let mut val = String::new();
+        loop {
+            match chars.next()? {
+                (_, '\\') => match chars.next()?.1 {
+                    'n' => val.push('\n'),
+                    other => val.push(other),
+                },
+                (j, '"') => {
+                    start = j + 1;
+                    break;
+                }
+                (_, other) => val.push(other),
+            }
+        }
+        labels.push((key, val));
+    }
+    Some((name, labels, value))
+}
+
+fn label<'a>(labels: &'a [(&str, String)], key: &str) -> Option<&'a str> {
+    labels
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v.as_str())
+}
+
+/// One route's figures over the last interval, per second.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Rates {
+    input: f64,
+    output: f64,
+    refused: f64,
+}
+
+fn rates(route: &RouteStatus, before: &Sample, now: &Sample) -> Rates {
+    let dt = now.at.duration_since(before.at).as_secs_f64().max(1e-3);
+    let delta = |outcome: &str| {
+        let key = (
+            route.name.clone(),
+            route.protocol.clone(),
+            outcome.to_owned(),
+        );
+        let a = before.requests.get(&key).copied().unwrap_or(0.0);
+        let b = now.requests.get(&key).copied().unwrap_or(0.0);
+        (b - a).max(0.0)
+    };
+    let all: f64 = m::Outcome::ALL.iter().map(|o| delta(o.as_str())).sum();
+    Rates {
+        input: all / dt,
+        output: delta(m::Outcome::Forwarded.as_str()) / dt,
+        refused: (delta(m::Outcome::Rejected.as_str()) + delta(m::Outcome::Overloaded.as_str()))
+            / dt,
+    }
+}
+
+/// The release lag p99 over the interval (an upper bound: the bucket it
+/// falls in), or `None` when nothing was released.
+fn lag_p99(before: &Sample, now: &Sample) -> Option<f64> {
+    let count = |s: &Sample, le: f64| {
+        s.lag
+            .iter()
+            .find(|(l, _)| *l == le)
+            .map_or(0.0, |(_, c)| *c)
+    };
+    let total = count(now, f64::INFINITY) - count(before, f64::INFINITY);
+    if total <= 0.0 {
+        return None;
+    }
+    now.lag
+        .iter()
+        .find(|(le, c)| c - count(before, *le) >= 0.99 * total)
+        .map(|(le, _)| *le)
+}
+
+/// The printer: keeps each route's history for the live view.
+struct View {
+    style: Style,
+    frame: Frame,
+    history: HashMap<(String, String), Vec<Rates>>,
+}
+
+impl View {
+    fn new(style: Style) -> View {
+        View {
+            style,
+            frame: Frame::default(),
+            history: HashMap::new(),
+        }
+    }
+
+    fn show(
+        &mut self,
+        out: &mut dyn Write,
+        t: f64,
+        before: &Sample,
+        now: &Sample,
+    ) -> io::Result<()> {
+        let s = &now.status;
+        let lag = lag_p99(before, now);
+        let routes: Vec<(&RouteStatus, Rates)> = s
+            .routes
+            .iter()
+            .map(|r| (r, rates(r, before, now)))
+            .collect();
+        for (r, rates) in &routes {
+            let h = self
+                .history
+                .entry((r.name.clone(), r.protocol.clone()))
+                .or_default();
+            h.push(*rates);
+            let excess = h.len().saturating_sub(HISTORY);
+            h.drain(..excess);
+        }
+        if self.style.live {
+            self.frame(out, lag, &routes, s)
+        } else {
+            self.plain(out, t, lag, &routes, s)
+        }
+    }
+
+    fn plain(
+        &self,
+        out: &mut dyn Write,
+        t: f64,
+        lag: Option<f64>,
+        routes: &[(&RouteStatus, Rates)],
+        s: &Status,
+    ) -> io::Result<()> {
+        let lag = lag.map_or("-".to_owned(), seconds);
+        writeln!(
+            out,
+            "t={t:.1}s clients={} queued={} connections={} smtp_sessions={} release_lag_p99<={lag} draining={}",
+            s.clients, s.queued, s.connections, s.smtp_sessions, s.draining
+        )?;
+        for (r, x) in routes {
+            writeln!(
+                out,
+                "t={t:.1}s route={} protocol={} rate={}/s in={:.1}/s out={:.1}/s refused={:.1}/s",
+                r.name, r.protocol, r.rate_per_second, x.input, x.output, x.refused
+            )?;
+        }
+        for q in s.deepest_queues.iter().take(QUEUES) {
+            writeln!(
+                out,
+                "t={t:.1}s queue route={} key={} waiting={} drains_in={}",
+                q.route,
+                q.key,
+                q.waiting,
+                seconds(q.drains_in_ms as f64 / 1e3)
+            )?;
+        }
+        for u in &s.upstreams {
+            if let Some(ms) = u.paused_for_ms {
+                writeln!(
+                    out,
+                    "t={t:.1}s upstream={} protocol={} paused_for={}",
+                    u.name,
+                    u.protocol,
+                    seconds(ms as f64 / 1e3)
+                )?;
+            }
+        }
+        out.flush()
+    }
+
+    fn frame(
+        &mut self,
+        out: &mut dyn Write,
+        lag: Option<f64>,
+        routes: &[(&RouteStatus, Rates)],
+        s: &Status,
+    ) -> io::Result<()> {
+        let st = self.style;
+        let mut lines = vec![format!(
+            "{}   clients {}   queued {}   connections {}   smtp sessions {}   release lag p99 {}{}",
+            st.paint(BOLD, "sluice top"),
+            s.clients,
+            s.queued,
+            s.connections,
+            s.smtp_sessions,
+            lag.map_or("-".to_owned(), |l| format!("<= {}", seconds(l))),
+            if s.draining {
+                st.paint(RED, "   DRAINING")
+            } else {
+                String::new()
+            }
+        )];
+        lines.push(st.paint(
+            DIM,
+            &format!(
+                "{:<22}{:>9}  {:<HISTORY$} {:>9}  {:<HISTORY$} {:>9}  {:>10}",
+                "route", "rate", "in, 1 col = 1 update", "in/s", "out", "out/s", "refused/s"
+            ),
+        ));
+        for (r, x) in routes {
+            let h = self
+                .history
+                .get(&(r.name.clone(), r.protocol.clone()))
+                .map_or(&[][..], Vec::as_slice);
+            let full = (r.rate_per_second * 3.0).max(1.0);
+            let refused = format!("{:>10.1}", x.refused);
+            lines.push(format!(
+                "{} {:>9}  {} {:>9.1}  {} {:>9.1}  {}",
+                st.paint(BOLD, &pad(&format!("{} ({})", r.name, r.protocol), 21)),
+                format!("{}/s", r.rate_per_second),
+                st.paint(
+                    YELLOW,
+                    &pad(&spark(h.iter().map(|x| x.input), full), HISTORY)
+                ),
+                x.input,
+                st.paint(
+                    GREEN,
+                    &pad(&spark(h.iter().map(|x| x.output), full), HISTORY)
+                ),
+                x.output,
+                if x.refused > 0.0 {
+                    st.paint(RED, &refused)
+                } else {
+                    refused
+                }
+            ));
+        }
+        lines.push(st.paint(DIM, "deepest queues (waiting / route capacity)"));
+        let capacity: HashMap<&str, u64> = s
+            .routes
+            .iter()
+            .map(|r| (r.name.as_str(), r.capacity))
+            .collect();
+        for q in s.deepest_queues.iter().take(QUEUES) {
+            let cap = capacity.get(q.route.as_str()).copied().unwrap_or(0).max(1);
+            lines.push(format!(
+                "  {:<20} {:<28} {:>6}  {}  drains in {}",
+                q.route,
+                q.key,
+                q.waiting,
+                st.paint(MAGENTA, &bar(q.waiting as f64, cap as f64, 20)),
+                seconds(q.drains_in_ms as f64 / 1e3)
+            ));
+        }
+        if s.deepest_queues.is_empty() {
+            lines.push("  (none)".to_owned());
+        }
+        for u in &s.upstreams {
+            if let Some(ms) = u.paused_for_ms {
+                lines.push(st.paint(
+                    RED,
+                    &format!(
+                        "upstream {} ({}) paused for {}",
+                        u.name,
+                        u.protocol,
+                        seconds(ms as f64 / 1e3)
+                    ),
+                ));
+            }
+        }
+        self.frame.draw(out, &lines)
+    }
+
+    fn problem(&mut self, out: &mut dyn Write, t: f64, why: &str) -> io::Result<()> {
+        if self.style.live {
+            self.frame.draw(out, &[self.style.paint(RED, why)])
+        } else {
+            writeln!(out, "t={t:.1}s error={why:?}")?;
+            out.flush()
+        }
+    }
+}
+
+/// Seconds as a short human figure: 0.00005 -> "50µs", 0.0012 -> "1.2ms",
+/// 3.5 -> "3.5s".
+fn seconds(s: f64) -> String {
+    if s < 1e-3 {
+        format!("{:.0}µs", s * 1e6)
+    } else if s < 1.0 {
+        format!("{:.1}ms", s * 1e3)
+    } else {
+        format!("{s:.1}s")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_lines_parse_with_escaped_labels() {
+        let (name, labels, v) = sample_line(
+            r#"sluice_requests_total{route="a\"b",protocol="http",outcome="forwarded"} 12"#,
+        )
+        .unwrap();
+        assert_eq!(name, "sluice_requests_total");
+        assert_eq!(label(&labels, "route"), Some("a\"b"));
+        assert_eq!(label(&labels, "outcome"), Some("forwarded"));
+        assert_eq!(v, 12.0);
+        let (name, labels, v) = sample_line("sluice_queued_requests 3").unwrap();
+        assert_eq!((name, labels.len(), v), ("sluice_queued_requests", 0, 3.0));
+        assert!(sample_line("# TYPE x counter").is_none());
+        assert!(sample_line(r#"x{le="0.1} 1"#).is_none());
+    }
+
+    fn sample(at: Instant, lag: &[(f64, f64)]) -> Sample {
+        Sample {
+            at,
+            status: Status {
+                draining: false,
+                routes: Vec::new(),
+                upstreams: Vec::new(),
+                clients: 0,
+                queued: 0,
+                connections: 0,
+                smtp_sessions: 0,
+                deepest_queues: Vec::new(),
+            },
+            requests: HashMap::new(),
+            lag: lag.to_vec(),
+        }
+    }
+
+    #[test]
+    fn lag_p99_is_the_bucket_of_the_interval() {
+        let t = Instant::now();
+        let a = sample(t, &[(0.001, 90.0), (0.01, 100.0), (f64::INFINITY, 100.0)]);
+        // 100 more releases: 98 under 1 ms, 2 under 10 ms.
+        let b = sample(t, &[(0.001, 188.0), (0.01, 200.0), (f64::INFINITY, 200.0)]);
+        assert_eq!(lag_p99(&a, &b), Some(0.01));
+        assert_eq!(lag_p99(&b, &b), None);
+    }
+}
