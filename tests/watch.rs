@@ -133,7 +133,8 @@ async fn top_shows_a_running_instance_as_plain_lines() {
     assert!(refused_total > 0.0, "{routes:?}");
     for r in &routes {
         assert!(r.output <= 5.0 * 2.0 + 2.0, "out far above r: {r:?}");
-        assert!(r.input + 1e-9 >= r.output + r.refused, "{r:?}");
+        // Each figure is printed to 0.1/s, rounded on its own.
+        assert!(r.input + 0.15 >= r.output + r.refused, "{r:?}");
     }
     assert!(
         stdout
