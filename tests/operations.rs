@@ -116,11 +116,33 @@ async fn reload_keeps_the_queue_and_applies_the_new_rate_to_new_arrivals() {
     let c = client();
     let mut old = Vec::new();
     for i in 0..6 {
-        let (c, url) = (c.clone(), sluice.url(&format!("/old/{i}")));
+        let (sender, url) = (c.clone(), sluice.url(&format!("/old/{i}")));
         old.push(tokio::spawn(async move {
-            get(&c, &url, &[("x-client", "r")]).await.status
+            get(&sender, &url, &[("x-client", "r")]).await.status
         }));
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        // The order is what sluice saw: wait until this one is forwarded
+        // or queued before sending the next (spawn order alone is not
+        // arrival order on a loaded machine).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let status: serde_json::Value =
+                serde_json::from_slice(&get(&c, &sluice.admin_url("/status"), &[]).await.body)
+                    .unwrap();
+            let queued = status["queued"].as_u64().unwrap_or(0) as usize;
+            let forwarded = ds
+                .seen()
+                .iter()
+                .filter(|s| s.path.starts_with("/old/"))
+                .count();
+            if queued + forwarded > i {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "request {i} never arrived"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     std::fs::write(&sluice.config, config(ds.addr, "20/s", 20, "5s")).unwrap();
