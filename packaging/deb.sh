@@ -11,8 +11,9 @@ cd "$(dirname "$0")/.."
 cargo build --release --locked
 rm -rf target/deb-assets
 mkdir -p target/deb-assets
-target/release/sluice man > target/deb-assets/sluice.1
+bin="${CARGO_TARGET_DIR:-target}/release/sluice"
+"$bin" man > target/deb-assets/sluice.1
 for shell in bash zsh fish; do
-  target/release/sluice completions "$shell" > "target/deb-assets/sluice.$shell"
+  "$bin" completions "$shell" > "target/deb-assets/sluice.$shell"
 done
 cargo deb --no-build --strip --output target/debian/ | tail -1
