@@ -69,11 +69,13 @@ pub fn spark(values: impl Iterator<Item = f64>, full: f64) -> String {
     const LEVELS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
     values
         .map(|v| {
-            if v <= 0.0 {
+            // A NaN (from a peer's numbers) draws blank too.
+            if v.is_nan() || v <= 0.0 {
                 ' '
             } else {
-                let i = ((v / full) * 8.0).ceil().clamp(1.0, 8.0) as usize;
-                LEVELS[i - 1]
+                // Clamped as an integer: a NaN ratio casts to 0.
+                let i = ((v / full) * 8.0).ceil() as usize;
+                LEVELS[i.clamp(1, 8) - 1]
             }
         })
         .collect()
@@ -122,6 +124,7 @@ mod tests {
     #[test]
     fn sparks_scale_and_show_zero_as_blank() {
         assert_eq!(spark([0.0, 1.0, 15.0, 30.0].into_iter(), 15.0), " ▁██");
+        assert_eq!(spark([f64::NAN, -1.0].into_iter(), 15.0), "  ");
     }
 
     #[test]

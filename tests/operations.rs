@@ -120,26 +120,19 @@ async fn reload_keeps_the_queue_and_applies_the_new_rate_to_new_arrivals() {
         old.push(tokio::spawn(async move {
             get(&sender, &url, &[("x-client", "r")]).await.status
         }));
-        // The order is what sluice saw: wait until this one is forwarded
-        // or queued before sending the next (spawn order alone is not
-        // arrival order on a loaded machine).
+        // The order is what sluice saw: wait until this one has arrived
+        // (forwarded or queued) before sending the next; spawn order alone
+        // is not arrival order on a loaded machine. Counting both keeps this
+        // true while earlier ones depart at 5/s.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let status: serde_json::Value =
-                serde_json::from_slice(&get(&c, &sluice.admin_url("/status"), &[]).await.body)
-                    .unwrap();
-            let queued = status["queued"].as_u64().unwrap_or(0) as usize;
-            let forwarded = ds
-                .seen()
-                .iter()
-                .filter(|s| s.path.starts_with("/old/"))
-                .count();
-            if queued + forwarded > i {
+            let queued = sluice.status().await["queued"].as_u64().unwrap_or(0) as usize;
+            if queued + ds.seen().len() > i {
                 break;
             }
             assert!(
                 std::time::Instant::now() < deadline,
-                "request {i} never arrived"
+                "/old/{i} never arrived"
             );
             tokio::time::sleep(Duration::from_millis(2)).await;
         }

@@ -28,8 +28,6 @@ result and a markdown table. Every process it starts is ended by PID or by
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,46 +35,12 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benches"))
+from procs import free_port, start, started, stop, wait_port  # noqa: E402
 SLUICE, FLOOR, OUT = sys.argv[1:4]
 WORK = tempfile.mkdtemp(prefix="sluice-smtp-bench.")
 UPSTREAM_PY = os.path.join(ROOT, "tests", "clients", "smtp_upstream.py")
-started = []
 results = []
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def wait_port(port, timeout=15.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"port {port} did not open")
-
-
-def start(args, **kw):
-    p = subprocess.Popen(args, **kw)
-    started.append(p)
-    return p
-
-
-def stop(p):
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def pct(xs, q):

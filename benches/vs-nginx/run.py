@@ -15,54 +15,18 @@ load is bounded in count and time.
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benches"))
+from procs import free_port, start, started, stop, wait_port  # noqa: E402
 HERE = os.path.join(ROOT, "benches", "vs-nginx")
 E2E, SLUICE, NGINX, FLOOR, OUT = sys.argv[1:6]
 WORK = tempfile.mkdtemp(prefix="sluice-vs-nginx.")
 RESULTS = os.path.join(OUT, "results.jsonl")
-started = []
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def wait_port(port, timeout=10.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"port {port} did not open")
-
-
-def start(args, **kw):
-    p = subprocess.Popen(args, **kw)
-    started.append(p)
-    return p
-
-
-def stop(p):
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def record(entry):

@@ -846,17 +846,7 @@ impl Validator {
 
     fn upstream(&mut self, index: usize, raw: RawUpstream) -> Option<Upstream> {
         let path = element_path("upstream", index, raw.name.as_deref());
-        let name = match raw.name {
-            Some(n) if !n.trim().is_empty() => Some(n),
-            Some(_) => {
-                self.problem(&path, "name must not be empty");
-                None
-            }
-            None => {
-                self.problem(&path, "name is required");
-                None
-            }
-        };
+        let name = self.upstream_name(&path, raw.name);
         let url = match raw.url {
             None => {
                 self.problem(&path, "url is required, such as http://127.0.0.1:9000");
@@ -1216,6 +1206,22 @@ impl Validator {
 
     /// A route's or listener's name: it labels metrics and names queues in
     /// `/status`, so letters, digits, '-', '_' and '.' only.
+    /// An upstream's name (`[[upstream]]`, `[[smtp_upstream]]`): any
+    /// non-blank text.
+    fn upstream_name(&mut self, path: &str, raw: Option<String>) -> Option<String> {
+        match raw {
+            Some(n) if !n.trim().is_empty() => Some(n),
+            Some(_) => {
+                self.problem(path, "name must not be empty");
+                None
+            }
+            None => {
+                self.problem(path, "name is required");
+                None
+            }
+        }
+    }
+
     fn policy_name(&mut self, path: &str, raw: Option<String>) -> Option<String> {
         match raw {
             Some(n) if n.is_empty() => {

@@ -244,17 +244,7 @@ impl Validator {
         raw: RawSmtpUpstream,
     ) -> Option<SmtpUpstream> {
         let path = element_path("smtp_upstream", index, raw.name.as_deref());
-        let name = match raw.name {
-            Some(n) if !n.trim().is_empty() => Some(n),
-            Some(_) => {
-                self.problem(&path, "name must not be empty");
-                None
-            }
-            None => {
-                self.problem(&path, "name is required");
-                None
-            }
-        };
+        let name = self.upstream_name(&path, raw.name);
         let target = match raw.url {
             None => {
                 self.problem(&path, "url is required, such as smtp://127.0.0.1:2587");

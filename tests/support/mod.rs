@@ -756,3 +756,29 @@ impl Drop for RedisCluster {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Under an upstream cap (R = 100/s, route r = 5/s, b = 10, key
+/// X-Client), client "a" sends 11 requests at once; client "b", arriving
+/// behind that backlog, must be forwarded within about one cap interval,
+/// not after a's backlog (issue 12's regression, on any backend). Returns
+/// a's request tasks.
+pub async fn light_client_behind_a_backlog(s: &Sluice) -> Vec<tokio::task::JoinHandle<Answer>> {
+    let c = client();
+    let mut heavy = Vec::new();
+    for i in 0..11 {
+        let (c, url) = (c.clone(), s.url(&format!("/a/{i}")));
+        heavy.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "a")]).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = Instant::now();
+    let b = get(&c, &s.url("/b"), &[("x-client", "b")]).await;
+    assert_eq!(b.status, StatusCode::OK);
+    let waited = t.elapsed();
+    assert!(
+        waited < Duration::from_millis(400),
+        "the light client waited {waited:?}"
+    );
+    heavy
+}
