@@ -1,9 +1,14 @@
 //! Cluster mode cost, every store side by side in one run: admissions per
-//! second and the latency one admission adds, through one standalone Redis
-//! and through a three-master Redis Cluster, beside the local engine.
+//! second and the latency one admission adds, through one standalone Redis,
+//! a three-master Redis Cluster and one PostgreSQL, beside the local
+//! engine.
 //!
-//! Starts its own `redis-server` processes on free loopback ports (ended
-//! by PID at the end). Run: `cargo bench --bench cluster`
+//! Starts its own `redis-server` processes and a PostgreSQL server (the
+//! test harness's: a temp data directory, a non-root user) on free
+//! loopback ports, ended by PID at the end. Run: `cargo bench --bench cluster`
+
+#[path = "../tests/support/mod.rs"]
+mod support;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -11,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice::cluster::{Ask, Cluster};
-use sluice::config::{ClusterConfig, OnFailure, RedisMode};
+use sluice::config::{ClusterConfig, OnFailure, PostgresConfig, RedisMode, Store};
 use sluice::pacer::Shaper;
 use sluice::shaper::{Limits, Policy, Rate};
 
@@ -100,10 +105,9 @@ fn wait(port: u16, args: &[&str], want: &str) {
     }
 }
 
-fn config(nodes: Vec<String>, mode: RedisMode) -> ClusterConfig {
+fn config(store: Store) -> ClusterConfig {
     ClusterConfig {
-        redis: nodes,
-        mode,
+        store,
         key_prefix: "bench:".into(),
         timeout: Duration::from_secs(1),
         on_failure: OnFailure::Reject,
@@ -148,7 +152,18 @@ async fn measure(cluster: Arc<Cluster>) -> (Duration, Duration, f64) {
     (pct(&lat, 0.5), pct(&lat, 0.99), total as f64 / 3.0)
 }
 
+/// Connections to PostgreSQL (sluice's default pool size).
+const PG_POOL: usize = 8;
+
 fn main() {
+    let pg = support::postgres::PostgresServer::start();
+    let pg_version = format!(
+        "one PostgreSQL {}",
+        pg.psql("SHOW server_version")
+            .split(' ')
+            .next()
+            .unwrap_or("?")
+    );
     let single = free_port();
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let dir = std::env::temp_dir().join(format!("sluice-bench-cluster-{}", std::process::id()));
@@ -182,26 +197,39 @@ fn main() {
         .expect("runtime");
     rt.block_on(async {
         let standalone = Arc::new(
-            Cluster::new(&config(
-                vec![format!("redis://127.0.0.1:{single}")],
-                RedisMode::Standalone,
-            ))
+            Cluster::new(&config(Store::Redis {
+                nodes: vec![format!("redis://127.0.0.1:{single}")],
+                mode: RedisMode::Standalone,
+            }))
             .expect("standalone"),
         );
         standalone.check().await.expect("standalone redis");
         let cluster = Arc::new(
-            Cluster::new(&config(
-                ports
+            Cluster::new(&config(Store::Redis {
+                nodes: ports
                     .iter()
                     .map(|p| format!("redis://127.0.0.1:{p}"))
                     .collect(),
-                RedisMode::Cluster,
-            ))
+                mode: RedisMode::Cluster,
+            }))
             .expect("cluster"),
         );
         cluster.check().await.expect("redis cluster");
+        let target = sluice::config::postgres::parse(&pg.url()).expect("postgres url");
+        let postgres = Arc::new(
+            Cluster::new(&config(Store::Postgres(Box::new(PostgresConfig {
+                target,
+                roots: None,
+                password_file: Some(pg.password_file.clone()),
+                durable: false,
+                pool_size: PG_POOL,
+            }))))
+            .expect("postgres"),
+        );
+        postgres.check().await.expect("postgres");
         let one = measure(standalone).await;
         let three = measure(cluster).await;
+        let sql = measure(postgres).await;
 
         // The same admission through the in-process shaper.
         let shaper: Shaper<u64> = Shaper::start(Limits {
@@ -228,6 +256,10 @@ fn main() {
         for (name, (p50, p99, rate)) in [
             ("one Redis 7.0 (standalone)", one),
             ("Redis Cluster, 3 masters", three),
+            (
+                &format!("{pg_version}, unlogged table, {PG_POOL} connections"),
+                sql,
+            ),
         ] {
             println!(
                 "| {name} | {:.1} µs | {:.1} µs | {rate:.0} |",

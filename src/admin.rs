@@ -204,8 +204,22 @@ fn status(server: &Handle) -> serde_json::Value {
     serde_json::json!({
         "config": { "version": version, "loaded_at_unix": loaded_at },
         "draining": server.is_draining(),
-        "redis": server.backend_healthy().map(|ok| if ok { "ok" } else { "failing" }),
-        "redis_problem": server.backend_problem(),
+        "cluster": server.backend().map(|backend| serde_json::json!({
+            "backend": backend,
+            "state": if server.backend_healthy() == Some(true) && server.backend_problem().is_none() {
+                "ok"
+            } else {
+                "failing"
+            },
+            "problem": server.backend_problem(),
+        })),
+        // Before PostgreSQL, the only store: kept for existing probes.
+        "redis": (server.backend() == Some("redis"))
+            .then(|| server.backend_healthy().map(|ok| if ok { "ok" } else { "failing" }))
+            .flatten(),
+        "redis_problem": (server.backend() == Some("redis"))
+            .then(|| server.backend_problem())
+            .flatten(),
         "routes": routes,
         "upstreams": upstreams,
         "clients": clients,

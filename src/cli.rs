@@ -48,6 +48,21 @@ pub enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Create the PostgreSQL tables and functions of cluster mode now (a
+    /// start creates them too when missing), or print their SQL for a DBA
+    /// to apply.
+    Migrate {
+        /// The TOML config file, with `[cluster] postgres = "..."`.
+        #[arg(long, short, required_unless_present = "print_sql")]
+        config: Option<PathBuf>,
+        /// Print the SQL instead of applying it (logged tables with
+        /// `--durable`, or as the config's `durable` says).
+        #[arg(long)]
+        print_sql: bool,
+        /// With --print-sql and no config: logged tables.
+        #[arg(long, requires = "print_sql")]
+        durable: bool,
+    },
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions {
         /// The shell.

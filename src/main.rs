@@ -75,6 +75,11 @@ fn main() -> ExitCode {
             };
             run(config, cfg)
         }
+        Command::Migrate {
+            config,
+            print_sql,
+            durable,
+        } => migrate(config, print_sql, durable),
         Command::Demo(args) => match sluice::demo::run(&args) {
             Ok(_) => ExitCode::SUCCESS,
             Err(e) => {
@@ -96,6 +101,63 @@ fn main() -> ExitCode {
                 ExitCode::from(e.exit_code())
             }
         },
+    }
+}
+
+/// `sluice migrate`.
+fn migrate(path: Option<std::path::PathBuf>, print_sql: bool, durable: bool) -> ExitCode {
+    let cfg = match path.as_deref().map(Config::load) {
+        None => None,
+        Some(Ok(c)) => Some(c),
+        Some(Err(e)) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let pg = cfg
+        .as_ref()
+        .and_then(|c| c.cluster.as_ref())
+        .and_then(|c| match &c.store {
+            sluice::config::Store::Postgres(pg) => Some((pg, c.timeout)),
+            sluice::config::Store::Redis { .. } => None,
+        });
+    if print_sql {
+        let durable = pg.map_or(durable, |(pg, _)| pg.durable);
+        print!("{}", sluice::cluster::postgres::schema_sql(durable));
+        return ExitCode::SUCCESS;
+    }
+    let Some((pg, timeout)) = pg else {
+        eprintln!("sluice migrate: the config has no [cluster] postgres = \"...\"");
+        return ExitCode::from(2);
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sluice migrate: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        sluice::cluster::postgres::Postgres::new(pg, timeout)?
+            .migrate()
+            .await
+    });
+    match result {
+        Ok(true) => {
+            println!("created the tables and functions in {}", pg.target);
+            ExitCode::SUCCESS
+        }
+        Ok(false) => {
+            println!("already in place in {}", pg.target);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("sluice migrate: {}: {e}", pg.target);
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -240,7 +240,7 @@ async fn a_backlogged_client_does_not_hold_the_cap_for_everyone() {
     let cfg = config(ds.addr, &redis.url(), "reject", 1, "500ms")
         .replace("url = ", "rate = \"100/s\"\nurl = ");
     let s = Sluice::start(&cfg);
-    let heavy = light_client_behind_a_backlog(&s).await;
+    let heavy = light_client_behind_a_backlog(&s, &s).await;
     // A's requests still leave 200 ms apart.
     let mut ok = 0;
     for h in heavy {

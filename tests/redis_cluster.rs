@@ -263,7 +263,7 @@ async fn a_backlogged_client_does_not_hold_the_cap_for_everyone_on_a_cluster() {
     )
     .replace("url = ", "rate = \"100/s\"\nurl = ");
     let s = Sluice::start(&cfg);
-    let heavy = light_client_behind_a_backlog(&s).await;
+    let heavy = light_client_behind_a_backlog(&s, &s).await;
     for h in heavy {
         h.abort();
     }

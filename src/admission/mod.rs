@@ -706,6 +706,12 @@ impl Admission {
         self.cluster.as_ref().map(|c| c.is_healthy())
     }
 
+    /// The shared schedule's store ("redis", "postgres"): `None` outside
+    /// cluster mode.
+    pub fn backend(&self) -> Option<&'static str> {
+        self.cluster.as_ref().map(|c| c.backend())
+    }
+
     /// Why the instance should not get traffic because of the shared
     /// schedule: it is not usable as configured (a standalone client
     /// pointed at a cluster node, a cluster not covering every slot), or it

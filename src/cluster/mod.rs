@@ -11,8 +11,9 @@
 //! one client's backlog never pushes other clients' departures back.
 //!
 //! This module is the facade: timeouts, health, metrics and `on_failure`;
-//! the store is [`redis`] (standalone or Redis Cluster).
+//! the store is [`redis`] (standalone or Redis Cluster) or [`postgres`].
 
+pub mod postgres;
 mod redis;
 
 use std::sync::Arc;
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use crate::config::{ClusterConfig, OnFailure};
+use crate::config::{ClusterConfig, OnFailure, Store};
 use crate::metrics as m;
 
 /// Why a shared-schedule call failed (then `on_failure` applies).
@@ -31,10 +32,28 @@ pub enum ClusterError {
     Timeout(Duration),
     #[error("redis: {0}")]
     Redis(#[from] ::redis::RedisError),
+    #[error("postgres: {}", chain(.0))]
+    Postgres(#[from] tokio_postgres::Error),
     #[error("unexpected reply from the admission script")]
     Reply,
     #[error("{0}")]
     Setup(String),
+}
+
+/// An error and its causes, one after the other (tokio-postgres keeps
+/// the reason, such as a certificate's, in the source).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let more = s.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = s.source();
+    }
+    text
 }
 
 /// One admission's parameters, in microseconds.
@@ -79,9 +98,60 @@ pub struct Reservation {
     cost: u32,
 }
 
+/// The store behind the facade.
+enum Backend {
+    Redis(redis::Redis),
+    Postgres(Box<postgres::Postgres>),
+}
+
+impl Backend {
+    fn label(&self) -> &'static str {
+        match self {
+            Backend::Redis(_) => "redis",
+            Backend::Postgres(_) => "postgres",
+        }
+    }
+
+    async fn check(&self) -> Result<(), String> {
+        match self {
+            Backend::Redis(s) => s.check().await,
+            Backend::Postgres(s) => s.check().await,
+        }
+    }
+
+    async fn watch(&self) {
+        match self {
+            Backend::Redis(s) => s.watch().await,
+            Backend::Postgres(s) => s.watch().await,
+        }
+    }
+
+    fn problem(&self) -> Option<String> {
+        match self {
+            Backend::Redis(s) => s.problem(),
+            Backend::Postgres(s) => s.problem(),
+        }
+    }
+
+    async fn admit(&self, ask: &Ask) -> Result<Vec<i64>, ClusterError> {
+        match self {
+            Backend::Redis(s) => s.admit(ask).await,
+            Backend::Postgres(s) => s.admit(ask).await,
+        }
+    }
+
+    async fn cancel(&self, r: &Reservation) -> Result<(), ClusterError> {
+        match self {
+            Backend::Redis(s) => s.cancel(r).await,
+            Backend::Postgres(s) => s.cancel(r).await,
+        }
+    }
+}
+
 /// The shared-schedule client.
 pub struct Cluster {
-    store: Arc<redis::Redis>,
+    store: Arc<Backend>,
+    backend: &'static str,
     prefix: String,
     timeout: Duration,
     pub on_failure: OnFailure,
@@ -89,9 +159,6 @@ pub struct Cluster {
     healthy: AtomicBool,
     duration: Arc<m::Histogram>,
 }
-
-/// The `backend` label of this store's metrics.
-const BACKEND: &str = "redis";
 
 /// Hex of a key's bytes, safe inside a store key name.
 fn hex(bytes: &[u8]) -> String {
@@ -104,21 +171,31 @@ impl Cluster {
     /// the store's topology is checked at start and every few seconds
     /// after ([`Cluster::misconfigured`]).
     pub fn new(cfg: &ClusterConfig) -> Result<Cluster, ClusterError> {
+        let store = match &cfg.store {
+            Store::Redis { nodes, mode } => {
+                Backend::Redis(redis::Redis::new(nodes, *mode, cfg.timeout))
+            }
+            Store::Postgres(pg) => {
+                Backend::Postgres(Box::new(postgres::Postgres::new(pg, cfg.timeout)?))
+            }
+        };
+        let backend = store.label();
         // The series alerts watch exist from the start, at 0.
         for result in ["ok", "error", "timeout"] {
-            metrics::counter!(m::CLUSTER_CALLS_TOTAL, "backend" => BACKEND, "result" => result)
+            metrics::counter!(m::CLUSTER_CALLS_TOTAL, "backend" => backend, "result" => result)
                 .increment(0);
         }
-        metrics::counter!(m::CLUSTER_FALLBACKS_TOTAL, "backend" => BACKEND, "policy" => cfg.on_failure.as_str())
+        metrics::counter!(m::CLUSTER_FALLBACKS_TOTAL, "backend" => backend, "policy" => cfg.on_failure.as_str())
             .increment(0);
         Ok(Cluster {
-            store: Arc::new(redis::Redis::new(cfg)?),
+            store: Arc::new(store),
+            backend,
             prefix: cfg.key_prefix.clone(),
             timeout: cfg.timeout,
             on_failure: cfg.on_failure,
             instances: cfg.instances,
             healthy: AtomicBool::new(true),
-            duration: m::histogram(m::CLUSTER_DURATION_SECONDS, &[("backend", BACKEND)]),
+            duration: m::histogram(m::CLUSTER_DURATION_SECONDS, &[("backend", backend)]),
         })
     }
 
@@ -142,7 +219,7 @@ impl Cluster {
 
     /// The `backend` metric label.
     pub fn backend(&self) -> &'static str {
-        BACKEND
+        self.backend
     }
 
     /// Whether the last call succeeded.
@@ -174,9 +251,9 @@ impl Cluster {
     fn record(&self, started: Instant, ok: bool, result: &'static str) {
         self.healthy.store(ok, Ordering::Relaxed);
         self.duration.record(started.elapsed());
-        metrics::counter!(m::CLUSTER_CALLS_TOTAL, "backend" => BACKEND, "result" => result)
+        metrics::counter!(m::CLUSTER_CALLS_TOTAL, "backend" => self.backend, "result" => result)
             .increment(1);
-        metrics::gauge!(m::CLUSTER_HEALTHY, "backend" => BACKEND).set(
+        metrics::gauge!(m::CLUSTER_HEALTHY, "backend" => self.backend).set(
             if ok && self.misconfigured().is_none() {
                 1.0
             } else {
@@ -194,7 +271,11 @@ impl Cluster {
                 return Err(ClusterError::Timeout(self.timeout));
             }
             Ok(Err(e)) => {
-                self.record(started, false, "error");
+                let result = match e {
+                    ClusterError::Timeout(_) => "timeout",
+                    _ => "error",
+                };
+                self.record(started, false, result);
                 return Err(e);
             }
             Ok(Ok(r)) => r,

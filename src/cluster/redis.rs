@@ -28,7 +28,7 @@ use redis::{Cmd, ErrorKind, Pipeline, RedisFuture, ServerErrorKind, Value};
 use tracing::{error, info};
 
 use super::{Ask, ClusterError, Reservation};
-use crate::config::{ClusterConfig, RedisMode};
+use crate::config::RedisMode;
 
 /// Admission: KEYS = client key, [slot calendar]; ARGV = step, capacity,
 /// cost, tau, slot interval (0: uncapped), max_wait (µs). Returns
@@ -178,16 +178,16 @@ pub struct Redis {
 }
 
 impl Redis {
-    pub fn new(cfg: &ClusterConfig) -> Result<Redis, ClusterError> {
-        Ok(Redis {
-            nodes: cfg.redis.clone(),
-            mode: cfg.mode,
-            timeout: cfg.timeout,
+    pub fn new(nodes: &[String], mode: RedisMode, timeout: Duration) -> Redis {
+        Redis {
+            nodes: nodes.to_vec(),
+            mode,
+            timeout,
             conn: ArcSwap::from_pointee(None),
             admit: Lua::new(ADMIT),
             cancel: Lua::new(CANCEL),
             problem: Mutex::new(None),
-        })
+        }
     }
 
     fn standalone(&self) -> Result<Conn, ClusterError> {

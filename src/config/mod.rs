@@ -5,6 +5,7 @@
 //! Every problem is collected, not just the first, and each names its field
 //! path: `route 'api': rate '5/x': unit must be s, m, h or d`.
 
+pub mod postgres;
 mod raw;
 mod smtp;
 
@@ -81,6 +82,21 @@ pub struct Upstream {
     pub on_throttle: OnThrottle,
     /// The longest pause an upstream may ask for.
     pub max_pause: Duration,
+    pub protocol: UpstreamProtocol,
+}
+
+/// How sluice speaks to an upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamProtocol {
+    /// HTTP/1.1 (the default).
+    Http1,
+    /// HTTP/2 with prior knowledge over plain TCP (gRPC servers).
+    H2c,
+    /// HTTP/2 over TLS (ALPN `h2`, required).
+    H2,
+    /// Over TLS, what ALPN picks (`h2` or `http/1.1`); HTTP/1.1 over
+    /// plain TCP.
+    Auto,
 }
 
 /// The `Host` header sent upstream.
@@ -170,20 +186,45 @@ pub enum OnMissingKey {
     Ip,
 }
 
-/// `[cluster]`: the Redis that holds the shared schedules.
+/// `[cluster]`: the store that holds the shared schedules.
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
-    /// `redis://host:port/db` (or `rediss://`, `unix://`): one server, or
-    /// seed nodes of a Redis Cluster.
-    pub redis: Vec<String>,
-    pub mode: RedisMode,
+    pub store: Store,
     pub key_prefix: String,
-    /// Bound on every Redis call.
+    /// Bound on every call to the store.
     pub timeout: Duration,
     pub on_failure: OnFailure,
     /// Instances sharing the schedule; with `on_failure = "local"` each
     /// shapes at r / instances while Redis is unreachable.
     pub instances: u32,
+}
+
+/// Where the shared schedules live.
+#[derive(Debug, Clone)]
+pub enum Store {
+    Redis {
+        /// `redis://host:port/db` (or `rediss://`, `unix://`): one
+        /// server, or seed nodes of a Redis Cluster.
+        nodes: Vec<String>,
+        mode: RedisMode,
+    },
+    Postgres(Box<PostgresConfig>),
+}
+
+/// `[cluster] postgres = "postgres://..."`.
+#[derive(Debug, Clone)]
+pub struct PostgresConfig {
+    pub target: postgres::Target,
+    /// `sslrootcert`'s certificates (else the system's roots).
+    pub roots: Option<Vec<rustls::pki_types::CertificateDer<'static>>>,
+    /// A file holding the password (else the URL's, else `PGPASSFILE` or
+    /// `~/.pgpass`).
+    pub password_file: Option<PathBuf>,
+    /// A logged table (survives a crash of the database) instead of an
+    /// unlogged one.
+    pub durable: bool,
+    /// Connections per instance.
+    pub pool_size: usize,
 }
 
 /// Whether `redis` is one server or a Redis Cluster.
@@ -345,6 +386,9 @@ const MAX_CAPACITY: u32 = 1_000_000_000;
 const MAX_COST: u32 = 1_000_000;
 const MAX_BURST: u32 = 1_000_000;
 const MAX_INSTANCES: u32 = 10_000;
+/// Connections to PostgreSQL per instance, by default and at most.
+const DEFAULT_PG_POOL: usize = 8;
+const MAX_PG_POOL: usize = 256;
 /// Timeouts and pauses: at most a day.
 const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
 /// max_wait: at most the longest interval a rate may have (30 days).
@@ -532,53 +576,40 @@ impl Validator {
         let Some(raw) = raw else {
             return Some(None);
         };
-        let redis = match raw.redis {
-            None => {
+        let store = match (raw.redis, raw.postgres) {
+            (Some(_), Some(_)) => {
+                self.problem(
+                    "cluster",
+                    "set either redis or postgres, not both: one store holds the shared schedules",
+                );
+                None
+            }
+            (None, None) => {
                 self.problem(
                     "cluster.redis",
-                    "is required, such as \"redis://127.0.0.1:6379\" (or a list of seed nodes of a Redis Cluster)",
+                    "is required, such as \"redis://127.0.0.1:6379\" (or a list of seed nodes of a Redis Cluster), unless cluster.postgres is set",
                 );
                 None
             }
-            Some(raw::RawUrls(urls)) if urls.is_empty() => {
-                self.problem("cluster.redis", "the list of nodes must not be empty");
-                None
-            }
-            Some(raw::RawUrls(urls)) => {
-                let mut ok = true;
-                for url in &urls {
-                    if !["redis://", "rediss://", "unix://", "redis+unix://"]
-                        .iter()
-                        .any(|s| url.starts_with(s))
-                    {
-                        self.problem(
-                            "cluster.redis",
-                            format!("'{url}' must start with redis://, rediss:// or unix://"),
-                        );
-                        ok = false;
+            (Some(urls), None) => {
+                for (set, name) in [
+                    (raw.password_file.is_some(), "cluster.password_file"),
+                    (raw.durable.is_some(), "cluster.durable"),
+                    (raw.pool_size.is_some(), "cluster.pool_size"),
+                ] {
+                    if set {
+                        self.problem(name, "applies to postgres only");
                     }
                 }
-                ok.then_some(urls)
+                self.redis_store(urls, raw.mode.as_deref())
+            }
+            (None, Some(url)) => {
+                if raw.mode.is_some() {
+                    self.problem("cluster.mode", "applies to redis only");
+                }
+                self.postgres_store(&url, raw.password_file, raw.durable, raw.pool_size)
             }
         };
-        let mode = match raw.mode.as_deref() {
-            None | Some("auto") => Some(RedisMode::Auto),
-            Some("standalone") => Some(RedisMode::Standalone),
-            Some("cluster") => Some(RedisMode::Cluster),
-            Some(other) => {
-                self.problem(
-                    "cluster.mode",
-                    format!("'{other}' must be \"standalone\", \"cluster\" or \"auto\""),
-                );
-                None
-            }
-        };
-        if mode == Some(RedisMode::Standalone) && redis.as_ref().is_some_and(|u| u.len() > 1) {
-            self.problem(
-                "cluster.redis",
-                "a list of nodes needs mode = \"cluster\" or \"auto\"",
-            );
-        }
         let timeout = self.duration(
             "cluster.timeout",
             raw.timeout.as_deref(),
@@ -618,13 +649,106 @@ impl Validator {
             }
         };
         Some(Some(ClusterConfig {
-            redis: redis?,
-            mode: mode?,
+            store: store?,
             key_prefix: raw.key_prefix.unwrap_or_else(|| "sluice:".to_owned()),
             timeout: timeout?,
             on_failure: on_failure?,
             instances: instances?,
         }))
+    }
+
+    fn redis_store(&mut self, urls: raw::RawUrls, mode: Option<&str>) -> Option<Store> {
+        let raw::RawUrls(urls) = urls;
+        let mut ok = !urls.is_empty();
+        if urls.is_empty() {
+            self.problem("cluster.redis", "the list of nodes must not be empty");
+        }
+        for url in &urls {
+            if !["redis://", "rediss://", "unix://", "redis+unix://"]
+                .iter()
+                .any(|s| url.starts_with(s))
+            {
+                self.problem(
+                    "cluster.redis",
+                    format!("'{url}' must start with redis://, rediss:// or unix://"),
+                );
+                ok = false;
+            }
+        }
+        let mode = match mode {
+            None | Some("auto") => Some(RedisMode::Auto),
+            Some("standalone") => Some(RedisMode::Standalone),
+            Some("cluster") => Some(RedisMode::Cluster),
+            Some(other) => {
+                self.problem(
+                    "cluster.mode",
+                    format!("'{other}' must be \"standalone\", \"cluster\" or \"auto\""),
+                );
+                None
+            }
+        };
+        if mode == Some(RedisMode::Standalone) && urls.len() > 1 {
+            self.problem(
+                "cluster.redis",
+                "a list of nodes needs mode = \"cluster\" or \"auto\"",
+            );
+            ok = false;
+        }
+        Some(Store::Redis {
+            nodes: ok.then_some(urls)?,
+            mode: mode?,
+        })
+    }
+
+    fn postgres_store(
+        &mut self,
+        url: &str,
+        password_file: Option<String>,
+        durable: Option<bool>,
+        pool_size: Option<i64>,
+    ) -> Option<Store> {
+        let target = match postgres::parse(url) {
+            Ok(t) => Some(t),
+            Err(why) => {
+                self.problem("cluster.postgres", why);
+                None
+            }
+        };
+        let roots = match target.as_ref().and_then(|t| t.root_cert.clone()) {
+            Some(file) => Some(self.ca_file(
+                "cluster.postgres",
+                "sslrootcert",
+                &file.display().to_string(),
+            )?),
+            None => None,
+        };
+        let password_file = password_file.map(PathBuf::from);
+        if let Some(path) = &password_file
+            && let Err(e) = std::fs::metadata(path)
+        {
+            self.problem(
+                "cluster.password_file",
+                format!("cannot read {}: {e}", path.display()),
+            );
+        }
+        let pool_size = match pool_size.map(usize::try_from) {
+            None => Some(DEFAULT_PG_POOL),
+            Some(Ok(n)) if (1..=MAX_PG_POOL).contains(&n) => Some(n),
+            _ => {
+                self.problem(
+                    "cluster.pool_size",
+                    format!("must be a whole number from 1 to {MAX_PG_POOL}"),
+                );
+                None
+            }
+        };
+        Some(Store::Postgres(Box::new(PostgresConfig {
+            target: target?,
+            roots,
+            password_file,
+            durable: durable.unwrap_or(false),
+            pool_size: pool_size?,
+        })))
     }
 
     fn admin(&mut self, raw: Option<raw::RawAdmin>) -> Option<Option<SocketAddr>> {
@@ -858,7 +982,7 @@ impl Validator {
         let host = self.host_mode(&path, raw.host.as_deref(), url.as_ref());
         let ca = match raw.ca_file {
             None => Some(None),
-            Some(file) => self.ca_file(&path, &file).map(Some),
+            Some(file) => self.ca_file(&path, "ca_file", &file).map(Some),
         };
         let on_throttle = match raw.on_throttle.as_deref() {
             None | Some("pass") => Some(OnThrottle::Pass),
@@ -886,8 +1010,33 @@ impl Validator {
             raw.request_timeout.as_deref(),
             DEFAULT_REQUEST_TIMEOUT,
         );
+        let https = url
+            .as_ref()
+            .is_some_and(|(u, _)| u.scheme() == Some(&http::uri::Scheme::HTTPS));
+        let protocol = match raw.protocol.as_deref() {
+            None | Some("http1") => Some(UpstreamProtocol::Http1),
+            Some("h2c") if url.is_some() && https => {
+                self.problem(&path, "protocol \"h2c\" is HTTP/2 without TLS: the url must be http:// (use \"h2\" for https://)");
+                None
+            }
+            Some("h2c") => Some(UpstreamProtocol::H2c),
+            Some("h2") if url.is_some() && !https => {
+                self.problem(&path, "protocol \"h2\" is HTTP/2 over TLS: the url must be https:// (use \"h2c\" for http://)");
+                None
+            }
+            Some("h2") => Some(UpstreamProtocol::H2),
+            Some("auto") => Some(UpstreamProtocol::Auto),
+            Some(other) => {
+                self.problem(
+                    &path,
+                    format!("protocol '{other}' must be \"http1\", \"h2c\", \"h2\" or \"auto\""),
+                );
+                None
+            }
+        };
         let (url, url_path) = url?;
         Some(Upstream {
+            protocol: protocol?,
             name: name?,
             url,
             path: url_path,
@@ -956,6 +1105,7 @@ impl Validator {
     fn ca_file(
         &mut self,
         path: &str,
+        option: &str,
         file: &str,
     ) -> Option<Vec<rustls::pki_types::CertificateDer<'static>>> {
         use rustls::pki_types::CertificateDer;
@@ -963,18 +1113,18 @@ impl Validator {
         let pem = match std::fs::read(file) {
             Ok(b) => b,
             Err(e) => {
-                self.problem(path, format!("ca_file '{file}': cannot read: {e}"));
+                self.problem(path, format!("{option} '{file}': cannot read: {e}"));
                 return None;
             }
         };
         match CertificateDer::pem_slice_iter(&pem).collect::<Result<Vec<_>, _>>() {
             Ok(certs) if !certs.is_empty() => Some(certs),
             Ok(_) => {
-                self.problem(path, format!("ca_file '{file}': has no PEM certificate"));
+                self.problem(path, format!("{option} '{file}': has no PEM certificate"));
                 None
             }
             Err(e) => {
-                self.problem(path, format!("ca_file '{file}': {e}"));
+                self.problem(path, format!("{option} '{file}': {e}"));
                 None
             }
         }

@@ -102,6 +102,11 @@ pub struct RawSmtp {
 #[serde(deny_unknown_fields)]
 pub struct RawCluster {
     pub redis: Option<RawUrls>,
+    pub postgres: Option<String>,
+    pub password_file: Option<String>,
+    pub durable: Option<bool>,
+    #[serde(default, deserialize_with = "whole")]
+    pub pool_size: Option<i64>,
     pub mode: Option<String>,
     pub key_prefix: Option<String>,
     #[serde(default, deserialize_with = "duration")]
@@ -157,6 +162,7 @@ pub struct RawUpstream {
     pub on_throttle: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     pub max_pause: Option<String>,
+    pub protocol: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -277,7 +277,7 @@ impl Validator {
         };
         let ca = match raw.ca_file {
             None => Some(None),
-            Some(file) => self.ca_file(&path, &file).map(Some),
+            Some(file) => self.ca_file(&path, "ca_file", &file).map(Some),
         };
         let auth = match (raw.username, raw.password_file) {
             (None, None) => Some(None),

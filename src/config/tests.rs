@@ -917,3 +917,47 @@ fn local_fallback_needs_the_instance_count() {
         "cluster.instances: must be a whole number from 1 to 10000",
     );
 }
+
+#[test]
+fn the_cluster_store_is_redis_or_postgres() {
+    let cluster = |body: &str| format!("{MINIMAL}\n[cluster]\non_failure = \"reject\"\n{body}\n");
+    assert_problem(
+        &cluster("redis = \"redis://127.0.0.1:6379\"\npostgres = \"postgres://u@h/db\""),
+        "cluster: set either redis or postgres, not both",
+    );
+    assert_problem(&cluster(""), "cluster.redis: is required");
+    let pg = Config::from_toml(&cluster(
+        "postgres = \"postgres://app@db.example/shape?sslmode=verify-full\"\ndurable = true\npool_size = 4",
+    ))
+    .expect("valid");
+    match pg.cluster.map(|c| c.store) {
+        Some(Store::Postgres(p)) => {
+            assert!(p.durable);
+            assert_eq!(p.pool_size, 4);
+            assert_eq!(p.target.sslmode, super::postgres::SslMode::VerifyFull);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_problem(
+        &cluster("postgres = \"postgres://u@h/db\"\nmode = \"cluster\""),
+        "cluster.mode: applies to redis only",
+    );
+    assert_problem(
+        &cluster("redis = \"redis://127.0.0.1:6379\"\ndurable = true"),
+        "cluster.durable: applies to postgres only",
+    );
+    assert_problem(
+        &cluster("postgres = \"postgres://u@h/db\"\npool_size = 0"),
+        "cluster.pool_size: must be a whole number from 1 to 256",
+    );
+    assert_problem(
+        &cluster(
+            "postgres = \"postgres://u@h/db?sslmode=verify-full&sslrootcert=/nonexistent.pem\"",
+        ),
+        "cluster.postgres: sslrootcert '/nonexistent.pem': cannot read",
+    );
+    assert_problem(
+        &cluster("postgres = \"postgres://u@h/db\"\npassword_file = \"/nonexistent\""),
+        "cluster.password_file: cannot read /nonexistent",
+    );
+}

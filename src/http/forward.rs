@@ -6,7 +6,12 @@
 //! (the most recently used first, so a few stay warm), a connection goes
 //! back when its response body has been read to the end, and a request
 //! that a pooled connection never started to send is retried once on a
-//! fresh one.
+//! fresh one. HTTP/2 upstreams (`h2c`, `h2`, or `auto` when ALPN picks
+//! h2) get a few multiplexed connections per worker, each request on the
+//! least busy one; a new connection is opened (one at a time) only when
+//! every open one carries `H2_STREAMS` streams. HTTP/1.1 connections are
+//! driven with upgrades on, so a `101` hands back the raw connection for a
+//! tunnel.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -15,14 +20,15 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{EXPECT, HOST, HeaderMap, HeaderValue};
+use http::header::{CONNECTION, EXPECT, HOST, HeaderMap, HeaderValue, TE, UPGRADE};
 use http::request::Parts;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
+use hyper::client::conn::{http1, http2};
+use hyper::upgrade::OnUpgrade;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -31,9 +37,9 @@ use tokio_util::either::Either;
 use tracing::debug;
 
 use super::ServeError;
-use super::headers::{add_forwarded, append_via, strip_hop_by_hop};
+use super::headers::{accepts_trailers, add_forwarded, append_via, strip_hop_by_hop, upgrade_to};
 use super::response::{ProxyBody, problem};
-use crate::config::{self, HostMode, OnThrottle};
+use crate::config::{self, HostMode, OnThrottle, UpstreamProtocol};
 use crate::metrics::{self as m, Outcome};
 
 /// Idle connections older than this are closed instead of reused.
@@ -42,14 +48,47 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 const MAX_IDLE: usize = 512;
 
 type Sender = http1::SendRequest<OutBody>;
+type H2Sender = http2::SendRequest<OutBody>;
 
-/// Idle connections, most recently used last.
+/// Streams per HTTP/2 connection before another is opened, and most
+/// HTTP/2 connections per upstream and worker (past them, streams queue
+/// on the least busy one).
+const H2_STREAMS: usize = 100;
+const H2_CONNECTIONS: usize = 4;
+
+/// Idle connections, most recently used last; open HTTP/2 connections.
 #[derive(Default)]
 struct Pool {
     idle: Mutex<Vec<(Sender, Instant)>>,
+    h2: Mutex<Vec<(H2Sender, Arc<()>)>>,
+    /// One HTTP/2 connect at a time.
+    h2_connecting: tokio::sync::Mutex<()>,
 }
 
 impl Pool {
+    /// The least busy open HTTP/2 connection with room, and a guard
+    /// counting the stream on it (`Arc` strong count: 1 + streams); when
+    /// all are full, the least busy once `H2_CONNECTIONS` are open.
+    fn h2(&self) -> Option<(H2Sender, Arc<()>)> {
+        let mut conns = self.h2.lock().unwrap_or_else(|e| e.into_inner());
+        conns.retain(|(tx, _)| !tx.is_closed());
+        let least = conns
+            .iter()
+            .min_by_key(|(_, streams)| Arc::strong_count(streams))?;
+        let busy = Arc::strong_count(&least.1) > H2_STREAMS;
+        if busy && conns.len() < H2_CONNECTIONS {
+            return None;
+        }
+        Some((least.0.clone(), least.1.clone()))
+    }
+
+    fn add_h2(&self, tx: H2Sender) -> Arc<()> {
+        let streams = Arc::new(());
+        let mut conns = self.h2.lock().unwrap_or_else(|e| e.into_inner());
+        conns.push((tx, streams.clone()));
+        streams
+    }
+
     fn take(&self) -> Option<Sender> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         while let Some((sender, since)) = idle.pop() {
@@ -58,6 +97,16 @@ impl Pool {
             }
         }
         None
+    }
+
+    /// Whether an `auto` upstream has HTTP/1.1 connections (ALPN chose
+    /// it).
+    fn has_h1(&self) -> bool {
+        !self
+            .idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
     }
 
     fn put(&self, sender: Sender) {
@@ -80,6 +129,23 @@ enum ConnectError {
     Io(#[from] std::io::Error),
     #[error("handshake: {0}")]
     Http(#[from] hyper::Error),
+    #[error("the upstream did not agree to HTTP/2 (ALPN)")]
+    NoH2,
+    #[error("the new HTTP/2 connection closed at once")]
+    Closed,
+}
+
+/// A new upstream connection.
+enum Connected {
+    H1(Sender),
+    H2(H2Sender),
+}
+
+/// What a response needs to hand its connection back: an HTTP/1.1
+/// sender for the pool, or an HTTP/2 stream's count.
+enum Back {
+    H1(Sender),
+    H2(Arc<()>),
 }
 
 /// One configured upstream, as one worker sees it.
@@ -97,6 +163,7 @@ pub struct Upstream {
     max_pause: Duration,
     /// TLS for https upstreams, with the name to verify.
     tls: Option<(TlsConnector, ServerName<'static>)>,
+    protocol: UpstreamProtocol,
     connect_timeout: Duration,
     request_timeout: Duration,
     /// This worker's idle connections.
@@ -133,6 +200,19 @@ impl Upstream {
                 })?,
                 None => tls.clone(),
             };
+            // ALPN: what the protocol setting offers.
+            let alpn: &[&[u8]] = match cfg.protocol {
+                UpstreamProtocol::H2 => &[b"h2"],
+                UpstreamProtocol::Auto => &[b"h2", b"http/1.1"],
+                UpstreamProtocol::Http1 | UpstreamProtocol::H2c => &[],
+            };
+            let config = if alpn.is_empty() {
+                config
+            } else {
+                let mut c = (*config).clone();
+                c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+                Arc::new(c)
+            };
             Some((TlsConnector::from(config), name))
         } else {
             None
@@ -148,6 +228,7 @@ impl Upstream {
             max_pause: cfg.max_pause,
             port,
             tls,
+            protocol: cfg.protocol,
             connect_timeout: cfg.connect_timeout,
             request_timeout: cfg.request_timeout,
             pool: Arc::default(),
@@ -191,8 +272,23 @@ impl Upstream {
         target.authority = Some(self.authority.clone());
         target.path_and_query = Some(self.map_path(parts.uri.path_and_query(), strip)?);
         parts.uri = Uri::from_parts(target).ok()?;
+        let upgrade = upgrade_to(&parts.headers);
+        let trailers = accepts_trailers(&parts.headers);
         strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(EXPECT);
+        // Passed on as such: a protocol switch (tunnelled after a 101),
+        // and the client's acceptance of trailers (gRPC needs it).
+        if let Some(to) = upgrade {
+            parts
+                .headers
+                .insert(CONNECTION, HeaderValue::from_static("upgrade"));
+            parts.headers.insert(UPGRADE, to);
+        }
+        if trailers {
+            parts
+                .headers
+                .insert(TE, HeaderValue::from_static("trailers"));
+        }
         add_forwarded(&mut parts.headers, peer.ip(), client_host.as_ref());
         append_via(&mut parts.headers, parts.version);
         let host = match &self.host {
@@ -252,6 +348,23 @@ impl Upstream {
         body: OutBody,
         permit: Option<OwnedSemaphorePermit>,
     ) -> (Response<ProxyBody>, Outcome, Option<Instant>) {
+        let (response, outcome, throttle, _) = self.forward_upgrade(parts, body, permit).await;
+        (response, outcome, throttle)
+    }
+
+    /// As [`Upstream::forward`]; with the upstream's side of a protocol
+    /// switch when it answered `101`.
+    pub async fn forward_upgrade(
+        &self,
+        parts: Parts,
+        body: OutBody,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> (
+        Response<ProxyBody>,
+        Outcome,
+        Option<Instant>,
+        Option<OnUpgrade>,
+    ) {
         let req = Request::from_parts(parts, body);
         let started = Instant::now();
         let result = tokio::time::timeout(self.request_timeout, self.send(req)).await;
@@ -263,6 +376,7 @@ impl Upstream {
                 (
                     problem(StatusCode::GATEWAY_TIMEOUT, detail, None),
                     Outcome::UpstreamError,
+                    None,
                     None,
                 )
             }
@@ -278,6 +392,7 @@ impl Upstream {
                     ),
                     Outcome::Invalid,
                     None,
+                    None,
                 )
             }
             Ok(Err(e)) => {
@@ -286,9 +401,10 @@ impl Upstream {
                     problem(StatusCode::BAD_GATEWAY, e.detail(), None),
                     Outcome::UpstreamError,
                     None,
+                    None,
                 )
             }
-            Ok(Ok((response, sender))) => {
+            Ok(Ok((response, back))) => {
                 let (mut parts, body) = response.into_parts();
                 let throttle = match self.on_throttle {
                     OnThrottle::Pause => {
@@ -296,18 +412,42 @@ impl Upstream {
                     }
                     OnThrottle::Pass => None,
                 };
+                // A switch: the connection is the tunnel's now, never the
+                // pool's; the client is told the same protocol.
+                let switched = parts.status == StatusCode::SWITCHING_PROTOCOLS;
+                let upgrade = if switched {
+                    parts.extensions.remove::<OnUpgrade>()
+                } else {
+                    None
+                };
+                let to = switched
+                    .then(|| parts.headers.get(UPGRADE).cloned())
+                    .flatten();
                 strip_hop_by_hop(&mut parts.headers);
+                if let Some(to) = to {
+                    parts
+                        .headers
+                        .insert(CONNECTION, HeaderValue::from_static("upgrade"));
+                    parts.headers.insert(UPGRADE, to);
+                }
                 append_via(&mut parts.headers, parts.version);
+                let (sender, stream) = match back {
+                    Back::H1(s) if !switched => (Some(s), None),
+                    Back::H1(_) => (None, None),
+                    Back::H2(streams) => (None, Some(streams)),
+                };
                 let body = Returning {
                     body,
-                    sender: Some(sender),
+                    sender,
                     pool: self.pool.clone(),
+                    _stream: stream,
                     _permit: permit,
                 };
                 (
                     Response::from_parts(parts, body.boxed()),
                     Outcome::Forwarded,
                     throttle,
+                    upgrade,
                 )
             }
         }
@@ -316,14 +456,29 @@ impl Upstream {
     /// Send on a pooled connection, or a new one; a request a pooled
     /// connection never started to send (it was closing) goes once more on
     /// a new connection.
-    async fn send(&self, req: Request<OutBody>) -> Result<(Response<Incoming>, Sender), SendError> {
-        let (mut sender, pooled) = match self.pool.take() {
-            Some(s) => (s, true),
-            None => (Box::pin(self.connect()).await?, false),
+    async fn send(&self, req: Request<OutBody>) -> Result<(Response<Incoming>, Back), SendError> {
+        if self.protocol != UpstreamProtocol::Http1 {
+            return self.send_h2(req).await;
+        }
+        self.send_h1(req, None).await
+    }
+
+    async fn send_h1(
+        &self,
+        req: Request<OutBody>,
+        fresh: Option<Sender>,
+    ) -> Result<(Response<Incoming>, Back), SendError> {
+        let (mut sender, pooled) = match (fresh, self.pool.take()) {
+            (Some(s), _) => (s, false),
+            (None, Some(s)) => (s, true),
+            (None, None) => match Box::pin(self.connect()).await? {
+                Connected::H1(s) => (s, false),
+                Connected::H2(tx) => return self.send_on_h2(tx, None, req).await,
+            },
         };
         let req = match sender.ready().await {
             Ok(()) => match sender.try_send_request(req).await {
-                Ok(response) => return Ok((response, sender)),
+                Ok(response) => return Ok((response, Back::H1(sender))),
                 Err(mut e) => match e.take_message() {
                     Some(req) if pooled => req,
                     _ => return Err(SendError::Request(e.into_error())),
@@ -332,38 +487,141 @@ impl Upstream {
             Err(_) if pooled => req,
             Err(e) => return Err(SendError::Request(e)),
         };
-        let mut sender = Box::pin(self.connect()).await?;
+        let mut sender = match Box::pin(self.connect()).await? {
+            Connected::H1(s) => s,
+            Connected::H2(tx) => return self.send_on_h2(tx, None, req).await,
+        };
         sender.ready().await.map_err(SendError::Request)?;
         let response = sender.send_request(req).await.map_err(SendError::Request)?;
-        Ok((response, sender))
+        Ok((response, Back::H1(sender)))
     }
 
-    /// A new connection: TCP, TLS for https, the HTTP/1.1 handshake; the
-    /// connection is driven by a task on this worker.
-    async fn connect(&self) -> Result<Sender, ConnectError> {
+    /// HTTP/2 (or `auto`): on the least busy open connection, else a new
+    /// one (one connect at a time per upstream and worker). `auto` falls
+    /// back to HTTP/1.1 when ALPN picked it.
+    async fn send_h2(
+        &self,
+        req: Request<OutBody>,
+    ) -> Result<(Response<Incoming>, Back), SendError> {
+        let req = match self.pool.h2() {
+            Some((tx, streams)) => match self.send_on_h2(tx, Some(streams), req).await {
+                Err(SendError::Unsent(req)) => *req,
+                other => return other,
+            },
+            None => req,
+        };
+        if self.protocol == UpstreamProtocol::Auto && self.pool.has_h1() {
+            return self.send_h1(req, None).await;
+        }
+        let connected = {
+            let _one = self.pool.h2_connecting.lock().await;
+            match self.pool.h2() {
+                Some((tx, streams)) => Connected::H2(tx).with(streams),
+                None => (Box::pin(self.connect()).await?, None),
+            }
+        };
+        match connected {
+            (Connected::H2(tx), streams) => match self.send_on_h2(tx, streams, req).await {
+                Err(SendError::Unsent(_)) => Err(SendError::Connect(ConnectError::Closed)),
+                other => other,
+            },
+            (Connected::H1(sender), _) => self.send_h1(req, Some(sender)).await,
+        }
+    }
+
+    /// One stream on `tx` (added to the pool when new): the request in
+    /// HTTP/2 form (`:authority` from the `Host` sluice chose).
+    async fn send_on_h2(
+        &self,
+        mut tx: H2Sender,
+        streams: Option<Arc<()>>,
+        mut req: Request<OutBody>,
+    ) -> Result<(Response<Incoming>, Back), SendError> {
+        let streams = match streams {
+            Some(s) => s,
+            None => self.pool.add_h2(tx.clone()),
+        };
+        to_h2(&mut req);
+        match tx.try_send_request(req).await {
+            Ok(response) => Ok((response, Back::H2(streams))),
+            Err(mut e) => match e.take_message() {
+                Some(req) => Err(SendError::Unsent(Box::new(req))),
+                None => Err(SendError::Request(e.into_error())),
+            },
+        }
+    }
+
+    /// A new connection: TCP, TLS for https, the HTTP/1.1 or HTTP/2
+    /// handshake; the connection is driven by a task on this worker.
+    async fn connect(&self) -> Result<Connected, ConnectError> {
         let connect = async {
             let tcp = TcpStream::connect((self.addr_host.as_str(), self.port)).await?;
             tcp.set_nodelay(true)?;
-            let io = match &self.tls {
-                None => Either::Left(tcp),
+            let (io, h2) = match &self.tls {
+                None => (Either::Left(tcp), self.protocol == UpstreamProtocol::H2c),
                 Some((connector, name)) => {
-                    Either::Right(connector.connect(name.clone(), tcp).await?)
+                    let tls = connector.connect(name.clone(), tcp).await?;
+                    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                    if self.protocol == UpstreamProtocol::H2 && !h2 {
+                        return Err(ConnectError::NoH2);
+                    }
+                    (Either::Right(tls), h2)
                 }
             };
-            let (sender, conn) = http1::handshake(TokioIo::new(io)).await?;
-            Ok::<_, ConnectError>((sender, conn))
-        };
-        let (sender, conn) = tokio::time::timeout(self.connect_timeout, connect)
-            .await
-            .map_err(|_| ConnectError::Timeout)??;
-        let name = self.name.clone();
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let name = self.name.clone();
+            let ended = move |e: hyper::Error| {
                 debug!(upstream = %name, error = %e, "upstream connection ended with an error");
+            };
+            if h2 {
+                let mut builder = http2::Builder::new(TokioExecutor::new());
+                builder
+                    .timer(TokioTimer::new())
+                    .keep_alive_interval(Duration::from_secs(30))
+                    .keep_alive_timeout(Duration::from_secs(10));
+                let (tx, conn) = builder.handshake(TokioIo::new(io)).await?;
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        ended(e);
+                    }
+                });
+                return Ok(Connected::H2(tx));
             }
-        });
-        Ok(sender)
+            let (sender, conn) = http1::handshake(TokioIo::new(io)).await?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.with_upgrades().await {
+                    ended(e);
+                }
+            });
+            Ok::<_, ConnectError>(Connected::H1(sender))
+        };
+        tokio::time::timeout(self.connect_timeout, connect)
+            .await
+            .map_err(|_| ConnectError::Timeout)?
     }
+}
+
+impl Connected {
+    fn with(self, streams: Arc<()>) -> (Connected, Option<Arc<()>>) {
+        (self, Some(streams))
+    }
+}
+
+/// A request prepared for HTTP/1.1, in HTTP/2 form: the `Host` sluice
+/// chose becomes `:authority` (RFC 9113 8.3.1: never both, never
+/// different), and the version says h2.
+fn to_h2(req: &mut Request<OutBody>) {
+    *req.version_mut() = Version::HTTP_2;
+    if let Some(host) = req.headers_mut().remove(HOST)
+        && let Ok(authority) = Authority::try_from(host.as_bytes())
+    {
+        let mut parts = req.uri().clone().into_parts();
+        parts.authority = Some(authority);
+        if let Ok(uri) = Uri::from_parts(parts) {
+            *req.uri_mut() = uri;
+        }
+    }
+    req.headers_mut().remove(CONNECTION);
+    req.headers_mut().remove(UPGRADE);
 }
 
 /// Why a request could not be sent.
@@ -373,6 +631,9 @@ enum SendError {
     Connect(#[from] ConnectError),
     #[error("{0}")]
     Request(hyper::Error),
+    /// An HTTP/2 connection closed before it took the request.
+    #[error("the connection closed before the request was sent")]
+    Unsent(Box<Request<OutBody>>),
 }
 
 impl SendError {
@@ -380,7 +641,7 @@ impl SendError {
     fn detail(&self) -> &'static str {
         match self {
             SendError::Connect(_) => "the upstream could not be reached",
-            SendError::Request(_) => "the upstream connection failed",
+            SendError::Request(_) | SendError::Unsent(_) => "the upstream connection failed",
         }
     }
 }
@@ -388,6 +649,7 @@ impl SendError {
 /// A request body on its way upstream: streamed from the client (a request
 /// that departed at once), or staged (read while it waited) and written in
 /// one go.
+#[derive(Debug)]
 pub enum OutBody {
     Stream(Incoming),
     Staged {
@@ -442,11 +704,13 @@ impl Body for OutBody {
 }
 
 /// A response body that gives its connection back to the pool once it has
-/// been read to the end (and its `max_concurrency` slot when dropped).
+/// been read to the end (and its `max_concurrency` slot when dropped); on
+/// HTTP/2, it counts as its connection's stream until dropped.
 struct Returning {
     body: Incoming,
     sender: Option<Sender>,
     pool: Arc<Pool>,
+    _stream: Option<Arc<()>>,
     _permit: Option<OwnedSemaphorePermit>,
 }
 

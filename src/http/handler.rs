@@ -28,6 +28,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use super::Shared;
 use super::forward::{OutBody, Upstream};
+use super::grpc;
 use super::headers::add_ratelimit_headers;
 use super::key;
 use super::path;
@@ -68,6 +69,20 @@ impl Body {
 
 impl Handler {
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        if !grpc::is_grpc(req.headers()) {
+            return self.handle_http(req, peer, None).await;
+        }
+        let deadline = grpc::timeout(req.headers());
+        grpc::answer(self.handle_http(req, peer, Some(deadline)).await)
+    }
+
+    /// `grpc`: for a gRPC call, its deadline (`grpc-timeout`) if any.
+    async fn handle_http(
+        &self,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        grpc: Option<Option<Duration>>,
+    ) -> Response<ProxyBody> {
         let app = self.shared.app(self.worker);
         // Routes see (and the upstream gets) the normalized path.
         let (normalized, path) = match path::normalize(req.uri().path()) {
@@ -132,22 +147,27 @@ impl Handler {
             return problem(StatusCode::BAD_REQUEST, detail, None);
         }
         let shown = route.ratelimit_headers.then(|| key.clone());
-        let mut response = self.admit(route, upstream, parts, body, key, cost).await;
+        let mut response = self
+            .admit(route, upstream, parts, body, (key, cost), grpc)
+            .await;
         if let Some(key) = shown {
             self.ratelimit(route, &key, &mut response);
         }
         response
     }
 
-    /// Admit, wait (staging the body), forward; or refuse.
+    /// Admit, wait (staging the body), forward; or refuse. A gRPC call
+    /// waits without staging (a streaming call's body flows once it
+    /// departs) and is refused at once when its deadline ends before its
+    /// departure.
     async fn admit(
         &self,
         route: &Route,
         upstream: &Upstream,
         parts: Parts,
         body: Incoming,
-        key: Key,
-        cost: u32,
+        (key, cost): (Key, u32),
+        grpc: Option<Option<Duration>>,
     ) -> Response<ProxyBody> {
         let arrival = Instant::now();
         let verdict = self
@@ -161,6 +181,24 @@ impl Handler {
                 Err(response) => return response,
             },
             Verdict::Go => Body::Stream(body),
+            Verdict::Wait(hold) if grpc.is_some() && !upstream.stages_everything() => {
+                let deadline = grpc.flatten().map(|d| arrival + d);
+                if let (Some(deadline), Some(departure)) = (deadline, hold.departure())
+                    && departure > deadline
+                {
+                    hold.withdraw();
+                    route.rule.count(Outcome::Rejected);
+                    return problem(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "the call's deadline (grpc-timeout) ends before its turn",
+                        Some(departure - deadline),
+                    );
+                }
+                match hold.departed().await {
+                    Ok(()) => Body::Stream(body),
+                    Err(e) => return self.hold_failed(route, e),
+                }
+            }
             Verdict::Wait(hold) => match self.wait(route, hold, body).await {
                 Ok(staged) => Body::Staged(staged),
                 Err(response) => return response,

@@ -40,6 +40,29 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// The protocol a request asks to switch to (`Connection: upgrade` with
+/// an `Upgrade` header), before the hop-by-hop headers go.
+pub fn upgrade_to(headers: &HeaderMap) -> Option<HeaderValue> {
+    let asks = headers
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    asks.then(|| headers.get(UPGRADE).cloned()).flatten()
+}
+
+/// Whether the client accepts trailers (`TE: trailers`, which gRPC
+/// requires end to end).
+pub fn accepts_trailers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
+}
+
 /// Remove the headers `Connection` names.
 fn strip_connection_named(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers

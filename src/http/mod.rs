@@ -16,6 +16,7 @@
 
 mod conn;
 mod forward;
+mod grpc;
 mod handler;
 mod headers;
 pub mod key;
@@ -259,6 +260,11 @@ impl Handle {
     /// The shared schedule's health: `None` outside cluster mode.
     pub fn backend_healthy(&self) -> Option<bool> {
         self.0.admission.backend_healthy()
+    }
+
+    /// The shared schedule's store: `None` outside cluster mode.
+    pub fn backend(&self) -> Option<&'static str> {
+        self.0.admission.backend()
     }
 
     /// Why the shared schedule is not usable as configured, while it is not.

@@ -3,6 +3,7 @@
 //! Bodies that are answered often (refusals) are rendered once per route.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -38,6 +39,15 @@ pub fn ceil_secs(nanos: u64) -> u64 {
 pub struct Problem {
     status: StatusCode,
     body: Bytes,
+    detail: Arc<str>,
+}
+
+/// Marks a response sluice made itself (not the upstream's), with what a
+/// gRPC client is told instead: the detail and the exact retry time.
+#[derive(Debug, Clone)]
+pub struct Local {
+    pub detail: Arc<str>,
+    pub retry_after: Option<Duration>,
 }
 
 impl Problem {
@@ -51,6 +61,7 @@ impl Problem {
         Problem {
             status,
             body: Bytes::from(body.to_string()),
+            detail: Arc::from(detail),
         }
     }
 
@@ -66,6 +77,10 @@ impl Problem {
         if let Some(wait) = retry_after {
             headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(wait)));
         }
+        response.extensions_mut().insert(Local {
+            detail: self.detail.clone(),
+            retry_after,
+        });
         response
     }
 }

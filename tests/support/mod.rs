@@ -3,6 +3,7 @@
 //! and a small HTTP client.
 #![allow(dead_code)]
 
+pub mod postgres;
 pub mod smtp;
 
 use std::io::{BufRead, BufReader};
@@ -760,20 +761,24 @@ impl Drop for RedisCluster {
 /// Under an upstream cap (R = 100/s, route r = 5/s, b = 10, key
 /// X-Client), client "a" sends 11 requests at once; client "b", arriving
 /// behind that backlog, must be forwarded within about one cap interval,
-/// not after a's backlog (issue 12's regression, on any backend). Returns
-/// a's request tasks.
-pub async fn light_client_behind_a_backlog(s: &Sluice) -> Vec<tokio::task::JoinHandle<Answer>> {
+/// not after a's backlog (issue 12's regression, on any backend). "a"
+/// sends to `heavy`, "b" to `light` (the same instance, or another one
+/// sharing the schedule). Returns a's request tasks.
+pub async fn light_client_behind_a_backlog(
+    heavy_on: &Sluice,
+    light_on: &Sluice,
+) -> Vec<tokio::task::JoinHandle<Answer>> {
     let c = client();
     let mut heavy = Vec::new();
     for i in 0..11 {
-        let (c, url) = (c.clone(), s.url(&format!("/a/{i}")));
+        let (c, url) = (c.clone(), heavy_on.url(&format!("/a/{i}")));
         heavy.push(tokio::spawn(async move {
             get(&c, &url, &[("x-client", "a")]).await
         }));
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let t = Instant::now();
-    let b = get(&c, &s.url("/b"), &[("x-client", "b")]).await;
+    let b = get(&c, &light_on.url("/b"), &[("x-client", "b")]).await;
     assert_eq!(b.status, StatusCode::OK);
     let waited = t.elapsed();
     assert!(

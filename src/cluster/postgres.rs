@@ -1,0 +1,621 @@
+//! The PostgreSQL store for shared schedules: the leaky bucket in a
+//! table, one row per client key holding its D.
+//!
+//! Admission is one call of a function sluice installs (`sluice_admit`,
+//! one round trip): it locks the client's row, then reads the database's
+//! `clock_timestamp()` (after the lock, so a call that waited for the row
+//! never decides with an earlier clock than the one before it), applies
+//! DESIGN section 1 exactly as the Redis script does and returns the same
+//! four numbers. With an upstream cap, the function first takes the cap's
+//! lock (a transaction-scoped advisory lock on the calendar's name) and
+//! reserves the first run of free slots in `sluice_slots`, so one client's
+//! backlog never pushes other clients' departures back. The cancel is a
+//! compare-and-set in `sluice_cancel`, taking the locks in the same order.
+//!
+//! Expired rows (a D more than a second in the past is the same as no
+//! row) are deleted by a bounded sweep every few seconds that skips rows
+//! an admission holds (`FOR UPDATE SKIP LOCKED`), so it never blocks one.
+//!
+//! Connections: a deadpool pool of tokio-postgres clients. Every call runs
+//! on the runtime the store was made on (the daemon's main runtime), so a
+//! connection's I/O never depends on a worker thread's runtime.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio::runtime::Handle;
+use tokio_postgres::config::Host;
+use tokio_postgres_rustls::MakeRustlsConnect;
+use tracing::{error, info, warn};
+
+use super::{Ask, ClusterError, Reservation};
+use crate::config::PostgresConfig;
+use crate::config::postgres::SslMode;
+
+/// The schema: tables and functions, created if missing. `{persistence}`
+/// is `UNLOGGED` unless `durable = true`.
+const SCHEMA: &str = r#"
+CREATE {persistence}TABLE IF NOT EXISTS sluice_schedules (
+    k text PRIMARY KEY,
+    d bigint NOT NULL,
+    expires_us bigint NOT NULL
+) WITH (fillfactor = 70);
+
+CREATE {persistence}TABLE IF NOT EXISTS sluice_slots (
+    cal text NOT NULL,
+    slot bigint NOT NULL,
+    expires_us bigint NOT NULL,
+    PRIMARY KEY (cal, slot)
+);
+
+-- The database's clock in microseconds since the epoch, exact on every
+-- version (extract returns float8 before PostgreSQL 14).
+CREATE OR REPLACE FUNCTION sluice_now_us() RETURNS bigint
+LANGUAGE sql VOLATILE AS $fn$
+    SELECT extract(epoch FROM date_trunc('second', t))::bigint * 1000000
+         + extract(microseconds FROM t)::bigint % 1000000
+    FROM (SELECT clock_timestamp() AS t) c
+$fn$;
+
+-- Admission (DESIGN section 1). Arguments in microseconds; p_cal NULL
+-- when the upstream is not capped. Returns {verdict, value, new D, first
+-- slot}: 1 = go after value; 0 = queue full, retry after value; 2 =
+-- departure past max_wait, retry after value.
+CREATE OR REPLACE FUNCTION sluice_admit(
+    p_key text, p_cal text, p_step bigint, p_cap bigint, p_cost bigint,
+    p_tau bigint, p_gstep bigint, p_max_wait bigint
+) RETURNS bigint[] LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_d bigint;
+    v_now bigint;
+    v_own bigint;
+    v_waiting bigint := 0;
+    v_due bigint;
+    v_slot bigint;
+    v_first bigint := -1;
+    v_at bigint;
+    v_new bigint;
+    v_taken bigint;
+    v_scanned integer := 0;
+    v_tries integer := 0;
+BEGIN
+    IF p_cal IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended(p_cal, 0));
+    END IF;
+    LOOP
+        SELECT s.d INTO v_d FROM sluice_schedules s WHERE s.k = p_key FOR UPDATE;
+        EXIT WHEN FOUND;
+        INSERT INTO sluice_schedules AS s (k, d, expires_us) VALUES (p_key, 0, 0)
+            ON CONFLICT (k) DO NOTHING RETURNING s.d INTO v_d;
+        EXIT WHEN FOUND;
+        v_tries := v_tries + 1;
+        IF v_tries > 10 THEN
+            RAISE EXCEPTION 'sluice_admit: cannot lock the row of %', p_key;
+        END IF;
+    END LOOP;
+    v_now := sluice_now_us();
+    v_own := v_d - p_tau;
+    IF v_own > v_now THEN
+        v_waiting := (v_own - v_now + p_step - 1) / p_step - 1;
+    END IF;
+    v_due := greatest(v_own, v_now);
+    IF p_cal IS NOT NULL THEN
+        -- the first run of p_cost free slots from the one v_due falls in:
+        -- a free slot lets v_due stand; a later one moves it to its start
+        v_slot := v_due / p_gstep;
+        FOR v_taken IN
+            SELECT z.slot FROM sluice_slots z
+            WHERE z.cal = p_cal AND z.slot >= v_slot ORDER BY z.slot
+        LOOP
+            EXIT WHEN v_taken >= v_slot + p_cost;
+            v_slot := v_taken + 1;
+            v_scanned := v_scanned + 1;
+            EXIT WHEN v_scanned > 100000;
+        END LOOP;
+        v_first := v_slot;
+        v_due := greatest(v_due, v_slot * p_gstep);
+    END IF;
+    IF v_due > v_now AND v_waiting + p_cost > p_cap THEN
+        v_at := v_own - (p_cap - p_cost + 1) * p_step;
+        IF p_cost > p_cap THEN
+            v_at := v_own;
+        END IF;
+        RETURN ARRAY[0, greatest(v_at - v_now, 1), 0, 0];
+    END IF;
+    IF p_max_wait > 0 AND v_due - v_now > p_max_wait THEN
+        RETURN ARRAY[2, v_due - p_max_wait - v_now, 0, 0];
+    END IF;
+    v_new := greatest(v_d, v_due) + p_cost * p_step;
+    UPDATE sluice_schedules SET d = v_new, expires_us = v_new + 1000000 WHERE k = p_key;
+    IF p_cal IS NOT NULL THEN
+        INSERT INTO sluice_slots (cal, slot, expires_us)
+            SELECT p_cal, g, (g + 1) * p_gstep + 1000000
+            FROM generate_series(v_first, v_first + p_cost - 1) g;
+    END IF;
+    RETURN ARRAY[1, v_due - v_now, v_new, v_first];
+END
+$fn$;
+
+-- Cancel: the client's D goes back only while this reservation is still
+-- its last (compare-and-set); the cap slots always go back. Locks in the
+-- admission's order (cap, row, slots).
+CREATE OR REPLACE FUNCTION sluice_cancel(
+    p_key text, p_cal text, p_new_d bigint, p_undo bigint, p_first bigint, p_cost bigint
+) RETURNS integer LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_undone integer;
+BEGIN
+    IF p_cal IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended(p_cal, 0));
+    END IF;
+    UPDATE sluice_schedules SET d = d - p_undo WHERE k = p_key AND d = p_new_d;
+    GET DIAGNOSTICS v_undone = ROW_COUNT;
+    IF p_cal IS NOT NULL THEN
+        DELETE FROM sluice_slots
+        WHERE cal = p_cal AND slot >= p_first AND slot < p_first + p_cost;
+    END IF;
+    RETURN v_undone;
+END
+$fn$;
+
+-- The sweep: at most p_limit expired rows of each table, skipping rows
+-- an admission holds. Returns how many went.
+CREATE OR REPLACE FUNCTION sluice_sweep(p_limit integer) RETURNS bigint
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_now bigint := sluice_now_us();
+    v_rows bigint;
+    v_slots bigint;
+BEGIN
+    DELETE FROM sluice_schedules WHERE k IN (
+        SELECT k FROM sluice_schedules WHERE expires_us < v_now
+        LIMIT p_limit FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    DELETE FROM sluice_slots WHERE (cal, slot) IN (
+        SELECT cal, slot FROM sluice_slots WHERE expires_us < v_now
+        LIMIT p_limit FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_slots = ROW_COUNT;
+    RETURN v_rows + v_slots;
+END
+$fn$;
+
+COMMENT ON FUNCTION sluice_admit(text, text, bigint, bigint, bigint, bigint, bigint, bigint)
+    IS 'sluice schema 1';
+"#;
+
+/// The objects `SCHEMA` makes, as `to_regclass` / `to_regprocedure` name
+/// them, and its version (the admission function's comment): when all
+/// exist and the version is this one, a start changes nothing.
+const OBJECTS: &str = "SELECT to_regclass('sluice_schedules') IS NOT NULL
+    AND to_regclass('sluice_slots') IS NOT NULL
+    AND to_regprocedure('sluice_now_us()') IS NOT NULL
+    AND to_regprocedure('sluice_admit(text,text,bigint,bigint,bigint,bigint,bigint,bigint)') IS NOT NULL
+    AND to_regprocedure('sluice_cancel(text,text,bigint,bigint,bigint,bigint)') IS NOT NULL
+    AND to_regprocedure('sluice_sweep(integer)') IS NOT NULL
+    AND obj_description(to_regprocedure(
+        'sluice_admit(text,text,bigint,bigint,bigint,bigint,bigint,bigint)'), 'pg_proc')
+        IS NOT DISTINCT FROM 'sluice schema 1'";
+
+/// Serialises schema changes between instances starting at once.
+const MIGRATION_LOCK: i64 = 0x736c_7569_6365; // "sluice"
+
+const ADMIT: &str = "SELECT sluice_admit($1, $2, $3, $4, $5, $6, $7, $8)";
+const CANCEL: &str = "SELECT sluice_cancel($1, $2, $3, $4, $5, $6)";
+
+/// Rows the sweep deletes per call, and calls per sweep at most.
+const SWEEP_BATCH: i32 = 1_000;
+const SWEEP_CALLS: usize = 20;
+/// How often the schema is checked and expired rows are swept.
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// The SQL that `sluice migrate` applies (and `--print-sql` prints).
+pub fn schema_sql(durable: bool) -> String {
+    SCHEMA.replace("{persistence}", if durable { "" } else { "UNLOGGED " })
+}
+
+/// The PostgreSQL store.
+pub struct Postgres {
+    pool: Pool,
+    /// For the schema check and the sweep (their own connections, with
+    /// their own statement timeout).
+    pg: tokio_postgres::Config,
+    tls: MakeRustlsConnect,
+    durable: bool,
+    shown: String,
+    /// The runtime every call runs on.
+    runtime: Handle,
+    timeout: Duration,
+    /// Why the store cannot be used as configured, while it cannot.
+    problem: Mutex<Option<String>>,
+}
+
+impl Postgres {
+    pub fn new(cfg: &PostgresConfig, timeout: Duration) -> Result<Postgres, ClusterError> {
+        let runtime = Handle::try_current()
+            .map_err(|_| ClusterError::Setup("the postgres store needs a tokio runtime".into()))?;
+        let mut pg = cfg.target.pg.clone();
+        if pg.get_password().is_none()
+            && let Some(password) = password(cfg)?
+        {
+            pg.password(password);
+        }
+        if pg.get_connect_timeout().is_none() {
+            pg.connect_timeout(timeout.max(Duration::from_secs(1)));
+        }
+        let check = match (cfg.target.sslmode, cfg.roots.is_some()) {
+            (SslMode::VerifyFull, _) => crate::tls::Check::Full,
+            (SslMode::VerifyCa, _) | (SslMode::Require, true) => crate::tls::Check::Chain,
+            _ => crate::tls::Check::Nothing,
+        };
+        let tls = MakeRustlsConnect::new(
+            crate::tls::postgres_config(cfg.roots.as_deref(), check)
+                .map_err(|e| ClusterError::Setup(format!("postgres TLS: {e}")))?,
+        );
+        // Admissions give up after `timeout`; so does the server's work
+        // for them (a late admission would hold a slot nobody uses).
+        let statement_ms = timeout.as_millis().max(1);
+        let manager = Manager::from_config(
+            pg.clone(),
+            tls.clone(),
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(cfg.pool_size)
+            .wait_timeout(Some(timeout))
+            .create_timeout(Some(timeout.max(Duration::from_secs(1))))
+            .recycle_timeout(Some(timeout))
+            .runtime(Runtime::Tokio1)
+            .post_create(Hook::async_fn(move |client, _| {
+                Box::pin(async move {
+                    client
+                        .batch_execute(&format!("SET statement_timeout = {statement_ms}"))
+                        .await
+                        .map_err(HookError::Backend)
+                })
+            }))
+            .build()
+            .map_err(|e| ClusterError::Setup(format!("postgres pool: {e}")))?;
+        Ok(Postgres {
+            pool,
+            shown: cfg.target.to_string(),
+            pg,
+            tls,
+            durable: cfg.durable,
+            runtime,
+            timeout,
+            problem: Mutex::new(None),
+        })
+    }
+
+    /// A connection of its own (schema check, sweep, `sluice migrate`),
+    /// driven on the store's runtime.
+    async fn connect(&self) -> Result<tokio_postgres::Client, ClusterError> {
+        let connecting = self.pg.connect(self.tls.clone());
+        let (client, connection) =
+            tokio::time::timeout(self.timeout.max(Duration::from_secs(2)), connecting)
+                .await
+                .map_err(|_| ClusterError::Timeout(self.timeout.max(Duration::from_secs(2))))??;
+        self.runtime.spawn(async move {
+            let _ = connection.await;
+        });
+        Ok(client)
+    }
+
+    /// Create the tables and functions if any is missing (one instance
+    /// at a time). Returns whether anything had to be created.
+    pub async fn migrate(&self) -> Result<bool, ClusterError> {
+        let mut client = self.connect().await?;
+        client
+            .batch_execute("SET statement_timeout = 30000")
+            .await?;
+        if client
+            .query_one(OBJECTS, &[])
+            .await?
+            .try_get::<_, bool>(0)?
+        {
+            self.check_persistence(&client).await;
+            return Ok(false);
+        }
+        let tx = client.transaction().await?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+            .await?;
+        tx.batch_execute(&schema_sql(self.durable)).await?;
+        tx.commit().await?;
+        info!(postgres = %self.shown, durable = self.durable, "created the shared-schedule tables and functions");
+        Ok(true)
+    }
+
+    /// Say so when the table's kind is not the configured one (changing it
+    /// rewrites the table, which is the DBA's call).
+    async fn check_persistence(&self, client: &tokio_postgres::Client) {
+        let row = client
+            .query_opt(
+                "SELECT relpersistence::text FROM pg_class WHERE oid = to_regclass('sluice_schedules')",
+                &[],
+            )
+            .await;
+        if let Ok(Some(row)) = row
+            && let Ok(p) = row.try_get::<_, String>(0)
+        {
+            let logged = p == "p";
+            if logged != self.durable {
+                warn!(
+                    postgres = %self.shown,
+                    "sluice_schedules is {} but cluster.durable = {}: ALTER TABLE sluice_schedules SET {} (and sluice_slots) to match",
+                    if logged { "logged" } else { "unlogged" },
+                    self.durable,
+                    if self.durable { "LOGGED" } else { "UNLOGGED" },
+                );
+            }
+        }
+    }
+
+    /// Reach the database and make sure the schema is there.
+    pub async fn check(&self) -> Result<(), String> {
+        let shown = self.shown.clone();
+        let result = match self.migrate().await {
+            Ok(_) => None,
+            Err(e) => Some(format!("postgres {shown}: {e}")),
+        };
+        if result.is_none() {
+            self.warm().await;
+        }
+        self.set_problem(result)
+    }
+
+    /// Open the pool's connections ahead of traffic (a connection's
+    /// start-up and SCRAM exchange cost more than many admissions).
+    async fn warm(&self) {
+        let status = self.pool.status();
+        let mut held = Vec::new();
+        for _ in status.size..status.max_size {
+            match tokio::time::timeout(self.timeout.max(Duration::from_secs(2)), self.pool.get())
+                .await
+            {
+                Ok(Ok(c)) => held.push(c),
+                _ => break,
+            }
+        }
+    }
+
+    fn set_problem(&self, problem: Option<String>) -> Result<(), String> {
+        let mut p = self.problem.lock().unwrap_or_else(|e| e.into_inner());
+        if problem != *p {
+            match &problem {
+                Some(why) => error!("cluster mode: {why}"),
+                None if p.is_some() => info!("cluster mode: the store is usable again"),
+                None => {}
+            }
+        }
+        *p = problem.clone();
+        problem.map_or(Ok(()), Err)
+    }
+
+    pub fn problem(&self) -> Option<String> {
+        self.problem
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Every few seconds: re-check the schema (a dropped table comes back)
+    /// and sweep expired rows, in bounded batches.
+    pub async fn watch(&self) {
+        let mut tick = tokio::time::interval(SWEEP_EVERY);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            if self.check().await.is_ok()
+                && let Err(e) = self.sweep().await
+            {
+                warn!(error = %e, "sweeping expired schedules failed");
+            }
+        }
+    }
+
+    /// Delete expired rows: at most `SWEEP_CALLS` batches.
+    pub async fn sweep(&self) -> Result<u64, ClusterError> {
+        let client = self.connect().await?;
+        client.batch_execute("SET statement_timeout = 5000").await?;
+        let mut total = 0u64;
+        for _ in 0..SWEEP_CALLS {
+            let gone: i64 = client
+                .query_one("SELECT sluice_sweep($1)", &[&SWEEP_BATCH])
+                .await?
+                .try_get(0)?;
+            total = total.saturating_add(u64::try_from(gone).unwrap_or(0));
+            if gone < i64::from(SWEEP_BATCH) {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Run one statement on a pooled connection, on the store's runtime,
+    /// bounded by the timeout there too (the caller's own timeout drops
+    /// only its wait).
+    async fn call(
+        &self,
+        sql: &'static str,
+        params: Params,
+    ) -> Result<tokio_postgres::Row, ClusterError> {
+        let pool = self.pool.clone();
+        let timeout = self.timeout;
+        let work = async move {
+            let client = pool.get().await.map_err(|e| match e {
+                deadpool_postgres::PoolError::Backend(e) => ClusterError::Postgres(e),
+                deadpool_postgres::PoolError::Timeout(_) => ClusterError::Timeout(timeout),
+                other => ClusterError::Setup(format!("postgres pool: {other}")),
+            })?;
+            let statement = client.prepare_cached(sql).await?;
+            let refs = params.refs();
+            Ok::<_, ClusterError>(client.query_one(&statement, &refs).await?)
+        };
+        self.runtime
+            .spawn(async move {
+                tokio::time::timeout(timeout, work)
+                    .await
+                    .unwrap_or(Err(ClusterError::Timeout(timeout)))
+            })
+            .await
+            .map_err(|e| ClusterError::Setup(format!("postgres call: {e}")))?
+    }
+
+    pub async fn admit(&self, ask: &Ask) -> Result<Vec<i64>, ClusterError> {
+        let us = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let gstep = if ask.slots.is_some() {
+            us(ask.slot_us.max(1))
+        } else {
+            0
+        };
+        let params = Params {
+            key: ask.key.clone(),
+            cal: ask.slots.clone(),
+            numbers: vec![
+                us(ask.step_us.max(1)),
+                i64::from(ask.capacity),
+                i64::from(ask.cost),
+                us(ask.tau_us),
+                gstep,
+                us(ask.max_wait_us),
+            ],
+        };
+        let row = self.call(ADMIT, params).await?;
+        Ok(row.try_get::<_, Vec<i64>>(0)?)
+    }
+
+    pub async fn cancel(&self, r: &Reservation) -> Result<(), ClusterError> {
+        let params = Params {
+            key: r.key.clone(),
+            cal: r.slots.clone(),
+            numbers: vec![r.new_d, r.undo, r.first_slot, i64::from(r.cost)],
+        };
+        self.call(CANCEL, params).await.map(|_| ())
+    }
+}
+
+/// A call's parameters, owned (the call runs on another task).
+struct Params {
+    key: String,
+    cal: Option<String>,
+    numbers: Vec<i64>,
+}
+
+impl Params {
+    fn refs(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+        let mut out: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&self.key, &self.cal];
+        out.extend(
+            self.numbers
+                .iter()
+                .map(|n| n as &(dyn tokio_postgres::types::ToSql + Sync)),
+        );
+        out
+    }
+}
+
+/// The password when the URL has none: `password_file`, else the
+/// libpq password file (`passfile`, `PGPASSFILE`, `~/.pgpass`).
+fn password(cfg: &PostgresConfig) -> Result<Option<String>, ClusterError> {
+    if let Some(file) = &cfg.password_file {
+        let text = std::fs::read_to_string(file).map_err(|e| {
+            ClusterError::Setup(format!("cannot read password_file {}: {e}", file.display()))
+        })?;
+        return Ok(Some(text.trim_end_matches(['\r', '\n']).to_owned()));
+    }
+    let file = cfg
+        .target
+        .passfile
+        .clone()
+        .or_else(|| std::env::var_os("PGPASSFILE").map(PathBuf::from))
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".pgpass")));
+    Ok(file.and_then(|f| pgpass(&f, &cfg.target.pg)))
+}
+
+/// The first matching line of a libpq password file
+/// (`host:port:database:user:password`, `*` matches anything, `\` escapes);
+/// ignored, as by libpq, when others may read it.
+fn pgpass(file: &Path, pg: &tokio_postgres::Config) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(file).ok()?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        warn!(file = %file.display(), "password file ignored: group or others may read it (chmod 0600)");
+        return None;
+    }
+    let text = std::fs::read_to_string(file).ok()?;
+    let host = match pg.get_hosts().first() {
+        Some(Host::Tcp(h)) => h.clone(),
+        Some(Host::Unix(_)) | None => "localhost".to_owned(),
+    };
+    let port = pg.get_ports().first().copied().unwrap_or(5432).to_string();
+    let user = pg.get_user().unwrap_or("");
+    let db = pg.get_dbname().unwrap_or(user);
+    let want = [host.as_str(), port.as_str(), db, user];
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|line| {
+            let fields = pgpass_fields(line);
+            let [h, p, d, u, password] = <[String; 5]>::try_from(fields).ok()?;
+            [h, p, d, u]
+                .iter()
+                .zip(want)
+                .all(|(f, w)| f == "*" || f == w)
+                .then_some(password)
+        })
+}
+
+/// Split a password-file line at unescaped `:`.
+fn pgpass_fields(line: &str) -> Vec<String> {
+    let mut fields = vec![String::new()];
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                if let (Some(next), Some(f)) = (chars.next(), fields.last_mut()) {
+                    f.push(next);
+                }
+            }
+            ':' if fields.len() < 5 => fields.push(String::new()),
+            c => {
+                if let Some(f) = fields.last_mut() {
+                    f.push(c);
+                }
+            }
+        }
+    }
+    fields
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn password_file_lines_match_like_libpq() {
+        let dir = std::env::temp_dir().join(format!("sluice-pgpass-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("pgpass");
+        std::fs::write(
+            &file,
+            "# comment\nother:5432:*:app:no\ndb.example:*:shape:app:pa\\:ss\\\\word\n*:*:*:*:fallback\n",
+        )
+        .expect("write");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        let pg = |url: &str| crate::config::postgres::parse(url).expect("url").pg;
+        assert_eq!(
+            pgpass(&file, &pg("postgres://app@db.example:6000/shape")).as_deref(),
+            Some("pa:ss\\word")
+        );
+        assert_eq!(
+            pgpass(&file, &pg("postgres://app@db.example/other")).as_deref(),
+            Some("fallback")
+        );
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        assert_eq!(pgpass(&file, &pg("postgres://app@db.example/shape")), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,131 @@
+//! gRPC calls (`content-type: application/grpc...`): shaped like any
+//! request, but what sluice answers itself speaks gRPC. A refusal is HTTP
+//! 200 with `grpc-status` in a trailers-only response (one HEADERS frame
+//! that ends the stream), a `grpc-message` saying when to retry, and that
+//! time in `grpc-retry-pushback-ms` (the gRPC retry design's server
+//! pushback). Status codes follow the gRPC HTTP mapping.
+
+use std::time::Duration;
+
+use http::header::{CONTENT_TYPE, HeaderMap, HeaderValue};
+use http::{Response, StatusCode};
+use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
+
+use super::response::{Local, ProxyBody, full};
+
+/// gRPC status codes sluice answers with.
+const INVALID_ARGUMENT: u8 = 3;
+const DEADLINE_EXCEEDED: u8 = 4;
+const RESOURCE_EXHAUSTED: u8 = 8;
+const UNIMPLEMENTED: u8 = 12;
+const INTERNAL: u8 = 13;
+const UNAVAILABLE: u8 = 14;
+
+/// What `grpc-message` percent-encodes (the gRPC HTTP/2 spec: everything
+/// outside printable ASCII, and '%').
+const MESSAGE: &AsciiSet = &CONTROLS.add(b'%');
+
+/// Whether a request is a gRPC call.
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/grpc"))
+}
+
+/// The call's `grpc-timeout` (an integer of at most 8 digits and a unit:
+/// H, M, S, m, u, n).
+pub fn timeout(headers: &HeaderMap) -> Option<Duration> {
+    let v = headers.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// A response sluice made itself, in gRPC form; the upstream's responses
+/// pass unchanged.
+pub fn answer(response: Response<ProxyBody>) -> Response<ProxyBody> {
+    let Some(local) = response.extensions().get::<Local>().cloned() else {
+        return response;
+    };
+    let code = match response.status() {
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::PAYLOAD_TOO_LARGE => RESOURCE_EXHAUSTED,
+        StatusCode::GATEWAY_TIMEOUT => DEADLINE_EXCEEDED,
+        StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE => UNAVAILABLE,
+        StatusCode::BAD_REQUEST => INVALID_ARGUMENT,
+        StatusCode::NOT_FOUND => UNIMPLEMENTED,
+        _ => INTERNAL,
+    };
+    refusal(code, &local.detail, local.retry_after)
+}
+
+/// A trailers-only gRPC response.
+fn refusal(code: u8, detail: &str, retry_after: Option<Duration>) -> Response<ProxyBody> {
+    let message = match retry_after {
+        Some(wait) => format!("{detail} (retry in {} ms)", wait.as_millis().max(1)),
+        None => detail.to_owned(),
+    };
+    let mut response = Response::new(full(bytes::Bytes::new()));
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    headers.insert("grpc-status", HeaderValue::from(u16::from(code)));
+    if let Ok(v) = HeaderValue::from_str(&utf8_percent_encode(&message, MESSAGE).to_string()) {
+        headers.insert("grpc-message", v);
+    }
+    if let Some(wait) = retry_after {
+        let ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1);
+        headers.insert("grpc-retry-pushback-ms", HeaderValue::from(ms));
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_parse_as_the_spec_writes_them() {
+        let t = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert("grpc-timeout", HeaderValue::from_static(v));
+            timeout(&h)
+        };
+        assert_eq!(t("100m"), Some(Duration::from_millis(100)));
+        assert_eq!(t("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(t("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(t("5u"), Some(Duration::from_micros(5)));
+        assert_eq!(t("123456789m"), None);
+        assert_eq!(t("m"), None);
+        assert_eq!(t("10x"), None);
+        assert_eq!(t("-1S"), None);
+    }
+
+    #[test]
+    fn local_refusals_become_trailers_only_grpc_answers() {
+        let local = super::super::response::problem(
+            StatusCode::TOO_MANY_REQUESTS,
+            "queue full",
+            Some(Duration::from_millis(1500)),
+        );
+        let r = answer(local);
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()["grpc-status"], "8");
+        assert_eq!(r.headers()["grpc-retry-pushback-ms"], "1500");
+        assert_eq!(r.headers()["grpc-message"], "queue full (retry in 1500 ms)");
+        use hyper::body::Body as _;
+        assert!(r.body().is_end_stream());
+        let up = Response::new(full(bytes::Bytes::from_static(b"x")));
+        assert!(answer(up).headers().get("grpc-status").is_none());
+    }
+}

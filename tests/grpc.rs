@@ -1,0 +1,233 @@
+//! gRPC through sluice with real libraries: a grpcio server behind sluice
+//! (`protocol = "h2c"`, and `"h2"` over TLS with a generated CA), grpcio
+//! clients in front (h2c: sluice's HTTP listener has no TLS of its own),
+//! all child processes on loopback.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+use support::{Sluice, TestCa};
+
+fn clients() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
+}
+
+/// Debian's python (grpcio comes from `python3-grpcio`).
+fn python() -> &'static str {
+    if std::path::Path::new("/usr/bin/python3").exists() {
+        "/usr/bin/python3"
+    } else {
+        "python3"
+    }
+}
+
+/// grpc_server.py as a child: its port, and each call's arrival (ns,
+/// payload). Ended (stdin closed, then killed by PID) when dropped.
+struct GrpcServer {
+    child: Child,
+    _stdin: Option<ChildStdin>,
+    port: u16,
+    calls: Arc<Mutex<Vec<(u64, String)>>>,
+}
+
+impl GrpcServer {
+    fn start(tls: Option<(PathBuf, PathBuf)>) -> GrpcServer {
+        let mut cmd = Command::new(python());
+        cmd.arg(clients().join("grpc_server.py"))
+            .args(["--port", "0"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        if let Some((cert, key)) = tls {
+            cmd.arg("--tls-cert").arg(cert).arg("--tls-key").arg(key);
+        }
+        let mut child = cmd
+            .spawn()
+            .expect("python3 with grpcio (bash .ci/run installs it)");
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().unwrap();
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let seen = calls.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if let Some(p) = line.strip_prefix("listening ") {
+                    let _ = tx.send(p.trim().parse::<u16>().unwrap());
+                } else if let Some(rest) = line.strip_prefix("call ") {
+                    let (ns, payload) = rest.split_once(' ').unwrap_or((rest, ""));
+                    seen.lock()
+                        .unwrap()
+                        .push((ns.parse().unwrap(), payload.to_owned()));
+                }
+            }
+        });
+        let port = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the gRPC server did not start");
+        GrpcServer {
+            child,
+            _stdin: stdin,
+            port,
+            calls,
+        }
+    }
+}
+
+impl Drop for GrpcServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Run grpc_client.py to the end: its JSON lines.
+fn client(target: &str, args: &[&str]) -> Vec<Value> {
+    let out = client_cmd(target, args).output().unwrap();
+    parse(&String::from_utf8_lossy(&out.stdout))
+}
+
+fn client_cmd(target: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(python());
+    cmd.arg(clients().join("grpc_client.py"))
+        .args(["--target", target]);
+    cmd.args(args).stdin(Stdio::null()).stderr(Stdio::null());
+    cmd
+}
+
+fn parse(text: &str) -> Vec<Value> {
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .collect()
+}
+
+fn config(upstream: &str, protocol: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstream]]
+name = "grpc"
+url = "{upstream}"
+protocol = "{protocol}"
+
+[[route]]
+name = "calls"
+upstream = "grpc"
+key = "ip"
+rate = "5/s"
+capacity = 10
+"#
+    )
+}
+
+/// 20 unary calls at once, one client, r = 5/s, b = 10, through sluice
+/// to a grpcio server: DESIGN section 1's outcome (the first departs, 10
+/// wait, 9 are refused), refusals are RESOURCE_EXHAUSTED with a pushback
+/// trailer and come at once, the admitted calls reach the server 1/r
+/// apart with their trailers intact; then a server-streaming call streams,
+/// and a call whose deadline ends before its turn is refused at once.
+fn shaped_calls(sluice: &Sluice, server: &GrpcServer) {
+    let target = sluice.addr.to_string();
+    let results = client(&target, &["unary", "--count", "20"]);
+    assert_eq!(results.len(), 20, "{results:?}");
+    let ok: Vec<&Value> = results.iter().filter(|r| r["code"] == "OK").collect();
+    let refused: Vec<&Value> = results
+        .iter()
+        .filter(|r| r["code"] == "RESOURCE_EXHAUSTED")
+        .collect();
+    assert_eq!(ok.len(), 11, "{results:?}");
+    assert_eq!(refused.len(), 9, "{results:?}");
+    for r in &ok {
+        assert_eq!(r["trailers"]["x-echo-trailer"], "yes", "{r}");
+    }
+    for r in &refused {
+        let pushback: u64 = r["trailers"]["grpc-retry-pushback-ms"]
+            .as_str()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no pushback: {r}"));
+        assert!((1..=2_000).contains(&pushback), "{r}");
+        assert!(
+            r["details"].as_str().unwrap_or("").contains("retry in"),
+            "{r}"
+        );
+        assert!(
+            r["elapsed_ms"].as_f64().unwrap() < 1_000.0,
+            "refused late: {r}"
+        );
+    }
+    let calls = server.calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 11);
+    let gaps: Vec<u64> = calls
+        .windows(2)
+        .map(|w| (w[1].0 - w[0].0) / 1_000_000)
+        .collect();
+    assert!(
+        gaps.iter().all(|&g| (170..=300).contains(&g)),
+        "gaps at the server (ms): {gaps:?}"
+    );
+
+    // The queue drains (the last admitted departed 2 s after the first);
+    // a new client key is not needed: wait for the schedule to pass.
+    std::thread::sleep(Duration::from_millis(2_300));
+    let stream = client(&target, &["stream", "--n", "3"]);
+    let msgs: Vec<f64> = stream
+        .iter()
+        .filter(|v| v.get("msg").is_some())
+        .map(|v| v["elapsed_ms"].as_f64().unwrap())
+        .collect();
+    assert_eq!(msgs.len(), 3, "{stream:?}");
+    assert!(msgs[2] - msgs[0] >= 150.0, "not streamed: {stream:?}");
+    assert_eq!(stream.last().unwrap()["code"], "OK", "{stream:?}");
+
+    // Fill the queue: 11 calls, 10 wait (2 s of schedule); then a call
+    // with a 100 ms deadline is refused at once instead of expiring.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut fill = client_cmd(&target, &["unary", "--count", "11"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(sluice.wait_queued(10));
+    let late = client(&target, &["unary", "--count", "1", "--deadline-ms", "100"]);
+    assert_eq!(late.len(), 1, "{late:?}");
+    assert_eq!(late[0]["code"], "RESOURCE_EXHAUSTED", "{late:?}");
+    assert!(late[0]["elapsed_ms"].as_f64().unwrap() < 100.0, "{late:?}");
+    assert!(late[0]["trailers"].get("grpc-retry-pushback-ms").is_some());
+    let _ = fill.kill();
+    let _ = fill.wait();
+}
+
+#[test]
+fn grpc_over_h2c_is_shaped_and_refused_in_grpc() {
+    let server = GrpcServer::start(None);
+    let sluice = Sluice::start(&config(&format!("http://127.0.0.1:{}", server.port), "h2c"));
+    shaped_calls(&sluice, &server);
+}
+
+/// The same with the upstream over TLS (`protocol = "h2"`, ALPN h2, a
+/// private CA); the client side stays h2c.
+#[test]
+fn grpc_to_a_tls_upstream_with_h2() {
+    let ca = TestCa::new();
+    let server = GrpcServer::start(Some(ca.leaf_files(&["localhost"])));
+    let cfg = config(&format!("https://localhost:{}", server.port), "h2").replace(
+        "url = ",
+        &format!("ca_file = \"{}\"\nurl = ", ca.write().display()),
+    );
+    let sluice = Sluice::start(&cfg);
+    shaped_calls(&sluice, &server);
+}

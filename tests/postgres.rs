@@ -1,0 +1,371 @@
+//! Cluster mode on PostgreSQL end to end: a real PostgreSQL server (its
+//! own data directory, a non-root user, a loopback port, password auth),
+//! real sluice instances, one real downstream.
+
+mod support;
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use support::postgres::PostgresServer;
+use support::{
+    Downstream, Sluice, TestCa, assert_gaps, client, get, light_client_behind_a_backlog,
+};
+
+fn config(ds: SocketAddr, pg: &PostgresServer, on_failure: &str, extra: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[admin]
+listen = "127.0.0.1:0"
+
+[cluster]
+postgres = "{url}"
+password_file = "{pw}"
+timeout = "500ms"
+on_failure = "{on_failure}"
+instances = 2
+{extra}
+
+[[upstream]]
+name = "api"
+url = "http://{ds}"
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "5/s"
+capacity = 10
+"#,
+        url = pg.url(),
+        pw = pg.password_file.display(),
+    )
+}
+
+/// DESIGN section 1's seed burst from one client, spread over two
+/// instances sharing its schedule in PostgreSQL: 13 admitted (1-12 and
+/// 20), departures 200 ms apart at the downstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_across_two_instances_is_paced_as_one() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &pg, "reject", "");
+    let fleet = [Sluice::start(&cfg), Sluice::start(&cfg)];
+    let c = client();
+    for s in &fleet {
+        assert_eq!(
+            get(&c, &s.url("/warm"), &[("x-client", "warm")])
+                .await
+                .status,
+            StatusCode::OK
+        );
+    }
+    let start = Instant::now() + Duration::from_millis(20);
+    let mut tasks = Vec::new();
+    for i in 0..20u64 {
+        tokio::time::sleep_until((start + Duration::from_millis(25 * i)).into()).await;
+        let (c, url) = (
+            c.clone(),
+            fleet[i as usize % 2].url(&format!("/seed/{}", i + 1)),
+        );
+        tasks.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "one")]).await
+        }));
+    }
+    let mut ok = Vec::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let a = t.await.unwrap();
+        match a.status {
+            StatusCode::OK => ok.push(i + 1),
+            StatusCode::TOO_MANY_REQUESTS => assert!(a.headers.contains_key("retry-after")),
+            s => panic!("request {}: {s}", i + 1),
+        }
+    }
+    assert_eq!(
+        &ok[..12],
+        &(1..=12).collect::<Vec<_>>()[..],
+        "admitted {ok:?}"
+    );
+    assert_eq!(ok.len(), 13, "admitted {ok:?}");
+    let arrivals: Vec<Instant> = ds
+        .seen()
+        .iter()
+        .filter(|s| s.path.starts_with("/seed/"))
+        .map(|s| s.at)
+        .collect();
+    assert_eq!(arrivals.len(), 13);
+    assert_gaps(&arrivals, 185, 280);
+    let status = fleet[0].status().await;
+    assert_eq!(status["cluster"]["backend"], "postgres", "{status}");
+    assert_eq!(status["cluster"]["state"], "ok", "{status}");
+    assert!(status["redis"].is_null(), "{status}");
+    // The table is unlogged by default.
+    assert_eq!(
+        pg.psql("SELECT relpersistence FROM pg_class WHERE relname = 'sluice_schedules'"),
+        "u"
+    );
+}
+
+/// The upstream cap across instances (R = 100/s): client "a" backlogged
+/// on one instance does not hold the cap for client "b" on the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cap_is_fair_across_instances() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &pg, "reject", "").replace("url = ", "rate = \"100/s\"\nurl = ");
+    let (a, b) = (Sluice::start(&cfg), Sluice::start(&cfg));
+    let heavy = light_client_behind_a_backlog(&a, &b).await;
+    let mut ok = 0;
+    for h in heavy {
+        if h.await.unwrap().status == StatusCode::OK {
+            ok += 1;
+        }
+    }
+    assert_eq!(ok, 11);
+    let a_times: Vec<Instant> = ds
+        .seen()
+        .into_iter()
+        .filter(|r| r.path.starts_with("/a/"))
+        .map(|r| r.at)
+        .collect();
+    assert_gaps(&a_times, 150, 260);
+    // Every cap slot taken is in the calendar, one row each.
+    let slots: u64 = pg
+        .psql("SELECT count(*) FROM sluice_slots")
+        .parse()
+        .unwrap();
+    assert!(slots <= 13, "{slots} cap slots");
+}
+
+/// A client that leaves before its departure gives its slot back in the
+/// shared schedule: the same client's next request, on the other
+/// instance, departs in the freed slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_gives_the_slot_back() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &pg, "reject", "").replace("rate = \"5/s\"", "rate = \"2/s\"");
+    let (a, b) = (Sluice::start(&cfg), Sluice::start(&cfg));
+    let c = client();
+    assert_eq!(
+        get(&c, &a.url("/first"), &[("x-client", "k")]).await.status,
+        StatusCode::OK
+    );
+    let first = ds.seen().last().unwrap().at;
+    // The second waits for the slot 500 ms after the first; it leaves.
+    let mut raw = std::net::TcpStream::connect(a.addr).unwrap();
+    raw.write_all(b"GET /left HTTP/1.1\r\nHost: x\r\nX-Client: k\r\n\r\n")
+        .unwrap();
+    a.wait_queued(1).await;
+    drop(raw);
+    a.wait_queued(0).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let sent = Instant::now();
+    assert_eq!(
+        get(&c, &b.url("/third"), &[("x-client", "k")]).await.status,
+        StatusCode::OK
+    );
+    let third = ds.seen().last().unwrap().at;
+    assert!(ds.seen().iter().all(|s| s.path != "/left"));
+    // Given back: the third departs at first + 500 ms (or at once, when
+    // it was sent later than that); kept, it would wait until + 1 s.
+    let due = sent.max(first + Duration::from_millis(500));
+    let late = third.saturating_duration_since(due);
+    assert!(
+        late < Duration::from_millis(250),
+        "the third departed {late:?} after its slot ({:?} after the first)",
+        third - first
+    );
+}
+
+/// PostgreSQL stopped (SIGSTOP on every process) for 3 s: requests follow
+/// on_failure within the timeout, /readyz says so, and all is well again
+/// after SIGCONT without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_postgres_follows_on_failure_within_the_timeout() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let cfg =
+        config(ds.addr, &pg, "reject", "").replace("timeout = \"500ms\"", "timeout = \"150ms\"");
+    let s = Sluice::start(&cfg);
+    let c = client();
+    assert_eq!(
+        get(&c, &s.url("/ok"), &[("x-client", "k")]).await.status,
+        StatusCode::OK
+    );
+    pg.signal("STOP");
+    let stopped = Instant::now();
+    for i in 0..3 {
+        let t = Instant::now();
+        let a = get(&c, &s.url(&format!("/stopped/{i}")), &[("x-client", "k")]).await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(a.headers.contains_key("retry-after"));
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "took {:?} with PostgreSQL stopped",
+            t.elapsed()
+        );
+    }
+    assert_eq!(
+        get(&c, &s.admin_url("/readyz"), &[]).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(stopped.elapsed())).await;
+    pg.signal("CONT");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if get(&c, &s.url("/again"), &[("x-client", "new")])
+            .await
+            .status
+            == StatusCode::OK
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "did not recover after SIGCONT");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        get(&c, &s.admin_url("/readyz"), &[]).await.status,
+        StatusCode::OK
+    );
+    assert!(ds.seen().iter().all(|x| !x.path.starts_with("/stopped/")));
+    let metrics =
+        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
+    let timeouts = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("sluice_cluster_calls_total{backend=\"postgres\",result=\"timeout\"} ")
+        })
+        .and_then(|v| v.parse::<f64>().ok());
+    assert!(timeouts.is_some_and(|n| n >= 3.0), "{metrics}");
+}
+
+/// Expired rows go: a running instance sweeps rows whose D is past.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_rows_are_swept() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&config(ds.addr, &pg, "reject", ""));
+    let c = client();
+    for i in 0..20 {
+        let k = format!("k{i}");
+        assert_eq!(
+            get(&c, &s.url("/x"), &[("x-client", &k)]).await.status,
+            StatusCode::OK
+        );
+    }
+    let rows = || -> u64 {
+        pg.psql("SELECT count(*) FROM sluice_schedules")
+            .parse()
+            .unwrap()
+    };
+    assert!(rows() >= 20);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while rows() > 0 {
+        assert!(Instant::now() < deadline, "{} rows left", rows());
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// `durable = true`: a logged table; `sluice migrate` creates the schema
+/// explicitly (and says when it is already there); `--print-sql` prints it
+/// for a DBA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_and_durable_tables() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &pg, "reject", "durable = true");
+    let path = support::write_config(&cfg);
+    let migrate = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .arg("migrate")
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let cfg_arg = path.to_str().unwrap();
+    let (ok, out, err) = migrate(&["--config", cfg_arg]);
+    assert!(ok, "{out}{err}");
+    assert!(out.starts_with("created"), "{out}");
+    assert_eq!(
+        pg.psql("SELECT relpersistence FROM pg_class WHERE relname = 'sluice_schedules'"),
+        "p"
+    );
+    let (ok, out, _) = migrate(&["--config", cfg_arg]);
+    assert!(ok && out.starts_with("already"), "{out}");
+    let (ok, sql, _) = migrate(&["--print-sql"]);
+    assert!(ok && sql.contains("CREATE UNLOGGED TABLE IF NOT EXISTS sluice_schedules"));
+    let (ok, sql, _) = migrate(&["--print-sql", "--config", cfg_arg]);
+    assert!(ok && sql.contains("CREATE TABLE IF NOT EXISTS sluice_schedules"));
+    // What --print-sql prints is what a DBA applies: it works as printed
+    // on an empty database.
+    pg.psql("DROP TABLE sluice_schedules, sluice_slots; DROP FUNCTION sluice_admit, sluice_cancel, sluice_sweep, sluice_now_us");
+    let (_, sql, _) = migrate(&["--print-sql"]);
+    pg.psql(&sql);
+    let (ok, out, _) = migrate(&["--config", cfg_arg]);
+    assert!(ok && out.starts_with("already"), "{out}");
+    // An instance runs on the schema the DBA applied.
+    let s = Sluice::start(&cfg);
+    assert_eq!(
+        get(&client(), &s.url("/x"), &[("x-client", "k")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+}
+
+/// TLS as libpq users write it: verify-full with the server's CA works;
+/// the same URL with another CA is refused (the store is reported
+/// unusable, requests follow on_failure).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_verify_full_checks_the_certificate() {
+    let ca = TestCa::new();
+    let pg = PostgresServer::start_tls(&ca);
+    let ds = Downstream::start().await;
+    let tls = |ca_file: &std::path::Path| {
+        config(ds.addr, &pg, "allow", "").replace(
+            "/postgres\"",
+            &format!(
+                "/postgres?sslmode=verify-full&sslrootcert={}\"",
+                ca_file.display()
+            ),
+        )
+    };
+    let good = Sluice::start(&tls(pg.ca_file.as_ref().unwrap()));
+    assert_eq!(
+        get(&client(), &good.url("/x"), &[("x-client", "k")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let status = good.status().await;
+    assert_eq!(status["cluster"]["state"], "ok", "{status}");
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) WHERE s.ssl AND a.application_name = 'sluice'")
+            .parse::<u64>()
+            .unwrap()
+            .min(1),
+        1
+    );
+    let other = TestCa::new().write();
+    let bad = Sluice::start(&tls(&other));
+    let status = bad.status().await;
+    let problem = status["cluster"]["problem"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    assert!(
+        problem.contains("certificate") || problem.contains("Certificate"),
+        "{status}"
+    );
+}
