@@ -226,6 +226,7 @@ fn status(server: &Handle) -> serde_json::Value {
         "staged_bytes": server.staged_bytes(),
         "connections": server.connections(),
         "smtp_sessions": server.smtp_sessions(),
+        "tunnels": server.tunnels(),
         "queued": queued,
         "totals": totals,
         "deepest_queues": deepest,

@@ -41,6 +41,7 @@ pub const CLUSTER_HEALTHY: &str = "sluice_cluster_healthy";
 pub const CONNECTIONS: &str = "sluice_connections";
 /// Bytes of request bodies staged while their requests wait.
 pub const STAGED_BYTES: &str = "sluice_staged_bytes";
+pub const TUNNELS: &str = "sluice_tunnels";
 /// Pauses an upstream asked for (429/503 with a retry time), by upstream.
 pub const UPSTREAM_PAUSES_TOTAL: &str = "sluice_upstream_pauses_total";
 /// Config reloads by result (`ok`, `error`).
@@ -290,6 +291,11 @@ fn describe() {
         STAGED_BYTES,
         Unit::Bytes,
         "Bytes of request bodies staged while their requests wait."
+    );
+    describe_gauge!(
+        TUNNELS,
+        Unit::Count,
+        "Upgrade tunnels (WebSocket and other protocol switches) open; bounded by server.max_tunnels."
     );
     describe_counter!(
         CLUSTER_CALLS_TOTAL,

@@ -55,6 +55,8 @@ pub struct Server {
     /// On SIGTERM, how long queued requests keep departing at their pace
     /// before the rest are answered 503.
     pub drain_timeout: Duration,
+    /// Open Upgrade tunnels (WebSocket...) at most; past it, 503.
+    pub max_tunnels: usize,
     /// Proxies whose `X-Forwarded-For` entries are believed (`forwarded`
     /// keys).
     pub trusted_proxies: Vec<IpNet>,
@@ -816,6 +818,12 @@ impl Validator {
         let workers = raw
             .workers
             .map(|n| self.bounded("server.workers", n, 1, MAX_WORKERS));
+        let max_tunnels = self.positive(
+            "server.max_tunnels",
+            raw.max_tunnels,
+            DEFAULT_MAX_CONNECTIONS,
+            MAX_CONNECTIONS,
+        );
         let drain_timeout = self.duration(
             "server.drain_timeout",
             raw.drain_timeout.as_deref(),
@@ -845,6 +853,7 @@ impl Validator {
             max_connections,
             workers,
             drain_timeout: drain_timeout?,
+            max_tunnels,
             trusted_proxies,
         })
     }

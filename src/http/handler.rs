@@ -24,17 +24,20 @@ use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use hyper::upgrade::OnUpgrade;
 use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::task::TaskTracker;
 
 use super::Shared;
 use super::forward::{OutBody, Upstream};
 use super::grpc;
-use super::headers::add_ratelimit_headers;
+use super::headers::{add_ratelimit_headers, upgrade_to};
 use super::key;
 use super::path;
 use super::response::{ProxyBody, full, problem};
 use super::route::Route;
 use super::stage::{Refused, StageError, Staged, linger, stage};
+use super::tunnel::Slot;
 use crate::admission::{Hold, HoldError, Key, Overload, Refusal, Verdict};
 use crate::metrics::Outcome;
 
@@ -48,7 +51,13 @@ pub struct Handler {
     pub shared: Arc<Shared>,
     /// The worker this handler runs on (its upstream pools).
     pub worker: usize,
+    /// The worker's open tunnels (its shutdown waits for them).
+    pub tunnels: TaskTracker,
 }
+
+/// A protocol switch in progress: the client's side, and its place among
+/// the open tunnels.
+type Switch = (OnUpgrade, Slot);
 
 /// A request body as it goes upstream.
 enum Body {
@@ -79,10 +88,27 @@ impl Handler {
     /// `grpc`: for a gRPC call, its deadline (`grpc-timeout`) if any.
     async fn handle_http(
         &self,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         peer: SocketAddr,
         grpc: Option<Option<Duration>>,
     ) -> Response<ProxyBody> {
+        // A protocol switch (HTTP/1.1 only) holds a tunnel's place from
+        // its arrival: past max_tunnels, 503 at once.
+        let switch =
+            if req.version() <= http::Version::HTTP_11 && upgrade_to(req.headers()).is_some() {
+                match self.shared.tunnels.reserve() {
+                    Some(slot) => Some((hyper::upgrade::on(&mut req), slot)),
+                    None => {
+                        return problem(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "too many tunnels are open (server.max_tunnels); retry later",
+                            Some(Duration::from_secs(1)),
+                        );
+                    }
+                }
+            } else {
+                None
+            };
         let app = self.shared.app(self.worker);
         // Routes see (and the upstream gets) the normalized path.
         let (normalized, path) = match path::normalize(req.uri().path()) {
@@ -148,7 +174,7 @@ impl Handler {
         }
         let shown = route.ratelimit_headers.then(|| key.clone());
         let mut response = self
-            .admit(route, upstream, parts, body, (key, cost), grpc)
+            .admit(route, upstream, parts, body, (key, cost), (grpc, switch))
             .await;
         if let Some(key) = shown {
             self.ratelimit(route, &key, &mut response);
@@ -167,7 +193,7 @@ impl Handler {
         parts: Parts,
         body: Incoming,
         (key, cost): (Key, u32),
-        grpc: Option<Option<Duration>>,
+        (grpc, switch): (Option<Option<Duration>>, Option<Switch>),
     ) -> Response<ProxyBody> {
         let arrival = Instant::now();
         let verdict = self
@@ -208,6 +234,9 @@ impl Handler {
         // Boxed: the forwarding state (upstream connect, TLS, the call) is
         // large and only exists once the request departs, so a waiting
         // request holds none of it.
+        if let Some(switch) = switch {
+            return Box::pin(self.switch(route, upstream, parts, body, switch)).await;
+        }
         Box::pin(self.forward(route, upstream, parts, body, (key, cost, arrival))).await
     }
 
@@ -398,6 +427,38 @@ impl Handler {
             }
         };
         let (response, outcome, _) = upstream.forward(parts, out, permit).await;
+        route.rule.count(outcome);
+        response
+    }
+
+    /// Send a protocol switch upstream; on its `101`, join the two
+    /// connections in a tunnel. Any other answer reaches the client
+    /// unchanged.
+    async fn switch(
+        &self,
+        route: &Route,
+        upstream: &Upstream,
+        parts: Parts,
+        body: Body,
+        (client, slot): Switch,
+    ) -> Response<ProxyBody> {
+        let out = match body {
+            Body::Stream(b) => OutBody::Stream(b),
+            Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
+        };
+        let permit = match self.in_flight_slot(upstream).await {
+            Ok(p) => p,
+            Err(response) => {
+                route.rule.count(Outcome::Expired);
+                return response;
+            }
+        };
+        let (response, outcome, _, switched) = upstream.forward_upgrade(parts, out, permit).await;
+        if let Some(theirs) = switched {
+            self.shared
+                .tunnels
+                .join(&self.tunnels, slot, client, theirs);
+        }
         route.rule.count(outcome);
         response
     }

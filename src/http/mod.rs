@@ -26,6 +26,7 @@ mod route;
 mod serve;
 mod stage;
 mod throttle;
+mod tunnel;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -75,6 +76,7 @@ pub(crate) struct Shared {
     version: AtomicU64,
     loaded_at: AtomicU64,
     unrouted: Counter,
+    tunnels: tunnel::Tunnels,
 }
 
 fn unix_now() -> u64 {
@@ -193,6 +195,7 @@ impl Handle {
         metrics::gauge!(m::ACTIVE_CLIENTS).set(clients as f64);
         metrics::gauge!(m::QUEUED_REQUESTS).set(queued as f64);
         metrics::gauge!(m::STAGED_BYTES).set(self.0.staging.used() as f64);
+        metrics::gauge!(m::TUNNELS).set(self.tunnels() as f64);
         metrics::gauge!(m::QUEUED_REQUESTS_LIMIT).set(self.0.admission.limits().max_queued as f64);
         metrics::gauge!(m::CONNECTIONS, "protocol" => "http").set(self.connections() as f64);
         metrics::gauge!(m::CONNECTIONS, "protocol" => "smtp").set(self.smtp_sessions() as f64);
@@ -201,6 +204,11 @@ impl Handle {
     /// HTTP client connections open now.
     pub fn connections(&self) -> usize {
         conn::OPEN.load(Ordering::Relaxed)
+    }
+
+    /// Upgrade tunnels open now.
+    pub fn tunnels(&self) -> usize {
+        self.0.tunnels.open()
     }
 
     /// SMTP client sessions open now.

@@ -74,7 +74,7 @@ where
         Protocols,
         Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     ),
-    H1(http1::Connection<TokioIo<TcpStream>, S>),
+    H1(http1::UpgradeableConnection<TokioIo<TcpStream>, S>),
     H2(http2::Connection<TokioIo<TcpStream>, S, TokioExecutor>),
     /// Shut down before its protocol was known, or the peer left.
     Done,
@@ -201,6 +201,7 @@ impl Server {
                 version: AtomicU64::new(1),
                 loaded_at: AtomicU64::new(unix_now()),
                 unrouted: unrouted_counter(),
+                tunnels: super::tunnel::Tunnels::new(config.server.max_tunnels),
             }),
             listeners,
             addrs,
@@ -238,6 +239,7 @@ impl Server {
                 handler: Handler {
                     shared: self.shared.clone(),
                     worker: i,
+                    tunnels: TaskTracker::new(),
                 },
                 http: self.http.clone(),
                 conns: Arc::new(Conns::new(
@@ -279,6 +281,7 @@ impl Server {
             smtp_sessions.wait().await;
         };
         if tokio::time::timeout(timeout, all).await.is_err() {
+            self.shared.tunnels.close();
             let refused = self.shared.admission.close_waiting();
             if refused > 0 {
                 warn!(refused, "drain timeout passed: answering the rest 503");
@@ -292,6 +295,7 @@ impl Server {
                 warn!("connections still open after the in-flight grace period; closing");
             }
         }
+        self.shared.tunnels.close();
         summaries.abort();
         info!("drained");
     }
@@ -334,9 +338,12 @@ impl Worker {
         for l in loops {
             l.abort();
         }
-        // Every connection finishes what it holds and closes.
+        // Every connection finishes what it holds and closes; tunnels
+        // run until the drain timeout closes them.
         connections.close();
         connections.wait().await;
+        me.handler.tunnels.close();
+        me.handler.tunnels.wait().await;
     }
 
     async fn accept_loop(self: Arc<Self>, listener: TcpListener, connections: TaskTracker) {
@@ -514,7 +521,12 @@ where
                     *this = if prefix == H2_PREFACE {
                         Conn::H2(protocols.http2.serve_connection(io, service))
                     } else {
-                        Conn::H1(protocols.http1.serve_connection(io, service))
+                        Conn::H1(
+                            protocols
+                                .http1
+                                .serve_connection(io, service)
+                                .with_upgrades(),
+                        )
                     };
                 }
                 Conn::H1(c) => return std::pin::Pin::new(c).poll(cx),

@@ -1,0 +1,250 @@
+//! WebSocket (HTTP/1.1 Upgrade) through sluice with a real client and
+//! server library (Python `websockets`), in child processes on loopback:
+//! handshakes are paced 1/r per key, established tunnels pass unshaped.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use support::Sluice;
+
+fn clients() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
+}
+
+fn python() -> &'static str {
+    if std::path::Path::new("/usr/bin/python3").exists() {
+        "/usr/bin/python3"
+    } else {
+        "python3"
+    }
+}
+
+/// ws_server.py: an echo server; what it printed (`open <ns> <path>`,
+/// `closed <path>`).
+struct WsServer {
+    child: Child,
+    _stdin: Option<ChildStdin>,
+    port: u16,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl WsServer {
+    fn start() -> WsServer {
+        let mut child = Command::new(python())
+            .arg(clients().join("ws_server.py"))
+            .args(["--port", "0"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 with websockets (bash .ci/run installs it)");
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().unwrap();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let seen = lines.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if let Some(p) = line.strip_prefix("listening ") {
+                    let _ = tx.send(p.trim().parse::<u16>().unwrap());
+                } else {
+                    seen.lock().unwrap().push(line);
+                }
+            }
+        });
+        let port = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the WebSocket server did not start");
+        WsServer {
+            child,
+            _stdin: stdin,
+            port,
+            lines,
+        }
+    }
+
+    /// Handshake arrivals (monotonic ns), in order.
+    fn opens(&self) -> Vec<u64> {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l.strip_prefix("open "))
+            .filter_map(|r| r.split(' ').next()?.parse().ok())
+            .collect()
+    }
+
+    fn closed(&self) -> usize {
+        let lines = self.lines.lock().unwrap();
+        lines.iter().filter(|l| l.starts_with("closed ")).count()
+    }
+}
+
+impl Drop for WsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn ws_client(url: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(python());
+    cmd.arg(clients().join("ws_client.py"))
+        .args(["--url", url])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    cmd
+}
+
+fn results(out: &std::process::Output) -> Vec<Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .collect()
+}
+
+fn config(port: u16, drain: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+drain_timeout = "{drain}"
+
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstream]]
+name = "ws"
+url = "http://127.0.0.1:{port}"
+
+[[route]]
+name = "sockets"
+upstream = "ws"
+key = "ip"
+rate = "10/s"
+capacity = 40
+"#
+    )
+}
+
+/// A reconnect storm: 30 clients at once, r = 10/s, b = 40: all open,
+/// their handshakes reach the server 100 ms apart, and every tunnel
+/// echoes at once after opening; closes pass both ways.
+#[test]
+fn thirty_clients_open_paced_and_echo_at_once() {
+    let server = WsServer::start();
+    let sluice = Sluice::start(&config(server.port, "5s"));
+    let url = format!("ws://{}/chat", sluice.addr);
+    let out = ws_client(&url, &["--count", "30", "--timeout", "15"])
+        .output()
+        .unwrap();
+    let rs = results(&out);
+    assert_eq!(rs.len(), 30, "{rs:?}");
+    for r in &rs {
+        assert_eq!(r["opened"], true, "{r}");
+        let echo = r["echo_ms"].as_f64().unwrap();
+        assert!(echo < 500.0, "slow echo through the tunnel: {r}");
+    }
+    let opens = server.opens();
+    assert_eq!(opens.len(), 30);
+    let gaps: Vec<u64> = opens
+        .windows(2)
+        .map(|w| (w[1] - w[0]) / 1_000_000)
+        .collect();
+    assert!(
+        gaps.iter().all(|&g| (80..=220).contains(&g)),
+        "handshake gaps at the server (ms): {gaps:?}"
+    );
+    let total = (opens[29] - opens[0]) / 1_000_000;
+    assert!((2_750..=3_400).contains(&total), "29 gaps took {total} ms");
+    // The clients closed: every server side saw it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.closed() < 30 {
+        assert!(Instant::now() < deadline, "{} closed", server.closed());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The server closing reaches the client.
+    let out = ws_client(&url, &["--count", "1", "--server-close"])
+        .output()
+        .unwrap();
+    let rs = results(&out);
+    assert_eq!(rs.len(), 1, "{rs:?}");
+    assert_eq!(rs[0]["server_closed"], true, "{rs:?}");
+    assert_eq!(rs[0]["close_code"], 1000, "{rs:?}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // All tunnels gone from the count.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let tunnels = rt.block_on(sluice.status())["tunnels"].as_u64();
+        if tunnels == Some(0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "tunnels: {tunnels:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// SIGTERM with open tunnels: they stay until the drain timeout, then
+/// close, and sluice exits 0.
+#[test]
+fn sigterm_closes_open_tunnels_after_the_drain_timeout() {
+    let server = WsServer::start();
+    let mut sluice = Sluice::start(&config(server.port, "1s"));
+    let url = format!("ws://{}/held", sluice.addr);
+    let client = ws_client(&url, &["--count", "2", "--hold", "8", "--timeout", "10"])
+        .spawn()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = rt.block_on(sluice.status());
+        if status["tunnels"].as_u64() == Some(2) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{status}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let metrics = rt.block_on(support::get(
+        &support::client(),
+        &sluice.admin_url("/metrics"),
+        &[],
+    ));
+    assert!(
+        String::from_utf8_lossy(&metrics.body).contains("sluice_tunnels 2"),
+        "the gauge"
+    );
+    let t = Instant::now();
+    sluice.signal("TERM");
+    let status = sluice.wait_exit(Duration::from_secs(15));
+    let took = t.elapsed();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(8),
+        "exited after {took:?}"
+    );
+    // Both server sides saw their tunnel close.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.closed() < 2 {
+        assert!(Instant::now() < deadline, "{} closed", server.closed());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = client.wait_with_output().unwrap();
+    let rs = results(&out);
+    assert_eq!(rs.len(), 2, "{rs:?}");
+    assert!(rs.iter().all(|r| r["opened"] == true), "{rs:?}");
+}
