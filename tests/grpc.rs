@@ -12,20 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::Value;
-use support::{Sluice, TestCa};
-
-fn clients() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
-}
-
-/// Debian's python (grpcio comes from `python3-grpcio`).
-fn python() -> &'static str {
-    if std::path::Path::new("/usr/bin/python3").exists() {
-        "/usr/bin/python3"
-    } else {
-        "python3"
-    }
-}
+use support::{Sluice, TestCa, clients_dir, debian_python};
 
 /// grpc_server.py as a child: its port, and each call's arrival (ns,
 /// payload). Ended (stdin closed, then killed by PID) when dropped.
@@ -38,8 +25,8 @@ struct GrpcServer {
 
 impl GrpcServer {
     fn start(tls: Option<(PathBuf, PathBuf)>) -> GrpcServer {
-        let mut cmd = Command::new(python());
-        cmd.arg(clients().join("grpc_server.py"))
+        let mut cmd = Command::new(debian_python());
+        cmd.arg(clients_dir().join("grpc_server.py"))
             .args(["--port", "0"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -94,8 +81,8 @@ fn client(target: &str, args: &[&str]) -> Vec<Value> {
 }
 
 fn client_cmd(target: &str, args: &[&str]) -> Command {
-    let mut cmd = Command::new(python());
-    cmd.arg(clients().join("grpc_client.py"))
+    let mut cmd = Command::new(debian_python());
+    cmd.arg(clients_dir().join("grpc_client.py"))
         .args(["--target", target]);
     cmd.args(args).stdin(Stdio::null()).stderr(Stdio::null());
     cmd

@@ -5,25 +5,12 @@
 mod support;
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::Sluice;
-
-fn clients() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
-}
-
-fn python() -> &'static str {
-    if std::path::Path::new("/usr/bin/python3").exists() {
-        "/usr/bin/python3"
-    } else {
-        "python3"
-    }
-}
+use support::{Sluice, clients_dir, debian_python};
 
 /// ws_server.py: an echo server; what it printed (`open <ns> <path>`,
 /// `closed <path>`).
@@ -36,8 +23,8 @@ struct WsServer {
 
 impl WsServer {
     fn start() -> WsServer {
-        let mut child = Command::new(python())
-            .arg(clients().join("ws_server.py"))
+        let mut child = Command::new(debian_python())
+            .arg(clients_dir().join("ws_server.py"))
             .args(["--port", "0"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -95,8 +82,8 @@ impl Drop for WsServer {
 }
 
 fn ws_client(url: &str, args: &[&str]) -> Command {
-    let mut cmd = Command::new(python());
-    cmd.arg(clients().join("ws_client.py"))
+    let mut cmd = Command::new(debian_python());
+    cmd.arg(clients_dir().join("ws_client.py"))
         .args(["--url", url])
         .args(args)
         .stdin(Stdio::null())

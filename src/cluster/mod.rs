@@ -40,6 +40,30 @@ pub enum ClusterError {
     Setup(String),
 }
 
+/// Why a store cannot be used as configured, while it cannot; logged
+/// when it changes.
+#[derive(Default)]
+struct Problem(std::sync::Mutex<Option<String>>);
+
+impl Problem {
+    fn set(&self, problem: Option<String>) -> Result<(), String> {
+        let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if problem != *p {
+            match &problem {
+                Some(why) => tracing::error!("cluster mode: {why}"),
+                None if p.is_some() => tracing::info!("cluster mode: the store is usable again"),
+                None => {}
+            }
+        }
+        *p = problem.clone();
+        problem.map_or(Ok(()), Err)
+    }
+
+    fn get(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 /// An error and its causes, one after the other (tokio-postgres keeps
 /// the reason, such as a certificate's, in the source).
 fn chain(e: &dyn std::error::Error) -> String {

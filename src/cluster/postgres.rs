@@ -21,14 +21,13 @@
 //! connection's I/O never depends on a worker thread's runtime.
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio::runtime::Handle;
 use tokio_postgres::config::Host;
 use tokio_postgres_rustls::MakeRustlsConnect;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
 use super::{Ask, ClusterError, Reservation};
 use crate::config::PostgresConfig;
@@ -228,7 +227,7 @@ pub struct Postgres {
     runtime: Handle,
     timeout: Duration,
     /// Why the store cannot be used as configured, while it cannot.
-    problem: Mutex<Option<String>>,
+    problem: super::Problem,
 }
 
 impl Postgres {
@@ -287,7 +286,7 @@ impl Postgres {
             durable: cfg.durable,
             runtime,
             timeout,
-            problem: Mutex::new(None),
+            problem: super::Problem::default(),
         })
     }
 
@@ -383,23 +382,11 @@ impl Postgres {
     }
 
     fn set_problem(&self, problem: Option<String>) -> Result<(), String> {
-        let mut p = self.problem.lock().unwrap_or_else(|e| e.into_inner());
-        if problem != *p {
-            match &problem {
-                Some(why) => error!("cluster mode: {why}"),
-                None if p.is_some() => info!("cluster mode: the store is usable again"),
-                None => {}
-            }
-        }
-        *p = problem.clone();
-        problem.map_or(Ok(()), Err)
+        self.problem.set(problem)
     }
 
     pub fn problem(&self) -> Option<String> {
-        self.problem
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.problem.get()
     }
 
     /// Every few seconds: re-check the schema (a dropped table comes back)

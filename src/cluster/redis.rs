@@ -17,7 +17,7 @@
 //! per second, though two in neighbouring slots may come closer than 1/R.
 //! Past slots are trimmed on every call.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -25,7 +25,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, Pipeline, RedisFuture, ServerErrorKind, Value};
-use tracing::{error, info};
+use tracing::info;
 
 use super::{Ask, ClusterError, Reservation};
 use crate::config::RedisMode;
@@ -174,7 +174,7 @@ pub struct Redis {
     admit: Lua,
     cancel: Lua,
     /// Why the store cannot be used as configured, while it cannot.
-    problem: Mutex<Option<String>>,
+    problem: super::Problem,
 }
 
 impl Redis {
@@ -186,7 +186,7 @@ impl Redis {
             conn: ArcSwap::from_pointee(None),
             admit: Lua::new(ADMIT),
             cancel: Lua::new(CANCEL),
-            problem: Mutex::new(None),
+            problem: super::Problem::default(),
         }
     }
 
@@ -347,16 +347,7 @@ impl Redis {
     }
 
     fn set_problem(&self, problem: Option<String>) -> Result<(), String> {
-        let mut p = self.problem.lock().unwrap_or_else(|e| e.into_inner());
-        if problem != *p {
-            match &problem {
-                Some(why) => error!("cluster mode: {why}"),
-                None if p.is_some() => info!("cluster mode: the store is usable again"),
-                None => {}
-            }
-        }
-        *p = problem.clone();
-        problem.map_or(Ok(()), Err)
+        self.problem.set(problem)
     }
 
     /// Re-check every few seconds, so a fixed topology is seen.
@@ -370,10 +361,7 @@ impl Redis {
     }
 
     pub fn problem(&self) -> Option<String> {
-        self.problem
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.problem.get()
     }
 
     /// Run a script: `EVALSHA`, then `EVAL` once on `NOSCRIPT` (routed by

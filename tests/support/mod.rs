@@ -758,6 +758,21 @@ impl Drop for RedisCluster {
     }
 }
 
+/// The Python test clients and servers (`tests/clients`).
+pub fn clients_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
+}
+
+/// Debian's python, which sees the libraries .ci/run installs with apt
+/// (grpcio, websockets, aiosmtpd).
+pub fn debian_python() -> &'static str {
+    if std::path::Path::new("/usr/bin/python3").exists() {
+        "/usr/bin/python3"
+    } else {
+        "python3"
+    }
+}
+
 /// Under an upstream cap (R = 100/s, route r = 5/s, b = 10, key
 /// X-Client), client "a" sends 11 requests at once; client "b", arriving
 /// behind that backlog, must be forwarded within about one cap interval,

@@ -16,9 +16,7 @@ use serde_json::Value;
 
 static SEQ: AtomicUsize = AtomicUsize::new(0);
 
-fn clients_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
-}
+use super::clients_dir;
 
 /// A Python 3 that has aiosmtpd (`SLUICE_TEST_PYTHON`, else Debian's,
 /// else the one on PATH); `.ci/run` installs Debian's python3-aiosmtpd.
