@@ -5,72 +5,44 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
+use std::ffi::OsStr;
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use support::{Sluice, TestCa, clients_dir, debian_python};
+use support::{PyServer, Sluice, TestCa, clients_dir, python_for};
 
-/// grpc_server.py as a child: its port, and each call's arrival (ns,
-/// payload). Ended (stdin closed, then killed by PID) when dropped.
-struct GrpcServer {
-    child: Child,
-    _stdin: Option<ChildStdin>,
-    port: u16,
-    calls: Arc<Mutex<Vec<(u64, String)>>>,
-}
+/// grpc_server.py: its port, and each call's arrival (ns, payload).
+struct GrpcServer(PyServer);
 
 impl GrpcServer {
     fn start(tls: Option<(PathBuf, PathBuf)>) -> GrpcServer {
-        let mut cmd = Command::new(debian_python());
-        cmd.arg(clients_dir().join("grpc_server.py"))
-            .args(["--port", "0"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        if let Some((cert, key)) = tls {
-            cmd.arg("--tls-cert").arg(cert).arg("--tls-key").arg(key);
-        }
-        let mut child = cmd
-            .spawn()
-            .expect("python3 with grpcio (bash .ci/run installs it)");
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().unwrap();
-        let calls = Arc::new(Mutex::new(Vec::new()));
-        let seen = calls.clone();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { return };
-                if let Some(p) = line.strip_prefix("listening ") {
-                    let _ = tx.send(p.trim().parse::<u16>().unwrap());
-                } else if let Some(rest) = line.strip_prefix("call ") {
-                    let (ns, payload) = rest.split_once(' ').unwrap_or((rest, ""));
-                    seen.lock()
-                        .unwrap()
-                        .push((ns.parse().unwrap(), payload.to_owned()));
-                }
-            }
-        });
-        let port = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("the gRPC server did not start");
-        GrpcServer {
-            child,
-            _stdin: stdin,
-            port,
-            calls,
-        }
+        let args: Vec<&OsStr> = match &tls {
+            Some((cert, key)) => vec![
+                OsStr::new("--tls-cert"),
+                cert.as_os_str(),
+                OsStr::new("--tls-key"),
+                key.as_os_str(),
+            ],
+            None => Vec::new(),
+        };
+        GrpcServer(PyServer::start("grpc", "grpc_server.py", &args))
     }
-}
 
-impl Drop for GrpcServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    fn port(&self) -> u16 {
+        self.0.port
+    }
+
+    fn calls(&self) -> Vec<(u64, String)> {
+        self.0
+            .lines()
+            .iter()
+            .filter_map(|l| {
+                let (ns, payload) = l.strip_prefix("call ")?.split_once(' ')?;
+                Some((ns.parse().ok()?, payload.to_owned()))
+            })
+            .collect()
     }
 }
 
@@ -81,7 +53,7 @@ fn client(target: &str, args: &[&str]) -> Vec<Value> {
 }
 
 fn client_cmd(target: &str, args: &[&str]) -> Command {
-    let mut cmd = Command::new(debian_python());
+    let mut cmd = Command::new(python_for("grpc"));
     cmd.arg(clients_dir().join("grpc_client.py"))
         .args(["--target", target]);
     cmd.args(args).stdin(Stdio::null()).stderr(Stdio::null());
@@ -153,14 +125,14 @@ fn shaped_calls(sluice: &Sluice, server: &GrpcServer) {
             "refused late: {r}"
         );
     }
-    let calls = server.calls.lock().unwrap().clone();
+    let calls = server.calls();
     assert_eq!(calls.len(), 11);
     let gaps: Vec<u64> = calls
         .windows(2)
         .map(|w| (w[1].0 - w[0].0) / 1_000_000)
         .collect();
     assert!(
-        gaps.iter().all(|&g| (170..=300).contains(&g)),
+        gaps.iter().all(|&g| (150..=320).contains(&g)),
         "gaps at the server (ms): {gaps:?}"
     );
 
@@ -201,7 +173,10 @@ fn shaped_calls(sluice: &Sluice, server: &GrpcServer) {
 #[test]
 fn grpc_over_h2c_is_shaped_and_refused_in_grpc() {
     let server = GrpcServer::start(None);
-    let sluice = Sluice::start(&config(&format!("http://127.0.0.1:{}", server.port), "h2c"));
+    let sluice = Sluice::start(&config(
+        &format!("http://127.0.0.1:{}", server.port()),
+        "h2c",
+    ));
     shaped_calls(&sluice, &server);
 }
 
@@ -211,7 +186,7 @@ fn grpc_over_h2c_is_shaped_and_refused_in_grpc() {
 fn grpc_to_a_tls_upstream_with_h2() {
     let ca = TestCa::new();
     let server = GrpcServer::start(Some(ca.leaf_files(&["localhost"])));
-    let cfg = config(&format!("https://localhost:{}", server.port), "h2").replace(
+    let cfg = config(&format!("https://localhost:{}", server.port()), "h2").replace(
         "url = ",
         &format!("ca_file = \"{}\"\nurl = ", ca.write().display()),
     );

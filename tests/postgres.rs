@@ -12,6 +12,7 @@ use http::StatusCode;
 use support::postgres::PostgresServer;
 use support::{
     Downstream, Sluice, TestCa, assert_gaps, client, get, light_client_behind_a_backlog,
+    seed_burst_across,
 };
 
 fn config(ds: SocketAddr, pg: &PostgresServer, on_failure: &str, extra: &str) -> String {
@@ -56,50 +57,7 @@ async fn one_client_across_two_instances_is_paced_as_one() {
     let ds = Downstream::start().await;
     let cfg = config(ds.addr, &pg, "reject", "");
     let fleet = [Sluice::start(&cfg), Sluice::start(&cfg)];
-    let c = client();
-    for s in &fleet {
-        assert_eq!(
-            get(&c, &s.url("/warm"), &[("x-client", "warm")])
-                .await
-                .status,
-            StatusCode::OK
-        );
-    }
-    let start = Instant::now() + Duration::from_millis(20);
-    let mut tasks = Vec::new();
-    for i in 0..20u64 {
-        tokio::time::sleep_until((start + Duration::from_millis(25 * i)).into()).await;
-        let (c, url) = (
-            c.clone(),
-            fleet[i as usize % 2].url(&format!("/seed/{}", i + 1)),
-        );
-        tasks.push(tokio::spawn(async move {
-            get(&c, &url, &[("x-client", "one")]).await
-        }));
-    }
-    let mut ok = Vec::new();
-    for (i, t) in tasks.into_iter().enumerate() {
-        let a = t.await.unwrap();
-        match a.status {
-            StatusCode::OK => ok.push(i + 1),
-            StatusCode::TOO_MANY_REQUESTS => assert!(a.headers.contains_key("retry-after")),
-            s => panic!("request {}: {s}", i + 1),
-        }
-    }
-    assert_eq!(
-        &ok[..12],
-        &(1..=12).collect::<Vec<_>>()[..],
-        "admitted {ok:?}"
-    );
-    assert_eq!(ok.len(), 13, "admitted {ok:?}");
-    let arrivals: Vec<Instant> = ds
-        .seen()
-        .iter()
-        .filter(|s| s.path.starts_with("/seed/"))
-        .map(|s| s.at)
-        .collect();
-    assert_eq!(arrivals.len(), 13);
-    assert_gaps(&arrivals, 185, 280);
+    seed_burst_across(&fleet, &ds).await;
     let status = fleet[0].status().await;
     assert_eq!(status["cluster"]["backend"], "postgres", "{status}");
     assert_eq!(status["cluster"]["state"], "ok", "{status}");

@@ -325,7 +325,6 @@ fn a_throttling_upstream_pauses_releases_and_the_client_gets_its_reply() {
         "tls = \"none\"\nthrottle_pause = \"2s\"",
         "key = \"global\"\nrate = \"10/s\"\ncapacity = 10",
     ));
-    let admin = sluice.admin.unwrap();
     let started = Instant::now();
     let results = smtp::send(sluice.smtp.unwrap(), &["--count", "3"]);
     let elapsed = started.elapsed();
@@ -351,17 +350,6 @@ fn a_throttling_upstream_pauses_releases_and_the_client_gets_its_reply() {
         m.contains(r#"sluice_upstream_pauses_total{upstream="relay",protocol="smtp"} 1"#),
         "{m}"
     );
-    // The pause shows in /status (here, while a new one is active).
-    up.set_mode("ok");
-    let status = smtp::status(admin);
-    let relay = status["upstreams"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|u| u["name"] == "relay")
-        .cloned()
-        .unwrap();
-    assert_eq!(relay["protocol"], "smtp");
 }
 
 #[test]
@@ -383,6 +371,7 @@ fn a_paused_upstream_shows_in_status() {
         .find(|u| u["name"] == "relay")
         .cloned()
         .unwrap();
+    assert_eq!(relay["protocol"], "smtp");
     let paused = relay["paused_for_ms"].as_u64().unwrap_or(0);
     assert!((20_000..=30_000).contains(&paused), "{relay}");
 }

@@ -4,64 +4,29 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::{Sluice, clients_dir, debian_python};
+use support::{PyServer, Sluice, clients_dir, python_for};
 
-/// ws_server.py: an echo server; what it printed (`open <ns> <path>`,
+/// ws_server.py, an echo server: what it printed (`open <ns> <path>`,
 /// `closed <path>`).
-struct WsServer {
-    child: Child,
-    _stdin: Option<ChildStdin>,
-    port: u16,
-    lines: Arc<Mutex<Vec<String>>>,
-}
+struct WsServer(PyServer);
 
 impl WsServer {
     fn start() -> WsServer {
-        let mut child = Command::new(debian_python())
-            .arg(clients_dir().join("ws_server.py"))
-            .args(["--port", "0"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("python3 with websockets (bash .ci/run installs it)");
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().unwrap();
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let seen = lines.clone();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { return };
-                if let Some(p) = line.strip_prefix("listening ") {
-                    let _ = tx.send(p.trim().parse::<u16>().unwrap());
-                } else {
-                    seen.lock().unwrap().push(line);
-                }
-            }
-        });
-        let port = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("the WebSocket server did not start");
-        WsServer {
-            child,
-            _stdin: stdin,
-            port,
-            lines,
-        }
+        WsServer(PyServer::start("websockets", "ws_server.py", &[]))
+    }
+
+    fn port(&self) -> u16 {
+        self.0.port
     }
 
     /// Handshake arrivals (monotonic ns), in order.
     fn opens(&self) -> Vec<u64> {
-        self.lines
-            .lock()
-            .unwrap()
+        self.0
+            .lines()
             .iter()
             .filter_map(|l| l.strip_prefix("open "))
             .filter_map(|r| r.split(' ').next()?.parse().ok())
@@ -69,20 +34,16 @@ impl WsServer {
     }
 
     fn closed(&self) -> usize {
-        let lines = self.lines.lock().unwrap();
-        lines.iter().filter(|l| l.starts_with("closed ")).count()
-    }
-}
-
-impl Drop for WsServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.0
+            .lines()
+            .iter()
+            .filter(|l| l.starts_with("closed "))
+            .count()
     }
 }
 
 fn ws_client(url: &str, args: &[&str]) -> Command {
-    let mut cmd = Command::new(debian_python());
+    let mut cmd = Command::new(python_for("websockets"));
     cmd.arg(clients_dir().join("ws_client.py"))
         .args(["--url", url])
         .args(args)
@@ -129,7 +90,7 @@ capacity = 40
 #[test]
 fn thirty_clients_open_paced_and_echo_at_once() {
     let server = WsServer::start();
-    let sluice = Sluice::start(&config(server.port, "5s"));
+    let sluice = Sluice::start(&config(server.port(), "5s"));
     let url = format!("ws://{}/chat", sluice.addr);
     let out = ws_client(&url, &["--count", "30", "--timeout", "15"])
         .output()
@@ -143,16 +104,19 @@ fn thirty_clients_open_paced_and_echo_at_once() {
     }
     let opens = server.opens();
     assert_eq!(opens.len(), 30);
+    // Each handshake is a new upstream connection that the server's event
+    // loop timestamps: a gap may shrink by what the one before it was
+    // late, but 29 of them must span 29 intervals.
     let gaps: Vec<u64> = opens
         .windows(2)
         .map(|w| (w[1] - w[0]) / 1_000_000)
         .collect();
     assert!(
-        gaps.iter().all(|&g| (80..=220).contains(&g)),
+        gaps.iter().all(|&g| (50..=300).contains(&g)),
         "handshake gaps at the server (ms): {gaps:?}"
     );
     let total = (opens[29] - opens[0]) / 1_000_000;
-    assert!((2_750..=3_400).contains(&total), "29 gaps took {total} ms");
+    assert!((2_800..=3_500).contains(&total), "29 gaps took {total} ms");
     // The clients closed: every server side saw it.
     let deadline = Instant::now() + Duration::from_secs(10);
     while server.closed() < 30 {
@@ -188,7 +152,7 @@ fn thirty_clients_open_paced_and_echo_at_once() {
 #[test]
 fn sigterm_closes_open_tunnels_after_the_drain_timeout() {
     let server = WsServer::start();
-    let mut sluice = Sluice::start(&config(server.port, "1s"));
+    let mut sluice = Sluice::start(&config(server.port(), "1s"));
     let url = format!("ws://{}/held", sluice.addr);
     let client = ws_client(&url, &["--count", "2", "--hold", "8", "--timeout", "10"])
         .spawn()

@@ -304,19 +304,27 @@ impl Postgres {
         Ok(client)
     }
 
-    /// Create the tables and functions if any is missing (one instance
-    /// at a time). Returns whether anything had to be created.
-    pub async fn migrate(&self) -> Result<bool, ClusterError> {
-        let mut client = self.connect().await?;
+    /// A connection for upkeep (schema, sweep), with a longer statement
+    /// timeout than admissions have.
+    async fn maintenance(&self) -> Result<tokio_postgres::Client, ClusterError> {
+        let client = self.connect().await?;
         client
             .batch_execute("SET statement_timeout = 30000")
             .await?;
+        Ok(client)
+    }
+
+    /// Create the tables and functions if any is missing (one instance
+    /// at a time). Returns whether anything had to be created.
+    async fn ensure_schema(
+        &self,
+        client: &mut tokio_postgres::Client,
+    ) -> Result<bool, ClusterError> {
         if client
             .query_one(OBJECTS, &[])
             .await?
             .try_get::<_, bool>(0)?
         {
-            self.check_persistence(&client).await;
             return Ok(false);
         }
         let tx = client.transaction().await?;
@@ -326,6 +334,17 @@ impl Postgres {
         tx.commit().await?;
         info!(postgres = %self.shown, durable = self.durable, "created the shared-schedule tables and functions");
         Ok(true)
+    }
+
+    /// `sluice migrate`, and the start: the schema in place, and a word
+    /// when the table's kind is not the configured one.
+    pub async fn migrate(&self) -> Result<bool, ClusterError> {
+        let mut client = self.maintenance().await?;
+        let created = self.ensure_schema(&mut client).await?;
+        if !created {
+            self.check_persistence(&client).await;
+        }
+        Ok(created)
     }
 
     /// Say so when the table's kind is not the configured one (changing it
@@ -389,37 +408,41 @@ impl Postgres {
         self.problem.get()
     }
 
-    /// Every few seconds: re-check the schema (a dropped table comes back)
-    /// and sweep expired rows, in bounded batches.
+    /// Every few seconds, on one upkeep connection (made again when it
+    /// breaks): re-check the schema (a dropped table comes back), keep the
+    /// pool warm, and sweep expired rows in bounded batches.
     pub async fn watch(&self) {
         let mut tick = tokio::time::interval(SWEEP_EVERY);
         tick.tick().await;
+        let mut conn = None;
         loop {
             tick.tick().await;
-            if self.check().await.is_ok()
-                && let Err(e) = self.sweep().await
-            {
-                warn!(error = %e, "sweeping expired schedules failed");
+            let bound = Duration::from_secs(10);
+            let result = match tokio::time::timeout(bound, self.upkeep(&mut conn)).await {
+                Ok(r) => r,
+                Err(_) => Err(ClusterError::Timeout(bound)),
+            };
+            if result.is_err() {
+                conn = None;
             }
+            let problem = result
+                .err()
+                .map(|e| format!("postgres {}: {e}", self.shown));
+            let _ = self.set_problem(problem);
         }
     }
 
-    /// Delete expired rows: at most `SWEEP_CALLS` batches.
-    pub async fn sweep(&self) -> Result<u64, ClusterError> {
-        let client = self.connect().await?;
-        client.batch_execute("SET statement_timeout = 5000").await?;
-        let mut total = 0u64;
-        for _ in 0..SWEEP_CALLS {
-            let gone: i64 = client
-                .query_one("SELECT sluice_sweep($1)", &[&SWEEP_BATCH])
-                .await?
-                .try_get(0)?;
-            total = total.saturating_add(u64::try_from(gone).unwrap_or(0));
-            if gone < i64::from(SWEEP_BATCH) {
-                break;
-            }
+    async fn upkeep(&self, conn: &mut Option<tokio_postgres::Client>) -> Result<(), ClusterError> {
+        let client = match conn {
+            Some(c) if !c.is_closed() => c,
+            _ => conn.insert(self.maintenance().await?),
+        };
+        self.ensure_schema(client).await?;
+        self.warm().await;
+        if let Err(e) = sweep(client).await {
+            warn!(error = %e, "sweeping expired schedules failed");
         }
-        Ok(total)
+        Ok(())
     }
 
     /// Run one statement on a pooled connection, on the store's runtime,
@@ -483,6 +506,22 @@ impl Postgres {
         };
         self.call(CANCEL, params).await.map(|_| ())
     }
+}
+
+/// Delete expired rows: at most `SWEEP_CALLS` batches.
+async fn sweep(client: &tokio_postgres::Client) -> Result<u64, ClusterError> {
+    let mut total = 0u64;
+    for _ in 0..SWEEP_CALLS {
+        let gone: i64 = client
+            .query_one("SELECT sluice_sweep($1)", &[&SWEEP_BATCH])
+            .await?
+            .try_get(0)?;
+        total = total.saturating_add(u64::try_from(gone).unwrap_or(0));
+        if gone < i64::from(SWEEP_BATCH) {
+            break;
+        }
+    }
+    Ok(total)
 }
 
 /// A call's parameters, owned (the call runs on another task).

@@ -228,7 +228,11 @@ impl Upstream {
             max_pause: cfg.max_pause,
             port,
             tls,
-            protocol: cfg.protocol,
+            // `auto` without TLS has no ALPN to ask: HTTP/1.1.
+            protocol: match cfg.protocol {
+                UpstreamProtocol::Auto if !https => UpstreamProtocol::Http1,
+                p => p,
+            },
             connect_timeout: cfg.connect_timeout,
             request_timeout: cfg.request_timeout,
             pool: Arc::default(),
@@ -341,20 +345,9 @@ impl Upstream {
     /// With `on_throttle = "pause"`, a 429 or 503 that says when to come
     /// back also returns that instant.
     /// `permit` is the request's `max_concurrency` slot, held until its
-    /// response body has been sent.
+    /// response body has been sent. A `101` also returns the upstream's
+    /// side of the protocol switch.
     pub async fn forward(
-        &self,
-        parts: Parts,
-        body: OutBody,
-        permit: Option<OwnedSemaphorePermit>,
-    ) -> (Response<ProxyBody>, Outcome, Option<Instant>) {
-        let (response, outcome, throttle, _) = self.forward_upgrade(parts, body, permit).await;
-        (response, outcome, throttle)
-    }
-
-    /// As [`Upstream::forward`]; with the upstream's side of a protocol
-    /// switch when it answered `101`.
-    pub async fn forward_upgrade(
         &self,
         parts: Parts,
         body: OutBody,
@@ -513,11 +506,19 @@ impl Upstream {
         if self.protocol == UpstreamProtocol::Auto && self.pool.has_h1() {
             return self.send_h1(req, None).await;
         }
+        // One connect at a time: whoever waited here uses the connection
+        // the one before it made (it is in the pool before the lock goes).
         let connected = {
             let _one = self.pool.h2_connecting.lock().await;
             match self.pool.h2() {
-                Some((tx, streams)) => Connected::H2(tx).with(streams),
-                None => (Box::pin(self.connect()).await?, None),
+                Some((tx, streams)) => (Connected::H2(tx), Some(streams)),
+                None => match Box::pin(self.connect()).await? {
+                    Connected::H2(tx) => {
+                        let streams = self.pool.add_h2(tx.clone());
+                        (Connected::H2(tx), Some(streams))
+                    }
+                    h1 => (h1, None),
+                },
             }
         };
         match connected {
@@ -597,12 +598,6 @@ impl Upstream {
         tokio::time::timeout(self.connect_timeout, connect)
             .await
             .map_err(|_| ConnectError::Timeout)?
-    }
-}
-
-impl Connected {
-    fn with(self, streams: Arc<()>) -> (Connected, Option<Arc<()>>) {
-        (self, Some(streams))
     }
 }
 

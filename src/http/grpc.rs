@@ -37,18 +37,19 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
 /// H, M, S, m, u, n).
 pub fn timeout(headers: &HeaderMap) -> Option<Duration> {
     let v = headers.get("grpc-timeout")?.to_str().ok()?;
-    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    let unit = v.chars().last()?;
+    let digits = &v[..v.len() - unit.len_utf8()];
     if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
     let n: u64 = digits.parse().ok()?;
     Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
+        'H' => Duration::from_secs(n.saturating_mul(3600)),
+        'M' => Duration::from_secs(n.saturating_mul(60)),
+        'S' => Duration::from_secs(n),
+        'm' => Duration::from_millis(n),
+        'u' => Duration::from_micros(n),
+        'n' => Duration::from_nanos(n),
         _ => return None,
     })
 }

@@ -234,10 +234,7 @@ impl Handler {
         // Boxed: the forwarding state (upstream connect, TLS, the call) is
         // large and only exists once the request departs, so a waiting
         // request holds none of it.
-        if let Some(switch) = switch {
-            return Box::pin(self.switch(route, upstream, parts, body, switch)).await;
-        }
-        Box::pin(self.forward(route, upstream, parts, body, (key, cost, arrival))).await
+        Box::pin(self.forward(route, upstream, parts, body, (key, cost, arrival), switch)).await
     }
 
     /// Wait for the departure while the body is staged. A body that
@@ -363,7 +360,9 @@ impl Handler {
     }
 
     /// Send upstream; on an upstream's throttle, pause it and send the
-    /// request again once, through the queue, when that is safe.
+    /// request again once, through the queue, when that is safe. A
+    /// protocol switch the upstream accepts (`101`) becomes a tunnel; any
+    /// other answer to it reaches the client unchanged.
     async fn forward(
         &self,
         route: &Route,
@@ -371,6 +370,7 @@ impl Handler {
         parts: Parts,
         body: Body,
         (key, cost, arrival): (Key, u32, Instant),
+        switch: Option<Switch>,
     ) -> Response<ProxyBody> {
         let replay = body.out().map(|b| (parts.clone(), b));
         let out = match body {
@@ -384,7 +384,19 @@ impl Handler {
                 return response;
             }
         };
-        let (response, outcome, throttle) = upstream.forward(parts, out, permit).await;
+        let (response, outcome, throttle, switched) = upstream.forward(parts, out, permit).await;
+        if let Some((client, slot)) = switch {
+            if let Some(theirs) = switched {
+                self.shared
+                    .tunnels
+                    .join(&self.tunnels, slot, client, theirs);
+            }
+            if let Some(until) = throttle {
+                self.shared.admission.pause(&route.rule, until);
+            }
+            route.rule.count(outcome);
+            return response;
+        }
         let Some(until) = throttle else {
             route.rule.count(outcome);
             return response;
@@ -426,39 +438,7 @@ impl Handler {
                 return response;
             }
         };
-        let (response, outcome, _) = upstream.forward(parts, out, permit).await;
-        route.rule.count(outcome);
-        response
-    }
-
-    /// Send a protocol switch upstream; on its `101`, join the two
-    /// connections in a tunnel. Any other answer reaches the client
-    /// unchanged.
-    async fn switch(
-        &self,
-        route: &Route,
-        upstream: &Upstream,
-        parts: Parts,
-        body: Body,
-        (client, slot): Switch,
-    ) -> Response<ProxyBody> {
-        let out = match body {
-            Body::Stream(b) => OutBody::Stream(b),
-            Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
-        };
-        let permit = match self.in_flight_slot(upstream).await {
-            Ok(p) => p,
-            Err(response) => {
-                route.rule.count(Outcome::Expired);
-                return response;
-            }
-        };
-        let (response, outcome, _, switched) = upstream.forward_upgrade(parts, out, permit).await;
-        if let Some(theirs) = switched {
-            self.shared
-                .tunnels
-                .join(&self.tunnels, slot, client, theirs);
-        }
+        let (response, outcome, _, _) = upstream.forward(parts, out, permit).await;
         route.rule.count(outcome);
         response
     }

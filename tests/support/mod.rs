@@ -758,18 +758,143 @@ impl Drop for RedisCluster {
     }
 }
 
+/// DESIGN section 1's seed burst from one client (X-Client: one; route
+/// r = 5/s, b = 10): 20 requests 25 ms apart, spread round-robin over
+/// `fleet` (instances sharing the schedule). Asserts the single-instance
+/// outcome: 13 admitted (1-12 and one more), the rest 429 with
+/// Retry-After, departures 200 ms apart at the downstream.
+pub async fn seed_burst_across(fleet: &[Sluice], ds: &Downstream) {
+    let c = client();
+    for s in fleet {
+        let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
+        assert_eq!(warm.status, StatusCode::OK);
+    }
+    let start = Instant::now() + Duration::from_millis(20);
+    let mut tasks = Vec::new();
+    for i in 0..20usize {
+        tokio::time::sleep_until((start + Duration::from_millis(25 * i as u64)).into()).await;
+        let (c, url) = (
+            c.clone(),
+            fleet[i % fleet.len()].url(&format!("/seed/{}", i + 1)),
+        );
+        tasks.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "one")]).await
+        }));
+    }
+    let mut ok = Vec::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let a = t.await.unwrap();
+        match a.status {
+            StatusCode::OK => ok.push(i + 1),
+            StatusCode::TOO_MANY_REQUESTS => assert!(a.headers.contains_key("retry-after")),
+            s => panic!("request {}: {s}", i + 1),
+        }
+    }
+    assert_eq!(
+        &ok[..12],
+        &(1..=12).collect::<Vec<_>>()[..],
+        "admitted {ok:?}"
+    );
+    assert_eq!(ok.len(), 13, "admitted {ok:?}");
+    let arrivals: Vec<Instant> = ds
+        .seen()
+        .iter()
+        .filter(|s| s.path.starts_with("/seed/"))
+        .map(|s| s.at)
+        .collect();
+    assert_eq!(arrivals.len(), 13);
+    // 1/r minus the pacing tolerance (store latency differences between
+    // instances plus scheduling jitter on a loaded machine).
+    assert_gaps(&arrivals, 185, 280);
+}
+
 /// The Python test clients and servers (`tests/clients`).
 pub fn clients_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
 }
 
-/// Debian's python, which sees the libraries .ci/run installs with apt
-/// (grpcio, websockets, aiosmtpd).
-pub fn debian_python() -> &'static str {
-    if std::path::Path::new("/usr/bin/python3").exists() {
-        "/usr/bin/python3"
-    } else {
-        "python3"
+/// A Python 3 that can import `module`: `SLUICE_TEST_PYTHON`, else
+/// Debian's (which sees what .ci/run installs with apt: aiosmtpd, grpcio,
+/// websockets), else the one on PATH.
+pub fn python_for(module: &str) -> String {
+    let candidates = [
+        std::env::var("SLUICE_TEST_PYTHON").unwrap_or_default(),
+        "/usr/bin/python3".to_owned(),
+        "python3".to_owned(),
+    ];
+    for c in candidates.iter().filter(|c| !c.is_empty()) {
+        let ok = Command::new(c)
+            .args(["-c", &format!("import {module}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return c.clone();
+        }
+    }
+    panic!("no python3 with {module}: bash .ci/run installs it (or set SLUICE_TEST_PYTHON)");
+}
+
+/// A Python test server (`tests/clients/SCRIPT`) in a child process. It
+/// prints `listening PORT` first; every later line of its stdout is kept.
+/// It runs until its stdin closes; ended by PID when dropped.
+pub struct PyServer {
+    child: Child,
+    _stdin: Option<std::process::ChildStdin>,
+    pub port: u16,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl PyServer {
+    /// Start `script` with `args` under a python that has `module`.
+    pub fn start(module: &str, script: &str, args: &[&std::ffi::OsStr]) -> PyServer {
+        let mut child = Command::new(python_for(module))
+            .arg(clients_dir().join(script))
+            .args(["--port", "0"])
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the python test server");
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().unwrap();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let seen = lines.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                match line.strip_prefix("listening ") {
+                    Some(p) => {
+                        let _ = tx.send(p.trim().parse::<u16>().unwrap());
+                    }
+                    None => seen.lock().unwrap().push(line),
+                }
+            }
+        });
+        let port = rx
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("{script} did not report its port"));
+        PyServer {
+            child,
+            _stdin: stdin,
+            port,
+            lines,
+        }
+    }
+
+    /// What it printed after `listening`, so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+}
+
+impl Drop for PyServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

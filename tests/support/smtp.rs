@@ -18,31 +18,11 @@ static SEQ: AtomicUsize = AtomicUsize::new(0);
 
 use super::clients_dir;
 
-/// A Python 3 that has aiosmtpd (`SLUICE_TEST_PYTHON`, else Debian's,
-/// else the one on PATH); `.ci/run` installs Debian's python3-aiosmtpd.
+/// A Python 3 that has aiosmtpd (`.ci/run` installs Debian's
+/// python3-aiosmtpd).
 pub fn python() -> &'static str {
     static FOUND: OnceLock<String> = OnceLock::new();
-    FOUND.get_or_init(|| {
-        let candidates = [
-            std::env::var("SLUICE_TEST_PYTHON").unwrap_or_default(),
-            "/usr/bin/python3".to_owned(),
-            "python3".to_owned(),
-        ];
-        for c in candidates.iter().filter(|c| !c.is_empty()) {
-            let ok = Command::new(c)
-                .args(["-c", "import aiosmtpd"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success());
-            if ok {
-                return c.clone();
-            }
-        }
-        panic!(
-            "no python3 with aiosmtpd: install Debian's python3-aiosmtpd (.ci/run does) or set SLUICE_TEST_PYTHON"
-        );
-    })
+    FOUND.get_or_init(|| super::python_for("aiosmtpd"))
 }
 
 /// Options for the upstream.
