@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 use support::{
     Downstream, RedisServer, Sluice, assert_gaps, client, get, light_client_behind_a_backlog,
-    seed_burst_across,
+    seed_burst_across, store_stopped_then_resumed,
 };
 
 fn config(ds: SocketAddr, redis: &str, on_failure: &str, instances: u32, timeout: &str) -> String {
@@ -144,45 +144,14 @@ async fn stopped_redis_follows_on_failure_within_the_timeout() {
     let redis = RedisServer::start();
     let ds = Downstream::start().await;
     let s = Sluice::start(&config(ds.addr, &redis.url(), "reject", 1, "150ms"));
-    let c = client();
-    assert_eq!(
-        get(&c, &s.url("/ok"), &[("x-client", "k")]).await.status,
-        StatusCode::OK
-    );
-    redis.signal("STOP");
-    for i in 0..3 {
-        let t = Instant::now();
-        let a = get(&c, &s.url(&format!("/stopped/{i}")), &[("x-client", "k")]).await;
-        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
-        assert!(a.headers.contains_key("retry-after"));
-        assert!(
-            t.elapsed() < Duration::from_secs(1),
-            "took {:?} with Redis stopped",
-            t.elapsed()
-        );
-    }
-    assert_eq!(
-        get(&c, &s.admin_url("/readyz"), &[]).await.status,
-        StatusCode::SERVICE_UNAVAILABLE
-    );
-    redis.signal("CONT");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if get(&c, &s.url("/again"), &[("x-client", "new")])
-            .await
-            .status
-            == StatusCode::OK
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "did not recover after SIGCONT");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(
-        get(&c, &s.admin_url("/readyz"), &[]).await.status,
-        StatusCode::OK
-    );
-    assert!(ds.seen().iter().all(|x| !x.path.starts_with("/stopped/")));
+    store_stopped_then_resumed(
+        &s,
+        &ds,
+        || redis.signal("STOP"),
+        Duration::ZERO,
+        || redis.signal("CONT"),
+    )
+    .await;
 }
 
 /// Regression (issue 12): under an upstream cap in cluster mode, client A's

@@ -12,7 +12,7 @@ use http::StatusCode;
 use support::postgres::PostgresServer;
 use support::{
     Downstream, Sluice, TestCa, assert_gaps, client, get, light_client_behind_a_backlog,
-    seed_burst_across,
+    seed_burst_across, store_stopped_then_resumed,
 };
 
 fn config(ds: SocketAddr, pg: &PostgresServer, on_failure: &str, extra: &str) -> String {
@@ -151,49 +151,14 @@ async fn stopped_postgres_follows_on_failure_within_the_timeout() {
     let cfg =
         config(ds.addr, &pg, "reject", "").replace("timeout = \"500ms\"", "timeout = \"150ms\"");
     let s = Sluice::start(&cfg);
-    let c = client();
-    assert_eq!(
-        get(&c, &s.url("/ok"), &[("x-client", "k")]).await.status,
-        StatusCode::OK
-    );
-    pg.signal("STOP");
-    let stopped = Instant::now();
-    for i in 0..3 {
-        let t = Instant::now();
-        let a = get(&c, &s.url(&format!("/stopped/{i}")), &[("x-client", "k")]).await;
-        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
-        assert!(a.headers.contains_key("retry-after"));
-        assert!(
-            t.elapsed() < Duration::from_secs(1),
-            "took {:?} with PostgreSQL stopped",
-            t.elapsed()
-        );
-    }
-    assert_eq!(
-        get(&c, &s.admin_url("/readyz"), &[]).await.status,
-        StatusCode::SERVICE_UNAVAILABLE
-    );
-    tokio::time::sleep(Duration::from_secs(3).saturating_sub(stopped.elapsed())).await;
-    pg.signal("CONT");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if get(&c, &s.url("/again"), &[("x-client", "new")])
-            .await
-            .status
-            == StatusCode::OK
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "did not recover after SIGCONT");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(
-        get(&c, &s.admin_url("/readyz"), &[]).await.status,
-        StatusCode::OK
-    );
-    assert!(ds.seen().iter().all(|x| !x.path.starts_with("/stopped/")));
-    let metrics =
-        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
+    let metrics = store_stopped_then_resumed(
+        &s,
+        &ds,
+        || pg.signal("STOP"),
+        Duration::from_secs(3),
+        || pg.signal("CONT"),
+    )
+    .await;
     let timeouts = metrics
         .lines()
         .find_map(|l| {

@@ -808,6 +808,53 @@ pub async fn seed_burst_across(fleet: &[Sluice], ds: &Downstream) {
     assert_gaps(&arrivals, 185, 280);
 }
 
+/// The shared-schedule store of `s` (route key X-Client, on_failure =
+/// "reject") stops answering: `stop` (SIGSTOP), requests get 503 with
+/// Retry-After within 1 s and /readyz is 503; after `stopped_for`,
+/// `resume` (SIGCONT), and sluice recovers by itself within 10 s.
+/// Returns the /metrics text after recovery.
+pub async fn store_stopped_then_resumed(
+    s: &Sluice,
+    ds: &Downstream,
+    stop: impl FnOnce(),
+    stopped_for: Duration,
+    resume: impl FnOnce(),
+) -> String {
+    let c = client();
+    let ok = get(&c, &s.url("/ok"), &[("x-client", "k")]).await;
+    assert_eq!(ok.status, StatusCode::OK);
+    stop();
+    let stopped = Instant::now();
+    for i in 0..3 {
+        let t = Instant::now();
+        let a = get(&c, &s.url(&format!("/stopped/{i}")), &[("x-client", "k")]).await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(a.headers.contains_key("retry-after"));
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_secs(1),
+            "took {took:?} with the store stopped"
+        );
+    }
+    let ready = get(&c, &s.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(stopped_for.saturating_sub(stopped.elapsed())).await;
+    resume();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(&c, &s.url("/again"), &[("x-client", "new")])
+        .await
+        .status
+        != StatusCode::OK
+    {
+        assert!(Instant::now() < deadline, "did not recover after SIGCONT");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ready = get(&c, &s.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.status, StatusCode::OK);
+    assert!(ds.seen().iter().all(|x| !x.path.starts_with("/stopped/")));
+    String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned()
+}
+
 /// The Python test clients and servers (`tests/clients`).
 pub fn clients_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
