@@ -1,6 +1,8 @@
 """Process and port helpers shared by the benchmark drivers
-(benches/vs-nginx/run.py, benches/smtp/run.py): loopback ports, waiting for
-a listener, and starting and ending child processes by PID."""
+(benches/vs-nginx/run.py, benches/grpc/run.py, benches/smtp/run.py):
+loopback ports, waiting for a listener, starting and ending child processes
+by PID, and the CPU a process tree used (perf stat and /proc)."""
+import os
 import signal
 import socket
 import subprocess
@@ -43,3 +45,71 @@ def stop(p):
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def children(pid):
+    try:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    return [int(x) for x in out.split()]
+
+
+def cpu_ticks(pids):
+    """(user, system) clock ticks of these processes (threads included)."""
+    u = s = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            u += int(fields[11])
+            s += int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return u, s
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """`perf stat` task-clock and context switches of `pids` for `seconds`,
+    and their user and system time from /proc over the same span:
+    `m = CpuMeter(pids, seconds, path)`, run the load, then
+    `m.per(requests)`."""
+
+    def __init__(self, pids, seconds, path):
+        self.pids, self.seconds, self.path = pids, seconds, path
+        self.perf = start(["perf", "stat", "-e", "task-clock,context-switches", "-x", ",",
+                           "-o", path, "-p", ",".join(map(str, pids)), "--", "sleep", str(seconds)])
+        self.ticks = cpu_ticks(pids)
+
+    def per(self, requests):
+        u1, s1 = cpu_ticks(self.pids)
+        self.perf.wait(timeout=self.seconds + 30)
+        started.remove(self.perf)
+        stats = {}
+        for line in open(self.path):
+            parts = line.strip().split(",")
+            if len(parts) > 2 and parts[0] and parts[0][0].isdigit():
+                stats[parts[2]] = float(parts[0])
+        n = max(requests, 1)
+        res = {"task_clock_ms": stats.get("task-clock"),
+               "context_switches": stats.get("context-switches")}
+        if res["task_clock_ms"] is not None:
+            res["cpu_us_per_request"] = res["task_clock_ms"] * 1000 / n
+        res["user_us_per_request"] = (u1 - self.ticks[0]) / TICK * 1e6 / n
+        res["sys_us_per_request"] = (s1 - self.ticks[1]) / TICK * 1e6 / n
+        res["context_switches_per_request"] = (res["context_switches"] or 0) / n
+        return res
+
+
+def rss_kib(pids):
+    total = 0
+    for pid in pids:
+        try:
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total

@@ -149,10 +149,16 @@ fn shaped_calls(sluice: &Sluice, server: &GrpcServer) {
     assert!(msgs[2] - msgs[0] >= 150.0, "not streamed: {stream:?}");
     assert_eq!(stream.last().unwrap()["code"], "OK", "{stream:?}");
 
-    // Fill the queue: 11 calls, 10 wait (2 s of schedule); then a call
-    // with a 100 ms deadline is refused at once instead of expiring.
+    deadline_refused_at_once(sluice);
+}
+
+/// Queue 5 calls behind a sixth (r = 5/s, b = 10: 1 s of schedule, room
+/// for 5 more); then a call with a 100 ms deadline is refused at once for
+/// its deadline instead of expiring (not for want of room).
+fn deadline_refused_at_once(sluice: &Sluice) {
+    let target = sluice.addr.to_string();
     std::thread::sleep(Duration::from_millis(300));
-    let mut fill = client_cmd(&target, &["unary", "--count", "11"])
+    let mut fill = client_cmd(&target, &["unary", "--count", "6"])
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -160,10 +166,17 @@ fn shaped_calls(sluice: &Sluice, server: &GrpcServer) {
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(sluice.wait_queued(10));
+    rt.block_on(sluice.wait_queued(5));
     let late = client(&target, &["unary", "--count", "1", "--deadline-ms", "100"]);
     assert_eq!(late.len(), 1, "{late:?}");
     assert_eq!(late[0]["code"], "RESOURCE_EXHAUSTED", "{late:?}");
+    assert!(
+        late[0]["details"]
+            .as_str()
+            .unwrap_or("")
+            .contains("deadline"),
+        "{late:?}"
+    );
     assert!(late[0]["elapsed_ms"].as_f64().unwrap() < 100.0, "{late:?}");
     assert!(late[0]["trailers"].get("grpc-retry-pushback-ms").is_some());
     let _ = fill.kill();
@@ -192,4 +205,38 @@ fn grpc_to_a_tls_upstream_with_h2() {
     );
     let sluice = Sluice::start(&cfg);
     shaped_calls(&sluice, &server);
+}
+
+/// An upstream with `on_throttle = "pause"` that pushes back in gRPC's own
+/// terms (RESOURCE_EXHAUSTED with `grpc-retry-pushback-ms: 1500`, the
+/// trailers-only answer grpcio sends): the client gets that answer, and the
+/// next call, sent right after, reaches the server only when the pushback
+/// has passed, then succeeds. gRPC calls are not staged for such an
+/// upstream, so a call that cannot make its deadline is still refused at
+/// once (a staged call would wait until its deadline).
+#[test]
+fn a_grpc_pushback_pauses_the_upstream() {
+    let server = GrpcServer::start(None);
+    let cfg = config(&format!("http://127.0.0.1:{}", server.port()), "h2c")
+        .replace("url = ", "on_throttle = \"pause\"\nurl = ");
+    let sluice = Sluice::start(&cfg);
+    let target = sluice.addr.to_string();
+
+    let busy = client(&target, &["unary", "--count", "1", "--method", "Busy"]);
+    assert_eq!(busy.len(), 1, "{busy:?}");
+    assert_eq!(busy[0]["code"], "RESOURCE_EXHAUSTED", "{busy:?}");
+    assert_eq!(busy[0]["trailers"]["grpc-retry-pushback-ms"], "1500");
+
+    let next = client(&target, &["unary", "--count", "1"]);
+    assert_eq!(next.len(), 1, "{next:?}");
+    assert_eq!(next[0]["code"], "OK", "{next:?}");
+    let calls = server.calls();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    let paused_ms = (calls[1].0 - calls[0].0) / 1_000_000;
+    assert!(
+        (1_300..=3_000).contains(&paused_ms),
+        "the next call reached the server {paused_ms} ms after the pushback"
+    );
+
+    deadline_refused_at_once(&sluice);
 }

@@ -5,6 +5,10 @@
 //! `e2e downstream PORT`   a fast HTTP/1.1 downstream that records arrival
 //!                         times; `GET /__arrivals` returns them (µs, one
 //!                         per line) and clears the record.
+//! `e2e grpc-downstream PORT` a fast gRPC downstream (HTTP/2 prior
+//!                         knowledge) for `benches/grpc/run.sh`: every call
+//!                         gets a unary reply, one message and
+//!                         `grpc-status: 0` in trailers.
 //! `e2e SCENARIO URL DOWNSTREAM_PORT [ARGS]` runs one scenario against the
 //!                         proxy at URL and prints one JSON line.
 //! `e2e clear DS_PORT`     forgets the downstream's arrivals.
@@ -58,6 +62,7 @@ async fn dispatch(args: Vec<String>) -> Result<(), Fail> {
     let num = |i: usize| -> Result<u64, Fail> { Ok(arg(i)?.parse::<u64>()?) };
     match args.first().map(String::as_str) {
         Some("downstream") => downstream(num(1)? as u16).await,
+        Some("grpc-downstream") => grpc_downstream(num(1)? as u16).await,
         Some("seed") => seed(&arg(1)?, num(2)? as u16).await,
         Some("pacing") => pacing(&arg(1)?, num(2)? as u16, num(3)?, num(4)?).await,
         Some("passthrough") => passthrough(&arg(1)?, num(3)?, Duration::from_secs(num(4)?)).await,
@@ -110,6 +115,52 @@ async fn downstream(port: u16) -> Result<(), Fail> {
                 .await;
         });
     }
+}
+
+/// A gRPC unary server as fast as hyper allows (HTTP/2 prior knowledge),
+/// bounded in time like the HTTP/1.1 downstream.
+async fn grpc_downstream(port: u16) -> Result<(), Fail> {
+    let listener = TcpListener::bind(("127.0.0.1", port)).await?;
+    // Bounded: a downstream left running ends by itself after 30 minutes.
+    let deadline = tokio::time::sleep(Duration::from_secs(1_800));
+    tokio::pin!(deadline);
+    loop {
+        let (stream, _) = tokio::select! {
+            a = listener.accept() => a?,
+            _ = &mut deadline => return Ok(()),
+        };
+        let _ = stream.set_nodelay(true);
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(grpc_reply);
+            let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .max_concurrent_streams(1_000)
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+/// One unary call: read the request message, then answer with one message
+/// (a `grpc.health.v1` SERVING reply: field 1 = 1) and `grpc-status: 0` in
+/// trailers, as a real server does.
+async fn grpc_reply(
+    req: Request<Incoming>,
+) -> Result<
+    Response<impl hyper::body::Body<Data = Bytes, Error = std::convert::Infallible>>,
+    hyper::Error,
+> {
+    const SERVING: &[u8] = &[0, 0, 0, 0, 2, 0x08, 0x01];
+    let _ = req.into_body().collect().await?;
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    let body =
+        Full::new(Bytes::from_static(SERVING)).with_trailers(async move { Some(Ok(trailers)) });
+    let mut resp = Response::new(body);
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    Ok(resp)
 }
 
 async fn arrivals(ds_port: u16) -> Result<Vec<u64>, Fail> {

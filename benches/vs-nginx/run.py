@@ -19,10 +19,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
-from procs import free_port, start, started, stop, wait_port  # noqa: E402
+from procs import CpuMeter, children, free_port, rss_kib, start, started, stop, wait_port  # noqa: E402
 HERE = os.path.join(ROOT, "benches", "vs-nginx")
 E2E, SLUICE, NGINX, FLOOR, OUT = sys.argv[1:6]
 WORK = tempfile.mkdtemp(prefix="sluice-vs-nginx.")
@@ -33,30 +34,6 @@ def record(entry):
     with open(RESULTS, "a") as f:
         f.write(json.dumps(entry) + "\n")
     print(json.dumps(entry), flush=True)
-
-
-def children(pid):
-    try:
-        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    except OSError:
-        return []
-    return [int(x) for x in out.split()]
-
-
-def cpu_ticks(pids):
-    """(user, system) clock ticks of these processes (threads included)."""
-    u = s = 0
-    for pid in pids:
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            u += int(fields[11])
-            s += int(fields[12])
-        except (OSError, IndexError, ValueError):
-            pass
-    return u, s
-
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 # === the proxies ===
@@ -171,15 +148,8 @@ def wrk(proxy, conns, seconds, key=None, script=None, perf=False):
     if key:
         args += ["-H", f"X-Client: {key}"]
     args.append(proxy.url + "/x")
-    pids = proxy.pids()
-    perf_out = os.path.join(WORK, "perf.txt")
-    perf_proc = None
-    if perf:
-        perf_proc = start(["perf", "stat", "-e", "task-clock,context-switches", "-x", ",",
-                           "-o", perf_out, "-p", ",".join(map(str, pids)), "--", "sleep", str(seconds)])
-    u0, s0 = cpu_ticks(pids)
+    meter = CpuMeter(proxy.pids(), seconds, os.path.join(WORK, "perf.txt")) if perf else None
     out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 30).stdout
-    u1, s1 = cpu_ticks(pids)
     res = {"tool": "wrk", "connections": conns, "seconds": seconds}
     m = re.search(r"(\d+) requests in", out)
     res["requests"] = int(m.group(1)) if m else 0
@@ -190,35 +160,9 @@ def wrk(proxy, conns, seconds, key=None, script=None, perf=False):
     for p in ("50", "99"):
         m = re.search(rf"^\s+{p}%\s+(\S+)", out, re.M)
         res[f"p{p}_us"] = parse_latency(m.group(1)) if m else None
-    if perf_proc:
-        perf_proc.wait(timeout=seconds + 30)
-        started.remove(perf_proc)
-        stats = {}
-        for line in open(perf_out):
-            parts = line.strip().split(",")
-            if len(parts) > 2 and parts[0] and parts[0][0].isdigit():
-                stats[parts[2]] = float(parts[0])
-        n = max(res["requests"], 1)
-        res["task_clock_ms"] = stats.get("task-clock")
-        res["context_switches"] = stats.get("context-switches")
-        if res["task_clock_ms"] is not None:
-            res["cpu_us_per_request"] = res["task_clock_ms"] * 1000 / n
-        res["user_us_per_request"] = (u1 - u0) / TICK * 1e6 / n
-        res["sys_us_per_request"] = (s1 - s0) / TICK * 1e6 / n
-        res["context_switches_per_request"] = (res["context_switches"] or 0) / n
+    if meter:
+        res.update(meter.per(res["requests"]))
     return res
-
-
-def rss_kib(proxy):
-    total = 0
-    for pid in proxy.pids():
-        try:
-            for line in open(f"/proc/{pid}/status"):
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total
 
 
 def scenario(proxy, name, rate, capacity, run):
@@ -226,9 +170,11 @@ def scenario(proxy, name, rate, capacity, run):
     try:
         result = run()
         result["scenario"] = name
-        record({"proxy": proxy.name, "rss_kib": rss_kib(proxy), "result": result})
+        record({"proxy": proxy.name, "rss_kib": rss_kib(proxy.pids()), "result": result})
     except Exception as e:  # one failed scenario must not lose the rest
-        record({"proxy": proxy.name, "result": {"scenario": name, "error": str(e)}})
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        error = f"{type(e).__name__}: {e} (run.py line {where.lineno})"
+        record({"proxy": proxy.name, "result": {"scenario": name, "error": error}})
     finally:
         proxy.stop()
 

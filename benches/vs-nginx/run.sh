@@ -29,16 +29,4 @@ cc -O2 -o "$OUT/floor" benches/vs-nginx/floor.c
 
 python3 benches/vs-nginx/run.py "$E2E" target/release/sluice "$NGINX" "$OUT/floor" "$OUT"
 python3 benches/vs-nginx/table.py "$OUT/results.jsonl" "$($NGINX -v 2>&1)" "$(rustc -V)" | tee benches/vs-nginx/results.md
-python3 - <<'PY'
-doc = open("BENCHMARKS.md").read()
-table = open("benches/vs-nginx/results.md").read()
-begin = "<!-- vs-nginx:begin (written by benches/vs-nginx/run.sh) -->\n"
-end = "<!-- vs-nginx:end -->"
-if begin in doc and end in doc:
-    head, rest = doc.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    open("BENCHMARKS.md", "w").write(head + begin + table + end + tail)
-    print("BENCHMARKS.md updated")
-else:
-    print("BENCHMARKS.md has no vs-nginx markers; table left in benches/vs-nginx/results.md")
-PY
+python3 benches/markers.py vs-nginx benches/vs-nginx/results.md

@@ -8,10 +8,11 @@
 //! which withdraws the request and gives its slot to the next in line.
 //!
 //! With `on_throttle = "pause"`, an upstream's 429 or 503 that says when
-//! to come back pauses releases to it; the refused request goes back
-//! through the queue once, when sending it twice is safe (a method RFC
-//! 9110 calls idempotent, or an `Idempotency-Key`), and within its
-//! `max_wait`. Otherwise the upstream's answer reaches the client.
+//! to come back (or a gRPC pushback) pauses releases to it; the refused
+//! request goes back through the queue once, when sending it twice is safe
+//! (a method RFC 9110 calls idempotent, or an `Idempotency-Key`; never a
+//! gRPC call, which is not staged), and within its `max_wait`. Otherwise
+//! the upstream's answer reaches the client.
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
@@ -202,12 +203,16 @@ impl Handler {
             .admit(&route.rule, key.clone(), cost)
             .await;
         let body = match verdict {
-            Verdict::Go if upstream.stages_everything() => match self.stage(route, body).await {
-                Ok(staged) => Body::Staged(staged),
-                Err(response) => return response,
-            },
+            // A gRPC call is never staged, even for an upstream that may
+            // pause: it may stream both ways. So it is never sent twice.
+            Verdict::Go if upstream.stages_everything() && grpc.is_none() => {
+                match self.stage(route, body).await {
+                    Ok(staged) => Body::Staged(staged),
+                    Err(response) => return response,
+                }
+            }
             Verdict::Go => Body::Stream(body),
-            Verdict::Wait(hold) if grpc.is_some() && !upstream.stages_everything() => {
+            Verdict::Wait(hold) if grpc.is_some() => {
                 let deadline = grpc.flatten().map(|d| arrival + d);
                 if let (Some(deadline), Some(departure)) = (deadline, hold.departure())
                     && departure > deadline

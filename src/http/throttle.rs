@@ -1,7 +1,9 @@
 //! An upstream's own limit: when a 429 or 503 says when to come back
 //! (`Retry-After` in seconds or as an HTTP-date, RFC 9110 10.2.3; or an IETF
 //! `RateLimit` header with `r=0;t=N`, draft-ietf-httpapi-ratelimit-headers
-//! -10), the instant releases to it should resume.
+//! -10), or a gRPC server pushes back (a trailers-only answer of
+//! RESOURCE_EXHAUSTED or UNAVAILABLE with `grpc-retry-pushback-ms`, gRPC's
+//! retry design A6), the instant releases to it should resume.
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -12,11 +14,35 @@ const RATELIMIT: &str = "ratelimit";
 /// When an upstream that answered `status` with `headers` wants to be
 /// called again, if it said so; never later than `max` from now.
 pub fn pause_until(status: StatusCode, headers: &HeaderMap, max: Duration) -> Option<Instant> {
-    if status != StatusCode::TOO_MANY_REQUESTS && status != StatusCode::SERVICE_UNAVAILABLE {
+    let wait = match status {
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
+            retry_after(headers).or_else(|| ratelimit_reset(headers))?
+        }
+        StatusCode::OK => grpc_pushback(headers)?,
+        _ => return None,
+    };
+    Some(Instant::now() + wait.min(max))
+}
+
+/// A gRPC server's pushback: `grpc-status: 8` (RESOURCE_EXHAUSTED) or `14`
+/// (UNAVAILABLE) with `grpc-retry-pushback-ms: N` in a trailers-only answer
+/// (the status in the headers, no body). A status in trailers after a body
+/// comes too late to hold the next release and is not read; a pushback that
+/// is not a non-negative integer means "do not retry" in A6 and pauses
+/// nothing.
+fn grpc_pushback(headers: &HeaderMap) -> Option<Duration> {
+    let status = headers.get("grpc-status")?.as_bytes();
+    if status != b"8" && status != b"14" {
         return None;
     }
-    let wait = retry_after(headers).or_else(|| ratelimit_reset(headers))?;
-    Some(Instant::now() + wait.min(max))
+    let ms = headers
+        .get("grpc-retry-pushback-ms")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(Duration::from_millis(ms))
 }
 
 /// `Retry-After: 120` or `Retry-After: Wed, 21 Oct 2015 07:28:00 GMT`.
@@ -136,6 +162,38 @@ mod tests {
             wait(
                 StatusCode::TOO_MANY_REQUESTS,
                 &[("ratelimit", "not a list (")]
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn a_grpc_pushback_pauses_a_trailers_only_throttle() {
+        let ms = |pairs: &[(&'static str, &'static str)]| {
+            pause_until(StatusCode::OK, &headers(pairs), Duration::from_secs(3_600))
+                .map(|at| at.saturating_duration_since(Instant::now()).as_millis() as u64)
+        };
+        let busy = ms(&[("grpc-status", "8"), ("grpc-retry-pushback-ms", "1500")]).unwrap();
+        assert!((1_400..=1_500).contains(&busy), "{busy}");
+        let down = ms(&[("grpc-status", "14"), ("grpc-retry-pushback-ms", "250")]).unwrap();
+        assert!((150..=250).contains(&down), "{down}");
+        // No pushback, a negative one (A6: do not retry), another status,
+        // or a plain 200: nothing to wait for.
+        assert_eq!(ms(&[("grpc-status", "8")]), None);
+        assert_eq!(
+            ms(&[("grpc-status", "8"), ("grpc-retry-pushback-ms", "-1")]),
+            None
+        );
+        assert_eq!(
+            ms(&[("grpc-status", "2"), ("grpc-retry-pushback-ms", "100")]),
+            None
+        );
+        assert_eq!(ms(&[("retry-after", "2")]), None);
+        // The same headers on a 429 are HTTP's business, not gRPC's.
+        assert_eq!(
+            wait(
+                StatusCode::TOO_MANY_REQUESTS,
+                &[("grpc-status", "8"), ("grpc-retry-pushback-ms", "1500")]
             ),
             None
         );

@@ -3,7 +3,7 @@ the methods of grpc_server.py (service sluice.test.Echo). One channel, so
 all calls are streams on one HTTP/2 connection.
 
 Modes:
-  unary --count N [--deadline-ms D] [--method Unary|Slow]
+  unary --count N [--deadline-ms D] [--method Unary|Slow|Busy]
       starts N calls at once, payload `call-i`; prints one JSON line per
       call as it ends: {"i", "code" ("OK", "RESOURCE_EXHAUSTED", ...),
       "details", "trailers" (trailing metadata, e.g.
@@ -105,7 +105,7 @@ def main():
     u = sub.add_parser("unary")
     u.add_argument("--count", type=int, default=1)
     u.add_argument("--deadline-ms", type=float, default=10000)
-    u.add_argument("--method", default="Unary", choices=["Unary", "Slow"])
+    u.add_argument("--method", default="Unary", choices=["Unary", "Slow", "Busy"])
     s = sub.add_parser("stream")
     s.add_argument("--n", type=int, default=3)
     s.add_argument("--deadline-ms", type=float, default=10000)

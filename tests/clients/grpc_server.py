@@ -1,14 +1,16 @@
 """A gRPC upstream for sluice's HTTP/2 tests: grpcio with a generic
 handler on raw bytes (no protobuf, no generated code), on 127.0.0.1.
 
-Prints `listening PORT` first, then one line per Unary call as it
-arrives: `call <monotonic ns> <request as utf-8>`.
+Prints `listening PORT` first, then one line per Unary or Busy call as
+it arrives: `call <monotonic ns> <request as utf-8>`.
 
 Methods (service sluice.test.Echo):
   Unary         echoes the request; trailing metadata `x-echo-trailer: yes`
   ServerStream  request is an ASCII integer N; streams msg-0..msg-{N-1},
                 100 ms apart
   Slow          sleeps 2 s, then echoes
+  Busy          refuses as an overloaded server does: RESOURCE_EXHAUSTED,
+                trailing metadata `grpc-retry-pushback-ms: 1500` (A6)
 
 --port P             0 (the default) picks a free port
 --tls-cert F --tls-key F   serve TLS (h2 via ALPN) instead of h2c
@@ -62,6 +64,12 @@ def slow(request, context):
     return request
 
 
+def busy(request, context):
+    say(f"call {time.monotonic_ns()} {request.decode('utf-8', 'replace')}")
+    context.set_trailing_metadata((("grpc-retry-pushback-ms", "1500"),))
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, default=0)
@@ -75,6 +83,7 @@ def main():
         "Unary": grpc.unary_unary_rpc_method_handler(unary),
         "ServerStream": grpc.unary_stream_rpc_method_handler(server_stream),
         "Slow": grpc.unary_unary_rpc_method_handler(slow),
+        "Busy": grpc.unary_unary_rpc_method_handler(busy),
     })
     options = []
     if a.max_streams is not None:
