@@ -227,6 +227,10 @@ fn status(server: &Handle) -> serde_json::Value {
         "connections": server.connections(),
         "smtp_sessions": server.smtp_sessions(),
         "tunnels": server.tunnels(),
+        "memory": crate::memory::usage().map(|u| serde_json::json!({
+            "allocated_bytes": u.allocated,
+            "resident_bytes": u.resident,
+        })),
         "queued": queued,
         "totals": totals,
         "deepest_queues": deepest,

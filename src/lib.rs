@@ -14,6 +14,7 @@ pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod http;
+pub mod memory;
 pub mod metrics;
 pub mod pacer;
 pub mod plot;

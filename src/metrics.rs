@@ -41,7 +41,12 @@ pub const CLUSTER_HEALTHY: &str = "sluice_cluster_healthy";
 pub const CONNECTIONS: &str = "sluice_connections";
 /// Bytes of request bodies staged while their requests wait.
 pub const STAGED_BYTES: &str = "sluice_staged_bytes";
+/// Upgrade tunnels open.
 pub const TUNNELS: &str = "sluice_tunnels";
+/// Bytes allocated and not yet freed, as the allocator counts them.
+pub const MEMORY_ALLOCATED_BYTES: &str = "sluice_memory_allocated_bytes";
+/// Bytes in pages the allocator holds resident.
+pub const MEMORY_RESIDENT_BYTES: &str = "sluice_memory_resident_bytes";
 /// Pauses an upstream asked for (429/503 with a retry time), by upstream.
 pub const UPSTREAM_PAUSES_TOTAL: &str = "sluice_upstream_pauses_total";
 /// Config reloads by result (`ok`, `error`).
@@ -291,6 +296,16 @@ fn describe() {
         STAGED_BYTES,
         Unit::Bytes,
         "Bytes of request bodies staged while their requests wait."
+    );
+    describe_gauge!(
+        MEMORY_ALLOCATED_BYTES,
+        Unit::Bytes,
+        "Bytes allocated and not yet freed, as the allocator (jemalloc) counts them."
+    );
+    describe_gauge!(
+        MEMORY_RESIDENT_BYTES,
+        Unit::Bytes,
+        "Bytes in pages the allocator holds resident; minus allocated: kept for reuse or not yet returned."
     );
     describe_gauge!(
         TUNNELS,

@@ -325,6 +325,11 @@ async fn metrics_count_what_was_sent() {
             .any(|k| k.starts_with("sluice_release_lag_seconds_bucket"))
     );
     assert!(samples.contains_key("sluice_queued_requests"));
+    // The allocator's view (the binary runs on jemalloc): something is
+    // allocated, and it lies in resident pages.
+    let allocated = samples["sluice_memory_allocated_bytes"];
+    let resident = samples["sluice_memory_resident_bytes"];
+    assert!(allocated > 0.0 && resident >= allocated, "{text}");
     assert!(
         !text.contains("x-client") && !text.contains("key="),
         "no per-client labels"
@@ -339,6 +344,12 @@ async fn metrics_count_what_was_sent() {
     assert_eq!(status["totals"]["rejected"], 3);
     assert_eq!(status["routes"][0]["name"], "default");
     assert_eq!(status["config"]["version"], 1);
+    let memory = &status["memory"];
+    assert!(memory["allocated_bytes"].as_u64().unwrap() > 0, "{status}");
+    assert!(
+        memory["resident_bytes"].as_u64().unwrap() >= memory["allocated_bytes"].as_u64().unwrap(),
+        "{status}"
+    );
 }
 
 /// Under a fake NOTIFY_SOCKET: READY=1, then RELOADING=1 (with

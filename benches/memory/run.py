@@ -13,7 +13,10 @@ with a per-client limit that holds everything (sluice: 1/h with capacity
   3. HTTP/2: 100,000 streams from h2load (800 connections x 125 streams,
      within nginx's 128 streams per connection), held; the same readings.
 
-Bytes per held request = (RSS held - RSS idle) / requests held. Every
+Bytes per held request = (RSS held - RSS idle) / requests held. For
+sluice, its allocator's own count (/status `memory`: allocated and
+resident) at each of the three moments tells live memory from memory the
+allocator keeps. Every
 process it starts is ended by PID; every wait is bounded in time.
 """
 import json
@@ -104,11 +107,24 @@ http {{
     def rss(self):
         return rss_kib([self.proc.pid] + children(self.proc.pid))
 
-    def queued(self):
+    def status(self):
+        """sluice's /status (None for nginx)."""
         if self.kind != "sluice":
             return None
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/status", timeout=5) as r:
-            return json.load(r).get("queued")
+            return json.load(r)
+
+    def queued(self):
+        st = self.status()
+        return None if st is None else st.get("queued")
+
+    def allocator(self):
+        """sluice's allocator: (allocated, resident) KiB, from /status."""
+        st = self.status()
+        m = (st or {}).get("memory") or {}
+        if "allocated_bytes" not in m:
+            return None
+        return m["allocated_bytes"] // 1024, m["resident_bytes"] // 1024
 
     def stop(self):
         stop(self.proc)
@@ -134,9 +150,11 @@ def measure(proxy, what, n, load):
         urllib.request.urlopen(urllib.request.Request(
             f"http://127.0.0.1:{proxy.port}/warm", headers={"X-Client": "warm"}), timeout=5).read()
         idle = proxy.rss()
+        alloc = {"idle": proxy.allocator()}
         client = load(proxy)
         held = settled(proxy)
         queued = proxy.queued()
+        alloc["held"] = proxy.allocator()
         if client.stdin:
             client.stdin.close()
         time.sleep(1)
@@ -144,8 +162,9 @@ def measure(proxy, what, n, load):
         started.remove(client)
         time.sleep(20)
         after = proxy.rss()
+        alloc["after"] = proxy.allocator()
         return {"idle_kib": idle, "held_kib": held, "after_kib": after, "queued": queued,
-                "bytes_per_request": (held - idle) * 1024 / n}
+                "bytes_per_request": (held - idle) * 1024 / n, "allocator_kib": alloc}
     finally:
         proxy.stop()
 
@@ -193,6 +212,10 @@ def main():
         print(f"|   same: RSS 20 s after the clients left, x idle | {sa:.2f} | {ga:.2f} | n/a | "
               f"<= 1.50: {'met' if sa <= 1.5 else '**missed**'} |")
         print(f"|   same: requests sluice held (/status queued) | {s['queued']} | n/a | | |")
+        a = s.get("allocator_kib") or {}
+        if all(a.get(k) for k in ("idle", "held", "after")):
+            cells = ", ".join(f"{k} {a[k][0] / 1024:.1f} / {a[k][1] / 1024:.1f}" for k in ("idle", "held", "after"))
+            print(f"|   same: sluice's allocator, allocated / resident MiB | {cells} | n/a | | |")
     print()
     print("Reproduce: `bash benches/memory/run.sh` (installs nginx and h2load if missing; about 2 minutes).")
 

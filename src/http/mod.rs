@@ -199,6 +199,10 @@ impl Handle {
         metrics::gauge!(m::QUEUED_REQUESTS_LIMIT).set(self.0.admission.limits().max_queued as f64);
         metrics::gauge!(m::CONNECTIONS, "protocol" => "http").set(self.connections() as f64);
         metrics::gauge!(m::CONNECTIONS, "protocol" => "smtp").set(self.smtp_sessions() as f64);
+        if let Some(u) = crate::memory::usage() {
+            metrics::gauge!(m::MEMORY_ALLOCATED_BYTES).set(u.allocated as f64);
+            metrics::gauge!(m::MEMORY_RESIDENT_BYTES).set(u.resident as f64);
+        }
     }
 
     /// HTTP client connections open now.
