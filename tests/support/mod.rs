@@ -762,7 +762,7 @@ impl Drop for RedisCluster {
 /// r = 5/s, b = 10): 20 requests 25 ms apart, spread round-robin over
 /// `fleet` (instances sharing the schedule). Asserts the single-instance
 /// outcome: 13 admitted (1-12 and one more), the rest 429 with
-/// Retry-After, departures 200 ms apart at the downstream.
+/// Retry-After, departures on a 200 ms grid at the downstream.
 pub async fn seed_burst_across(fleet: &[Sluice], ds: &Downstream) {
     let c = client();
     for s in fleet {
@@ -803,9 +803,18 @@ pub async fn seed_burst_across(fleet: &[Sluice], ds: &Downstream) {
         .map(|s| s.at)
         .collect();
     assert_eq!(arrivals.len(), 13);
-    // 1/r minus the pacing tolerance (store latency differences between
-    // instances plus scheduling jitter on a loaded machine).
-    assert_gaps(&arrivals, 185, 280);
+    // DESIGN section 1: the client keeps its 200 ms grid; a release the
+    // machine delayed is caught up no faster than twice the rate, so a gap
+    // is never under 100 ms (a late departure followed by an on-time one
+    // is shorter than 200 ms: 184 ms was seen on a busy machine). The
+    // upper bound allows for store latency differences between instances
+    // and scheduling delay; the span checks the rate: 12 intervals of
+    // 200 ms, no drift.
+    assert_gaps(&arrivals, 100, 280);
+    let (first, last) = (arrivals.iter().min(), arrivals.iter().max());
+    if let (Some(first), Some(last)) = (first, last) {
+        assert_between(*last - *first, 2_300, 2_520, "span of 12 intervals");
+    }
 }
 
 /// The shared-schedule store of `s` (route key X-Client, on_failure =
