@@ -131,9 +131,18 @@ fn shaped_calls(sluice: &Sluice, server: &GrpcServer) {
         .windows(2)
         .map(|w| (w[1].0 - w[0].0) / 1_000_000)
         .collect();
+    // DESIGN section 1: a 200 ms grid; a departure the machine delayed
+    // (the first also opens the upstream connection: 139 ms was seen on a
+    // busy machine) is caught up no faster than twice the rate, so no gap
+    // is under 100 ms; the span of the 10 intervals checks the rate.
     assert!(
-        gaps.iter().all(|&g| (150..=320).contains(&g)),
+        gaps.iter().all(|&g| (100..=320).contains(&g)),
         "gaps at the server (ms): {gaps:?}"
+    );
+    let span = (calls[10].0 - calls[0].0) / 1_000_000;
+    assert!(
+        (1_850..=2_250).contains(&span),
+        "10 intervals at the server took {span} ms: {gaps:?}"
     );
 
     // The queue drains (the last admitted departed 2 s after the first);
