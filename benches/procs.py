@@ -113,3 +113,25 @@ def rss_kib(pids):
         except OSError:
             pass
     return total
+
+
+def nginx_conf(workers, work, http):
+    """A whole nginx.conf for a bench: `workers` worker processes, pid, log
+    and temp files under `work`, no access log, keep-alive without a request
+    limit, and `http` (the http block's own directives: zones, upstreams,
+    servers) inside the http block."""
+    tmp = os.path.join(work, "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    return f"""worker_processes {workers};
+worker_rlimit_nofile 200000;
+pid {work}/nginx.pid;
+error_log {work}/nginx-error.log error;
+daemon off;
+events {{ worker_connections 60000; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
+  fastcgi_temp_path {tmp}/fcgi; uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
+{http}}}
+"""

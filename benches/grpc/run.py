@@ -35,7 +35,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
-from procs import CpuMeter, children, free_port, start, started, stop, wait_port  # noqa: E402
+from procs import CpuMeter, children, free_port, nginx_conf, start, started, stop, wait_port  # noqa: E402
 E2E, SLUICE, NGINX, FLOOR, OUT, NGINX_VERSION, H2LOAD_VERSION = sys.argv[1:8]
 WORK = tempfile.mkdtemp(prefix="sluice-grpc-bench.")
 CLIENT = os.path.join(ROOT, "tests", "clients", "grpc_client.py")
@@ -69,24 +69,11 @@ max_queued = 1000000
 """
 
 
-def nginx_conf(port, ds, limited):
+def grpc_nginx_conf(port, ds, limited):
     zone = ("$binary_remote_addr zone=z:64m rate=1r/s" if limited
             else "$http_x_client zone=z:64m rate=1000000r/s")
     burst = 1 if limited else 1000000
-    tmp = os.path.join(WORK, "tmp")
-    os.makedirs(tmp, exist_ok=True)
-    return f"""worker_processes 2;
-worker_rlimit_nofile 200000;
-pid {WORK}/nginx.pid;
-error_log {WORK}/nginx-error.log error;
-daemon off;
-events {{ worker_connections 60000; }}
-http {{
-  access_log off;
-  keepalive_requests 1000000;
-  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
-  fastcgi_temp_path {tmp}/fcgi; uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
-  limit_req_zone {zone};
+    return nginx_conf(2, WORK, f"""  limit_req_zone {zone};
   limit_req_status 429;
   upstream ds {{ server 127.0.0.1:{ds}; keepalive 512; keepalive_requests 1000000; }}
   server {{
@@ -96,8 +83,7 @@ http {{
       grpc_pass grpc://ds;
     }}
   }}
-}}
-"""
+""")
 
 
 class Proxy:
@@ -107,7 +93,7 @@ class Proxy:
     def start(self, limited):
         self.port = free_port()
         conf = os.path.join(WORK, f"{self.kind}.conf")
-        text = (sluice_conf if self.kind == "sluice" else nginx_conf)(self.port, self.ds, limited)
+        text = (sluice_conf if self.kind == "sluice" else grpc_nginx_conf)(self.port, self.ds, limited)
         with open(conf, "w") as f:
             f.write(text)
         if self.kind == "sluice":

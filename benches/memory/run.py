@@ -29,7 +29,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
-from procs import children, free_port, rss_kib, start, started, stop, wait_port  # noqa: E402
+from procs import children, free_port, nginx_conf, rss_kib, start, started, stop, wait_port  # noqa: E402
 E2E, SLUICE, NGINX, NGINX_VERSION = sys.argv[1:5]
 WORK = tempfile.mkdtemp(prefix="sluice-memory-bench.")
 HOLD = os.path.join(ROOT, "tests", "clients", "hold_http1.py")
@@ -69,22 +69,10 @@ max_queued = 1000000
 """)
             self.proc = start([SLUICE, "--log-level", "error", "run", "--config", conf])
         else:
-            tmp = os.path.join(WORK, "tmp")
-            os.makedirs(tmp, exist_ok=True)
             self.h2_port = free_port()
             conf = os.path.join(WORK, "nginx.conf")
             with open(conf, "w") as f:
-                f.write(f"""worker_processes 2;
-worker_rlimit_nofile 200000;
-pid {WORK}/nginx.pid;
-error_log {WORK}/nginx-error.log error;
-daemon off;
-events {{ worker_connections 60000; }}
-http {{
-  access_log off;
-  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
-  fastcgi_temp_path {tmp}/fcgi; uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
-  limit_req_zone $http_x_client zone=z:64m rate=1r/m;
+                f.write(nginx_conf(2, WORK, f"""  limit_req_zone $http_x_client zone=z:64m rate=1r/m;
   limit_req_status 429;
   upstream ds {{ server 127.0.0.1:{self.ds}; keepalive 64; }}
   server {{
@@ -97,8 +85,7 @@ http {{
       proxy_set_header Connection "";
     }}
   }}
-}}
-""")
+"""))
             self.proc = start([NGINX, "-c", conf, "-p", WORK])
         wait_port(self.port)
         wait_port(self.h2_port)

@@ -23,7 +23,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
-from procs import CpuMeter, children, free_port, rss_kib, start, started, stop, wait_port  # noqa: E402
+from procs import CpuMeter, children, free_port, nginx_conf, rss_kib, start, started, stop, wait_port  # noqa: E402
 HERE = os.path.join(ROOT, "benches", "vs-nginx")
 E2E, SLUICE, NGINX, FLOOR, OUT = sys.argv[1:6]
 WORK = tempfile.mkdtemp(prefix="sluice-vs-nginx.")
@@ -76,22 +76,9 @@ max_queued = 1000000
 """)
             self.proc = start([SLUICE, "--log-level", "error", "run", "--config", conf])
         else:
-            tmp = os.path.join(WORK, "tmp")
-            os.makedirs(tmp, exist_ok=True)
             conf = os.path.join(WORK, "nginx.conf")
             with open(conf, "w") as f:
-                f.write(f"""worker_processes {self.workers};
-worker_rlimit_nofile 200000;
-pid {WORK}/nginx.pid;
-error_log {WORK}/nginx-error.log error;
-daemon off;
-events {{ worker_connections 60000; }}
-http {{
-  access_log off;
-  keepalive_requests 1000000;
-  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
-  fastcgi_temp_path {tmp}/fcgi; uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
-  limit_req_zone $http_x_client zone=z:64m rate={rate}r/s;
+                f.write(nginx_conf(self.workers, WORK, f"""  limit_req_zone $http_x_client zone=z:64m rate={rate}r/s;
   limit_req_status 429;
   upstream ds {{ server 127.0.0.1:{self.ds}; keepalive 512; }}
   server {{
@@ -103,8 +90,7 @@ http {{
       proxy_set_header Connection "";
     }}
   }}
-}}
-""")
+"""))
             self.proc = start([NGINX, "-c", conf, "-p", WORK])
         wait_port(port)
         time.sleep(0.3)
