@@ -466,7 +466,9 @@ impl Admission {
         let arrival = Instant::now();
         let mut local = rule.local;
         if let Some(cluster) = &self.cluster {
-            match self.admit_shared(cluster, rule, &key, cost, arrival).await {
+            // Boxed: the shared store's round trip is a large future that
+            // a local admission (and a waiting request) need not carry.
+            match Box::pin(self.admit_shared(cluster, rule, &key, cost, arrival)).await {
                 Shared::Decided(v) => return v,
                 Shared::Local => local = rule.fallback.unwrap_or(rule.local),
             }

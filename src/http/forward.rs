@@ -451,7 +451,7 @@ impl Upstream {
     /// a new connection.
     async fn send(&self, req: Request<OutBody>) -> Result<(Response<Incoming>, Back), SendError> {
         if self.protocol != UpstreamProtocol::Http1 {
-            return self.send_h2(req).await;
+            return Box::pin(self.send_h2(req)).await;
         }
         self.send_h1(req, None).await
     }

@@ -20,6 +20,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::FutureExt;
+use futures_util::future::{Either, ready};
 use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode};
@@ -36,7 +38,7 @@ use super::headers::{add_ratelimit_headers, upgrade_to};
 use super::key;
 use super::path;
 use super::response::{ProxyBody, full, problem};
-use super::route::Route;
+use super::route::{App, Route};
 use super::stage::{Refused, StageError, Staged, linger, stage};
 use super::tunnel::Slot;
 use crate::admission::{Hold, HoldError, Key, Overload, Refusal, Verdict};
@@ -77,22 +79,64 @@ impl Body {
     }
 }
 
+/// A request routed and keyed: everything its admission needs, owned, so
+/// that the one future that waits for it carries nothing else.
+struct Admit {
+    app: Arc<App>,
+    /// Index into `app.routes`.
+    route: usize,
+    parts: Parts,
+    body: Incoming,
+    key: Key,
+    cost: u32,
+    /// For a gRPC call, its deadline (`grpc-timeout`) if any.
+    grpc: Option<Option<Duration>>,
+    switch: Option<Switch>,
+}
+
 impl Handler {
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
-        if !grpc::is_grpc(req.headers()) {
-            return self.handle_http(req, peer, None).await;
-        }
-        let deadline = grpc::timeout(req.headers());
-        grpc::answer(self.handle_http(req, peer, Some(deadline)).await)
+    /// The answer to `req`. Routing, the key and the request's rewriting
+    /// happen here, synchronously; what is returned is the admission's
+    /// future alone (a held request's whole state, so kept small: an
+    /// `async fn` would also carry the request it was given).
+    pub fn handle(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> impl Future<Output = Response<ProxyBody>> + Send + use<> {
+        let grpc = grpc::is_grpc(req.headers()).then(|| grpc::timeout(req.headers()));
+        let (call, shown) = match self.prepare(req, peer, grpc) {
+            Ok(a) => {
+                let shown = a.app.routes[a.route]
+                    .ratelimit_headers
+                    .then(|| (a.app.clone(), a.route, a.key.clone()));
+                (Either::Left(self.clone().admit(a)), shown)
+            }
+            Err(response) => (Either::Right(ready(response)), None),
+        };
+        let this = self.clone();
+        call.map(move |mut response| {
+            if let Some((app, route, key)) = shown {
+                this.ratelimit(&app.routes[route], &key, &mut response);
+            }
+            match grpc {
+                Some(_) => grpc::answer(response),
+                None => response,
+            }
+        })
     }
 
-    /// `grpc`: for a gRPC call, its deadline (`grpc-timeout`) if any.
-    async fn handle_http(
+    /// Route, key and rewrite a request; or the answer that refuses it.
+    #[expect(
+        clippy::result_large_err,
+        reason = "the error is the response itself, returned once; boxing it would add an allocation to every refusal"
+    )]
+    fn prepare(
         &self,
         mut req: Request<Incoming>,
         peer: SocketAddr,
         grpc: Option<Option<Duration>>,
-    ) -> Response<ProxyBody> {
+    ) -> Result<Admit, Response<ProxyBody>> {
         // A protocol switch (HTTP/1.1 only) holds a tunnel's place from
         // its arrival: past max_tunnels, 503 at once.
         let switch =
@@ -100,11 +144,11 @@ impl Handler {
                 match self.shared.tunnels.reserve() {
                     Some(slot) => Some((hyper::upgrade::on(&mut req), slot)),
                     None => {
-                        return problem(
+                        return Err(problem(
                             StatusCode::SERVICE_UNAVAILABLE,
                             "too many tunnels are open (server.max_tunnels); retry later",
                             Some(Duration::from_secs(1)),
-                        );
+                        ));
                     }
                 }
             } else {
@@ -123,16 +167,21 @@ impl Handler {
             }
             Err(e) => {
                 self.shared.count_unrouted();
-                return problem(StatusCode::BAD_REQUEST, &e.to_string(), None);
+                return Err(problem(StatusCode::BAD_REQUEST, &e.to_string(), None));
             }
         };
-        let Some(route) = app.route(&path, &req) else {
+        let Some(index) = app.route(&path, &req) else {
             self.shared.count_unrouted();
-            return problem(StatusCode::NOT_FOUND, "no route matches this request", None);
+            return Err(problem(
+                StatusCode::NOT_FOUND,
+                "no route matches this request",
+                None,
+            ));
         };
+        let route = &app.routes[index];
         let Some(upstream) = app.upstreams.get(route.upstream) else {
             route.rule.count(Outcome::UpstreamError);
-            return problem(StatusCode::BAD_GATEWAY, "no such upstream", None);
+            return Err(problem(StatusCode::BAD_GATEWAY, "no such upstream", None));
         };
         let headers = req.headers();
         let key = key::extract(
@@ -146,7 +195,7 @@ impl Handler {
             (Ok(key), Ok(cost)) => (key, cost),
             (Err(detail), _) | (_, Err(detail)) => {
                 route.rule.count(Outcome::Invalid);
-                return problem(StatusCode::BAD_REQUEST, &detail, None);
+                return Err(problem(StatusCode::BAD_REQUEST, &detail, None));
             }
         };
         let (mut parts, body) = req.into_parts();
@@ -157,11 +206,11 @@ impl Handler {
                 Ok(u) => u,
                 Err(_) => {
                     route.rule.count(Outcome::Invalid);
-                    return problem(
+                    return Err(problem(
                         StatusCode::BAD_REQUEST,
                         "the request target is invalid",
                         None,
-                    );
+                    ));
                 }
             };
         }
@@ -171,49 +220,49 @@ impl Handler {
         {
             route.rule.count(Outcome::Invalid);
             let detail = "the request target cannot be forwarded";
-            return problem(StatusCode::BAD_REQUEST, detail, None);
+            return Err(problem(StatusCode::BAD_REQUEST, detail, None));
         }
-        let shown = route.ratelimit_headers.then(|| key.clone());
-        let mut response = self
-            .admit(route, upstream, parts, body, (key, cost), (grpc, switch))
-            .await;
-        if let Some(key) = shown {
-            self.ratelimit(route, &key, &mut response);
-        }
-        response
+        Ok(Admit {
+            app,
+            route: index,
+            parts,
+            body,
+            key,
+            cost,
+            grpc,
+            switch,
+        })
     }
 
     /// Admit, wait (staging the body), forward; or refuse. A gRPC call
     /// waits without staging (a streaming call's body flows once it
     /// departs) and is refused at once when its deadline ends before its
     /// departure.
-    async fn admit(
-        &self,
-        route: &Route,
-        upstream: &Upstream,
-        parts: Parts,
-        body: Incoming,
-        (key, cost): (Key, u32),
-        (grpc, switch): (Option<Option<Duration>>, Option<Switch>),
-    ) -> Response<ProxyBody> {
+    async fn admit(self: Arc<Self>, a: Admit) -> Response<ProxyBody> {
+        // Fields are used in place: a destructured copy would be a
+        // second one in this future.
+        let route = &a.app.routes[a.route];
+        let Some(upstream) = a.app.upstreams.get(route.upstream) else {
+            return problem(StatusCode::BAD_GATEWAY, "no such upstream", None);
+        };
         let arrival = Instant::now();
         let verdict = self
             .shared
             .admission
-            .admit(&route.rule, key.clone(), cost)
+            .admit(&route.rule, a.key.clone(), a.cost)
             .await;
         let body = match verdict {
             // A gRPC call is never staged, even for an upstream that may
             // pause: it may stream both ways. So it is never sent twice.
-            Verdict::Go if upstream.stages_everything() && grpc.is_none() => {
-                match self.stage(route, body).await {
+            Verdict::Go if upstream.stages_everything() && a.grpc.is_none() => {
+                match self.stage(route, a.body).await {
                     Ok(staged) => Body::Staged(staged),
                     Err(response) => return response,
                 }
             }
-            Verdict::Go => Body::Stream(body),
-            Verdict::Wait(hold) if grpc.is_some() => {
-                let deadline = grpc.flatten().map(|d| arrival + d);
+            Verdict::Go => Body::Stream(a.body),
+            Verdict::Wait(hold) if a.grpc.is_some() => {
+                let deadline = a.grpc.flatten().map(|d| arrival + d);
                 if let (Some(deadline), Some(departure)) = (deadline, hold.departure())
                     && departure > deadline
                 {
@@ -226,11 +275,11 @@ impl Handler {
                     );
                 }
                 match hold.departed().await {
-                    Ok(()) => Body::Stream(body),
+                    Ok(()) => Body::Stream(a.body),
                     Err(e) => return self.hold_failed(route, e),
                 }
             }
-            Verdict::Wait(hold) => match self.wait(route, hold, body).await {
+            Verdict::Wait(hold) => match self.wait(route, hold, a.body).await {
                 Ok(staged) => Body::Staged(staged),
                 Err(response) => return response,
             },
@@ -239,7 +288,8 @@ impl Handler {
         // Boxed: the forwarding state (upstream connect, TLS, the call) is
         // large and only exists once the request departs, so a waiting
         // request holds none of it.
-        Box::pin(self.forward(route, upstream, parts, body, (key, cost, arrival), switch)).await
+        let (parts, key, switch) = (a.parts, a.key, a.switch);
+        Box::pin(self.forward(route, upstream, parts, body, (key, a.cost, arrival), switch)).await
     }
 
     /// Wait for the departure while the body is staged. A body that

@@ -130,10 +130,10 @@ pub fn request_host<B>(req: &Request<B>) -> Option<&str> {
 }
 
 impl App {
-    /// The first route that takes `req` (with `path`, its normalized
-    /// path).
-    pub fn route<B>(&self, path: &str, req: &Request<B>) -> Option<&Route> {
-        self.routes.iter().find(|r| r.matches(path, req))
+    /// The index of the first route that takes `req` (with `path`, its
+    /// normalized path).
+    pub fn route<B>(&self, path: &str, req: &Request<B>) -> Option<usize> {
+        self.routes.iter().position(|r| r.matches(path, req))
     }
 
     /// The longest upstream request timeout, for the drain's grace period.

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
+use futures_util::FutureExt;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -389,12 +390,11 @@ impl Worker {
         let handler = Arc::new(self.handler.clone());
         let (conns, st) = (self.conns.clone(), state.clone());
         let service = service_fn(move |req| {
-            let (handler, guard) = (handler.clone(), conns.request(&st));
-            async move {
-                let response = handler.handle(req, peer).await;
+            let guard = conns.request(&st);
+            handler.handle(req, peer).map(move |response| {
                 drop(guard);
                 Ok::<_, Infallible>(response)
-            }
+            })
         });
         let conn = Conn::new(&self.http, stream, service);
         tokio::pin!(conn);
