@@ -4,8 +4,8 @@ one run (driven by benches/vs-nginx/run.sh, which builds what it needs).
 
 Each proxy runs in front of the same Rust downstream and is driven by wrk
 (what operators use) and by our own load tool (benches/vs-nginx/e2e.rs).
-The C spinner (floor.c) measures this machine's scheduling floor right
-before each pacing scenario. CPU per request comes from `perf stat`
+The C spinner (floor.c) measures this machine's scheduling floor while
+each pacing scenario runs, beside it (the same load, the same moment). CPU per request comes from `perf stat`
 task-clock over the wrk run, split into user and system time from /proc.
 
 Writes every result as a JSON line to OUT/results.jsonl and prints the
@@ -112,9 +112,18 @@ def e2e(*args):
     return json.loads(lines[-1]) if lines else {}
 
 
-def floor():
-    out = subprocess.run([FLOOR, "3000", "1000"], capture_output=True, text=True, timeout=60)
-    return json.loads(out.stdout)
+class Floor:
+    """The C spinner, running beside a scenario for `seconds` (1 ms
+    deadlines): the lateness a bare process sees under the same load."""
+
+    def __init__(self, seconds):
+        self.proc = start([FLOOR, str(int(seconds * 1000)), "1000"],
+                          stdout=subprocess.PIPE, text=True)
+
+    def result(self):
+        out, _ = self.proc.communicate(timeout=60)
+        started.remove(self.proc)
+        return json.loads(out)
 
 
 def parse_latency(text):
@@ -176,19 +185,19 @@ def main():
             scenario(p, "seed", 5, 10, lambda: e2e("seed", p.url + "/x", ds))
             for rate, n in ((100, 500), (1000, 5000)):
                 def pacing(rate=rate, n=n):
-                    f = floor()
+                    f = Floor(n / rate)
                     r = e2e("pacing", p.url + "/x", ds, rate, n)
-                    r["floor"] = f
+                    r["floor"] = f.result()
                     return r
                 scenario(p, f"pacing-{rate}", rate, n, pacing)
 
             def backlog():
-                f = floor()
                 e2e("clear", ds)
+                f = Floor(10)
                 w = wrk(p, 32, 10, key="backlog")
                 r = e2e("intervals", ds, 1000)
                 r["wrk"] = w
-                r["floor"] = f
+                r["floor"] = f.result()
                 return r
             scenario(p, "backlog-1000", 1000, 50, backlog)
             scenario(p, "passthrough-wrk", 1000000, 1000000,

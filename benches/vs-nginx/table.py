@@ -54,13 +54,13 @@ for rate in (100, 1000):
         (f"pacing {rate}/s, full queue (e2e): p99, µs", sc, ("p99_us",), "{}", "lower"),
         (f"pacing {rate}/s, full queue (e2e): max, µs", sc, ("max_us",), "{}", "lower"),
         (f"pacing {rate}/s, full queue (e2e): mean interval error, %", sc, ("mean_error_pct",), "{:+.3f}", "closer to 0"),
-        (f"  floor (C spinner, same run, before it): p50 / p99 lateness, µs", sc, ("floor_p",), "{}", ""),
+        (f"  floor (C spinner, beside it): p50 / p99 lateness, µs", sc, ("floor_p",), "{}", ""),
     ]
 METRICS += [
     ("pacing 1000/s, backlog b=50 under wrk -c32 (10 s): p50 abs(interval - 1/r), µs", "backlog-1000", ("p50_us",), "{}", "lower"),
     ("  same: p99, µs", "backlog-1000", ("p99_us",), "{}", "lower"),
     ("  same: mean interval error, %", "backlog-1000", ("mean_error_pct",), "{:+.3f}", "closer to 0"),
-    ("  floor (C spinner, before it): p50 / p99 lateness, µs", "backlog-1000", ("floor_p",), "{}", ""),
+    ("  floor (C spinner, beside it): p50 / p99 lateness, µs", "backlog-1000", ("floor_p",), "{}", ""),
     ("idle pass-through, wrk -c16, requests/s", "passthrough-wrk", ("requests_per_s",), "{:.0f}", "higher"),
     ("  same: p50 latency, µs", "passthrough-wrk", ("p50_us",), "{:.0f}", "lower"),
     ("  same: p99 latency, µs", "passthrough-wrk", ("p99_us",), "{:.0f}", "lower"),
