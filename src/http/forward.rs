@@ -466,7 +466,7 @@ impl Upstream {
             (None, Some(s)) => (s, true),
             (None, None) => match Box::pin(self.connect()).await? {
                 Connected::H1(s) => (s, false),
-                Connected::H2(tx) => return self.send_on_h2(tx, None, req).await,
+                Connected::H2(tx) => return Box::pin(self.send_on_h2(tx, None, req)).await,
             },
         };
         let req = match sender.ready().await {
@@ -482,7 +482,7 @@ impl Upstream {
         };
         let mut sender = match Box::pin(self.connect()).await? {
             Connected::H1(s) => s,
-            Connected::H2(tx) => return self.send_on_h2(tx, None, req).await,
+            Connected::H2(tx) => return Box::pin(self.send_on_h2(tx, None, req)).await,
         };
         sender.ready().await.map_err(SendError::Request)?;
         let response = sender.send_request(req).await.map_err(SendError::Request)?;

@@ -456,8 +456,25 @@ impl Handler {
             route.rule.count(outcome);
             return response;
         };
+        self.shared.admission.pause(&route.rule, until);
+        // Boxed: a throttled answer is rare, and its second send would
+        // otherwise double this future's size.
+        let throttled = (response, outcome, until);
+        Box::pin(self.again(route, upstream, throttled, replay, (key, cost, arrival))).await
+    }
+
+    /// The upstream throttled its `response` until `until`: send the
+    /// request once more through the queue when that is safe and within
+    /// its `max_wait`, else answer what the upstream said.
+    async fn again(
+        &self,
+        route: &Route,
+        upstream: &Upstream,
+        (response, outcome, until): (Response<ProxyBody>, Outcome, Instant),
+        replay: Option<(Parts, OutBody)>,
+        (key, cost, arrival): (Key, u32, Instant),
+    ) -> Response<ProxyBody> {
         let admission = &self.shared.admission;
-        admission.pause(&route.rule, until);
         let within_max_wait = route
             .rule
             .policy()
