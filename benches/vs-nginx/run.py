@@ -5,8 +5,9 @@ one run (driven by benches/vs-nginx/run.sh, which builds what it needs).
 Each proxy runs in front of the same Rust downstream and is driven by wrk
 (what operators use) and by our own load tool (benches/vs-nginx/e2e.rs).
 The C spinner (floor.c) measures this machine's scheduling floor while
-each pacing scenario runs, beside it (the same load, the same moment). CPU per request comes from `perf stat`
-task-clock over the wrk run, split into user and system time from /proc.
+each pacing scenario runs, beside it (the same load, the same moment).
+CPU per request comes from `perf stat` task-clock over the wrk run, split
+into user and system time from /proc.
 
 Writes every result as a JSON line to OUT/results.jsonl and prints the
 markdown table (table.py). Every process it starts is ended by PID; every

@@ -119,9 +119,10 @@ impl Handler {
             if let Some((app, route, key)) = shown {
                 this.ratelimit(&app.routes[route], &key, &mut response);
             }
-            match grpc {
-                Some(_) => grpc::answer(response),
-                None => response,
+            if grpc.is_some() {
+                grpc::answer(response)
+            } else {
+                response
             }
         })
     }
@@ -240,11 +241,10 @@ impl Handler {
     /// departure.
     async fn admit(self: Arc<Self>, a: Admit) -> Response<ProxyBody> {
         // Fields are used in place: a destructured copy would be a
-        // second one in this future.
+        // second one in this future. `prepare` found both indices in this
+        // same (immutable) table.
         let route = &a.app.routes[a.route];
-        let Some(upstream) = a.app.upstreams.get(route.upstream) else {
-            return problem(StatusCode::BAD_GATEWAY, "no such upstream", None);
-        };
+        let upstream = &a.app.upstreams[route.upstream];
         let arrival = Instant::now();
         let verdict = self
             .shared
@@ -288,8 +288,8 @@ impl Handler {
         // Boxed: the forwarding state (upstream connect, TLS, the call) is
         // large and only exists once the request departs, so a waiting
         // request holds none of it.
-        let (parts, key, switch) = (a.parts, a.key, a.switch);
-        Box::pin(self.forward(route, upstream, parts, body, (key, a.cost, arrival), switch)).await
+        let departed = (a.key, a.cost, arrival);
+        Box::pin(self.forward(route, upstream, a.parts, body, departed, a.switch)).await
     }
 
     /// Wait for the departure while the body is staged. A body that

@@ -809,11 +809,12 @@ pub async fn seed_burst_across(fleet: &[Sluice], ds: &Downstream) {
     // is shorter than 200 ms: 184 ms was seen on a busy machine). The
     // upper bound allows for store latency differences between instances
     // and scheduling delay; the span checks the rate: 12 intervals of
-    // 200 ms, no drift.
+    // 200 ms (2,400 ms), no drift, with room for a late first or last
+    // departure on a busy machine.
     assert_gaps(&arrivals, 100, 280);
     let (first, last) = (arrivals.iter().min(), arrivals.iter().max());
     if let (Some(first), Some(last)) = (first, last) {
-        assert_between(*last - *first, 2_300, 2_520, "span of 12 intervals");
+        assert_between(*last - *first, 2_250, 2_650, "span of 12 intervals");
     }
 }
 
