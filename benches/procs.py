@@ -2,14 +2,25 @@
 (benches/vs-nginx/run.py, benches/grpc/run.py, benches/smtp/run.py):
 loopback ports, waiting for a listener, starting and ending child processes
 by PID, and the CPU a process tree used (perf stat and /proc)."""
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 # Every process start() began; the driver ends what is left with stop().
 started = []
+
+
+def workdir(prefix):
+    """A fresh directory under /tmp for one run's configs and logs, removed
+    when the driver exits (however it exits)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def free_port():

@@ -3,8 +3,12 @@
 //! line on stderr that names the file and says what its first-line
 //! `# expect:` comment says.
 
+mod support;
+
 use std::path::Path;
 use std::process::Command;
+
+use support::TempFile;
 
 fn check(path: &Path) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
@@ -76,13 +80,10 @@ fn missing_file_is_reported() {
 /// password file), is valid too: the documentation cannot rot.
 #[test]
 fn shipped_smtp_example_is_valid_uncommented() {
-    use std::os::unix::fs::PermissionsExt;
     let text = std::fs::read_to_string("config/sluice.toml").unwrap();
     let start = text.find("# [[smtp_upstream]]").expect("the SMTP example");
     let end = text.find("[limits]").unwrap();
-    let password = std::env::temp_dir().join(format!("sluice-ses-{}.pass", std::process::id()));
-    std::fs::write(&password, "secret\n").unwrap();
-    std::fs::set_permissions(&password, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let password = TempFile::new("ses.pass", "secret\n");
     let example: String = text[start..end]
         .lines()
         .map(|l| {
@@ -94,9 +95,7 @@ fn shipped_smtp_example_is_valid_uncommented() {
         .join("\n")
         .replace("/etc/sluice/ses.pass", password.to_str().unwrap());
     let config = format!("{}{example}\n{}", &text[..start], &text[end..]);
-    let path =
-        std::env::temp_dir().join(format!("sluice-smtp-example-{}.toml", std::process::id()));
-    std::fs::write(&path, config).unwrap();
+    let path = TempFile::new("smtp-example.toml", &config);
     let (code, stdout, stderr) = check(&path);
     assert_eq!(code, 0, "stderr: {stderr}");
     assert!(

@@ -6,19 +6,18 @@
 mod support;
 
 use std::ffi::OsStr;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use support::{PyServer, Sluice, TestCa, clients_dir, python_for};
+use support::{PyServer, Sluice, TempFile, TestCa, clients_dir, python_for};
 
 /// grpc_server.py: its port, and each call's arrival (ns, payload).
 struct GrpcServer(PyServer);
 
 impl GrpcServer {
-    fn start(tls: Option<(PathBuf, PathBuf)>) -> GrpcServer {
-        let args: Vec<&OsStr> = match &tls {
+    fn start(tls: Option<&(TempFile, TempFile)>) -> GrpcServer {
+        let args: Vec<&OsStr> = match tls {
             Some((cert, key)) => vec![
                 OsStr::new("--tls-cert"),
                 cert.as_os_str(),
@@ -207,10 +206,12 @@ fn grpc_over_h2c_is_shaped_and_refused_in_grpc() {
 #[test]
 fn grpc_to_a_tls_upstream_with_h2() {
     let ca = TestCa::new();
-    let server = GrpcServer::start(Some(ca.leaf_files(&["localhost"])));
+    let leaf = ca.leaf_files(&["localhost"]);
+    let server = GrpcServer::start(Some(&leaf));
+    let ca_file = ca.write();
     let cfg = config(&format!("https://localhost:{}", server.port()), "h2").replace(
         "url = ",
-        &format!("ca_file = \"{}\"\nurl = ", ca.write().display()),
+        &format!("ca_file = \"{}\"\nurl = ", ca_file.display()),
     );
     let sluice = Sluice::start(&cfg);
     shaped_calls(&sluice, &server);

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::smtp::{self, Raw, SmtpUpstream, UpstreamOpts, admin_get, arrival_ns, wait_queued};
-use support::{Sluice, TestCa};
+use support::{Sluice, TempFile, TestCa};
 
 /// A config with one upstream on `port` and one listener; `upstream` and
 /// `listener` add lines to each table.
@@ -50,17 +50,9 @@ fn text(v: &Value) -> &str {
     v[1].as_str().unwrap_or("")
 }
 
-/// A file only its owner may read.
-fn secret_file(contents: &str) -> std::path::PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let path = std::env::temp_dir().join(format!(
-        "sluice-secret-{}-{}",
-        std::process::id(),
-        contents.len() ^ contents.as_ptr() as usize
-    ));
-    std::fs::write(&path, contents).unwrap();
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-    path
+/// A file only its owner may read, removed when dropped.
+fn secret_file(contents: &str) -> TempFile {
+    TempFile::new("secret", contents)
 }
 
 fn metrics(s: &Sluice) -> String {

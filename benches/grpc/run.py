@@ -30,14 +30,13 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
-from procs import CpuMeter, children, free_port, nginx_conf, start, started, stop, wait_port  # noqa: E402
+from procs import CpuMeter, children, free_port, nginx_conf, start, started, stop, wait_port, workdir  # noqa: E402
 E2E, SLUICE, NGINX, FLOOR, OUT, NGINX_VERSION, H2LOAD_VERSION = sys.argv[1:8]
-WORK = tempfile.mkdtemp(prefix="sluice-grpc-bench.")
+WORK = workdir("sluice-grpc-bench.")
 CLIENT = os.path.join(ROOT, "tests", "clients", "grpc_client.py")
 METHOD = "/grpc.health.v1.Health/Check"
 SECONDS = 6

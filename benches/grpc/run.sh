@@ -26,6 +26,7 @@ cargo build --release --quiet
 cargo build --release --quiet --bench e2e
 E2E=$(ls -t target/release/deps/e2e-* | grep -v '\.d$' | head -1)
 OUT=$(mktemp -d /tmp/sluice-grpc-bench-out.XXXXXX)
+trap 'rm -rf "$OUT"' EXIT
 cc -O2 -o "$OUT/floor" benches/vs-nginx/floor.c
 
 python3 benches/grpc/run.py "$E2E" target/release/sluice "$NGINX" "$OUT/floor" "$OUT" \

@@ -23,15 +23,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
-from procs import children, free_port, nginx_conf, rss_kib, start, started, stop, wait_port  # noqa: E402
+from procs import children, free_port, nginx_conf, rss_kib, start, started, stop, wait_port, workdir  # noqa: E402
 E2E, SLUICE, NGINX, NGINX_VERSION = sys.argv[1:5]
-WORK = tempfile.mkdtemp(prefix="sluice-memory-bench.")
+WORK = workdir("sluice-memory-bench.")
 HOLD = os.path.join(ROOT, "tests", "clients", "hold_http1.py")
 H1, H2 = 8_000, 100_000
 

@@ -30,15 +30,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
-from procs import free_port, start, started, stop, wait_port  # noqa: E402
+from procs import free_port, start, started, stop, wait_port, workdir  # noqa: E402
 SLUICE, FLOOR, OUT = sys.argv[1:4]
-WORK = tempfile.mkdtemp(prefix="sluice-smtp-bench.")
+WORK = workdir("sluice-smtp-bench.")
 UPSTREAM_PY = os.path.join(ROOT, "tests", "clients", "smtp_upstream.py")
 results = []
 
@@ -309,7 +308,6 @@ def main():
     with open(os.path.join(OUT, "results.jsonl"), "w") as out:
         for r in results:
             out.write(json.dumps(r) + "\n")
-    shutil.rmtree(WORK, ignore_errors=True)
 
 
 def cpu_of(pid):

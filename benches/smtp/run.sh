@@ -24,6 +24,7 @@ export PATH="$PATH:/usr/sbin"
 
 cargo build --release --quiet
 OUT=$(mktemp -d /tmp/sluice-smtp-bench-out.XXXXXX)
+trap 'rm -rf "$OUT"' EXIT
 cc -O2 -o "$OUT/floor" benches/vs-nginx/floor.c
 /usr/bin/python3 benches/smtp/run.py target/release/sluice "$OUT/floor" "$OUT"
 echo "results: $OUT/results.jsonl"

@@ -18,16 +18,15 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benches"))
-from procs import CpuMeter, children, free_port, nginx_conf, rss_kib, start, started, stop, wait_port  # noqa: E402
+from procs import CpuMeter, children, free_port, nginx_conf, rss_kib, start, started, stop, wait_port, workdir  # noqa: E402
 HERE = os.path.join(ROOT, "benches", "vs-nginx")
 E2E, SLUICE, NGINX, FLOOR, OUT = sys.argv[1:6]
-WORK = tempfile.mkdtemp(prefix="sluice-vs-nginx.")
+WORK = workdir("sluice-vs-nginx.")
 RESULTS = os.path.join(OUT, "results.jsonl")
 
 

@@ -25,6 +25,7 @@ cargo build --release --quiet
 cargo build --release --quiet --bench e2e
 E2E=$(ls -t target/release/deps/e2e-* | grep -v '\.d$' | head -1)
 OUT=$(mktemp -d /tmp/sluice-vs-nginx-out.XXXXXX)
+trap 'rm -rf "$OUT"' EXIT
 cc -O2 -o "$OUT/floor" benches/vs-nginx/floor.c
 
 python3 benches/vs-nginx/run.py "$E2E" target/release/sluice "$NGINX" "$OUT/floor" "$OUT"

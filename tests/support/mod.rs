@@ -8,7 +8,7 @@ pub mod smtp;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -136,18 +136,58 @@ pub struct Sluice {
     pub smtp: Option<SocketAddr>,
     /// The admin listener, when the config has an `[admin]` table.
     pub admin: Option<SocketAddr>,
-    pub config: PathBuf,
+    pub config: TempFile,
     log: Arc<Mutex<Vec<String>>>,
 }
 
 static CONFIG_SEQ: AtomicUsize = AtomicUsize::new(0);
 
-/// Write `toml` to a fresh temp file and return its path.
-pub fn write_config(toml: &str) -> PathBuf {
-    let n = CONFIG_SEQ.fetch_add(1, Ordering::SeqCst);
-    let path = std::env::temp_dir().join(format!("sluice-test-{}-{n}.toml", std::process::id()));
-    std::fs::write(&path, toml).unwrap();
-    path
+/// A file of this test process in the temp directory, owner-only
+/// (0600), removed when dropped: tests leave nothing behind in /tmp.
+pub struct TempFile(PathBuf);
+
+impl TempFile {
+    /// A fresh file named after this process, a sequence number and
+    /// `suffix`, holding `contents`.
+    pub fn new(suffix: &str, contents: &str) -> TempFile {
+        use std::os::unix::fs::PermissionsExt;
+        let n = CONFIG_SEQ.fetch_add(1, Ordering::SeqCst);
+        let path =
+            std::env::temp_dir().join(format!("sluice-test-{}-{n}-{suffix}", std::process::id()));
+        std::fs::write(&path, contents).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        TempFile(path)
+    }
+}
+
+impl std::ops::Deref for TempFile {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempFile {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TempFile {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Write `toml` to a fresh temp file, removed when dropped.
+pub fn write_config(toml: &str) -> TempFile {
+    TempFile::new("config.toml", toml)
 }
 
 fn addr_after(line: &str, marker: &str) -> Option<SocketAddr> {
@@ -270,7 +310,6 @@ impl Drop for Sluice {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.config);
     }
 }
 
@@ -337,30 +376,24 @@ impl TestCa {
         }
     }
 
-    /// The CA certificate in a temp file (for `ca_file`).
-    pub fn write(&self) -> PathBuf {
-        let n = CONFIG_SEQ.fetch_add(1, Ordering::SeqCst);
-        let path =
-            std::env::temp_dir().join(format!("sluice-test-ca-{}-{n}.pem", std::process::id()));
-        std::fs::write(&path, &self.pem).unwrap();
-        path
+    /// The CA certificate in a temp file (for `ca_file`), removed when
+    /// the returned guard is dropped.
+    pub fn write(&self) -> TempFile {
+        TempFile::new("ca.pem", &self.pem)
     }
 
     /// A server certificate for `names` and its key, as PEM files (for
-    /// servers configured by path).
-    pub fn leaf_files(&self, names: &[&str]) -> (PathBuf, PathBuf) {
+    /// servers configured by path), removed when dropped.
+    pub fn leaf_files(&self, names: &[&str]) -> (TempFile, TempFile) {
         let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
         let mut params = rcgen::CertificateParams::new(names).unwrap();
         params.use_authority_key_identifier_extension = true;
         let key = rcgen::KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &self.issuer).unwrap();
-        let n = CONFIG_SEQ.fetch_add(1, Ordering::SeqCst);
-        let base =
-            std::env::temp_dir().join(format!("sluice-test-leaf-{}-{n}", std::process::id()));
-        let (cert_path, key_path) = (base.with_extension("crt"), base.with_extension("key"));
-        std::fs::write(&cert_path, cert.pem()).unwrap();
-        std::fs::write(&key_path, key.serialize_pem()).unwrap();
-        (cert_path, key_path)
+        (
+            TempFile::new("leaf.crt", &cert.pem()),
+            TempFile::new("leaf.key", &key.serialize_pem()),
+        )
     }
 
     /// A server certificate for `names`, and its key.

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{TestCa, closed_port};
+use super::{TempFile, TestCa, closed_port};
 
 /// The directory holding `initdb` and `postgres`: on PATH, else Debian's
 /// newest `/usr/lib/postgresql/N/bin`.
@@ -72,7 +72,7 @@ pub struct PostgresServer {
     /// The password, in a file for `password_file`.
     pub password_file: PathBuf,
     /// The CA that signed the server's certificate, with TLS.
-    pub ca_file: Option<PathBuf>,
+    pub ca_file: Option<TempFile>,
 }
 
 impl PostgresServer {

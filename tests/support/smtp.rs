@@ -16,7 +16,7 @@ use serde_json::Value;
 
 static SEQ: AtomicUsize = AtomicUsize::new(0);
 
-use super::clients_dir;
+use super::{TempFile, clients_dir};
 
 /// A Python 3 that has aiosmtpd (`.ci/run` installs Debian's
 /// python3-aiosmtpd).
@@ -29,7 +29,7 @@ pub fn python() -> &'static str {
 #[derive(Default)]
 pub struct UpstreamOpts {
     /// Certificate and key: STARTTLS offered and required.
-    pub tls: Option<(PathBuf, PathBuf)>,
+    pub tls: Option<(TempFile, TempFile)>,
     /// `user:password`: AUTH required.
     pub auth: Option<String>,
 }
@@ -40,6 +40,8 @@ pub struct SmtpUpstream {
     stdin: Option<ChildStdin>,
     pub port: u16,
     mode_file: PathBuf,
+    /// The certificate and key files, kept while the server runs.
+    _tls: Option<(TempFile, TempFile)>,
     arrivals: Arc<Mutex<Vec<Value>>>,
 }
 
@@ -86,6 +88,7 @@ impl SmtpUpstream {
             stdin,
             port,
             mode_file,
+            _tls: opts.tls,
             arrivals,
         }
     }
