@@ -234,9 +234,37 @@ criterion_group!(benches, admission);
 fn main() {
     // A filter (`cargo bench --bench engine -- admit/queue`) runs only the
     // criterion cases it names; "scale" and "parallel" name the others.
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
+    // Values of criterion's options (`--measurement-time 3`) are not
+    // filters.
+    const TAKES_VALUE: &[&str] = &[
+        "--warm-up-time",
+        "--measurement-time",
+        "--sample-size",
+        "--nresamples",
+        "--noise-threshold",
+        "--confidence-level",
+        "--significance-level",
+        "--save-baseline",
+        "--baseline",
+        "--baseline-lenient",
+        "--load-baseline",
+        "--profile-time",
+        "--output-format",
+        "--color",
+        "--plotting-backend",
+        "--format",
+        "-c",
+        "-s",
+        "-b",
+    ];
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let filters: Vec<&String> = args
+        .iter()
+        .enumerate()
+        .filter(|&(i, a)| {
+            !a.starts_with('-') && (i == 0 || !TAKES_VALUE.contains(&args[i - 1].as_str()))
+        })
+        .map(|(_, a)| a)
         .collect();
     let wanted =
         |name: &str| filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()));

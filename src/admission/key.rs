@@ -10,6 +10,11 @@ use std::hash::{Hash, Hasher};
 const INLINE: usize = 22;
 
 /// A client key. Equality and hashing are over the bytes.
+///
+/// The representation is canonical: a key of at most [`INLINE`] bytes is
+/// always inline, with the unused bytes zero, so two inline keys are equal
+/// exactly when their lengths and whole arrays are (a fixed-size compare,
+/// no call into `memcmp`).
 #[derive(Clone)]
 pub struct Key(Repr);
 
@@ -88,7 +93,13 @@ fn shown(value: &[u8]) -> String {
 
 impl PartialEq for Key {
     fn eq(&self, other: &Key) -> bool {
-        self.as_bytes() == other.as_bytes()
+        match (&self.0, &other.0) {
+            (Repr::Inline { len: a, bytes: x }, Repr::Inline { len: b, bytes: y }) => {
+                a == b && x == y
+            }
+            (Repr::Heap(x), Repr::Heap(y)) => x == y,
+            _ => false,
+        }
     }
 }
 
@@ -201,6 +212,25 @@ mod tests {
     fn keys_that_are_not_text_are_shown_percent_encoded() {
         assert_eq!(Key::new(b"hacme").display(), "acme");
         assert_eq!(Key::new(b"h\xff\xfe|%").display(), "%FF%FE%7C%25");
+    }
+
+    proptest::proptest! {
+        /// Equality (a fixed-size compare on inline keys) is byte equality,
+        /// and equal keys hash alike, on both sides of the inline limit.
+        #[test]
+        fn equality_and_hashing_follow_the_bytes(
+            a in proptest::collection::vec(0u8..3, 0..=INLINE + 3),
+            b in proptest::collection::vec(0u8..3, 0..=INLINE + 3),
+        ) {
+            use std::hash::BuildHasher;
+            let (x, y) = (Key::new(&a), Key::new(&b));
+            proptest::prop_assert_eq!(x.as_bytes(), &a[..]);
+            proptest::prop_assert_eq!(x == y, a == b);
+            let s = foldhash::fast::FixedState::with_seed(7);
+            if a == b {
+                proptest::prop_assert_eq!(s.hash_one(&x), s.hash_one(&y));
+            }
+        }
     }
 
     #[test]

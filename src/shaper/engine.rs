@@ -281,7 +281,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
     pub fn new(limits: Limits, shards: usize) -> Engine<K, P> {
         let hasher = foldhash::fast::RandomState::default();
         let shards = (0..shards.clamp(1, 1024) as u32)
-            .map(|i| Mutex::new(Shard::new(i, hasher.clone())))
+            .map(|i| Mutex::new(Shard::new(i)))
             .collect();
         Engine {
             shards,
@@ -406,9 +406,10 @@ impl<K: Hash + Eq, P> Engine<K, P> {
     }
 
     fn shard_index(&self, hash: u64) -> usize {
-        // hashbrown uses the low bits for the bucket and the top seven for
-        // its tags: take the shard from bits in between.
-        ((hash >> 32) as usize) % self.shards.len()
+        // The shards' tables hash by the low 32 bits: the shard comes from
+        // the high ones, scaled to the shard count by a multiply (a division
+        // here was a fifth of this function's time).
+        (((hash >> 32) * self.shards.len() as u64) >> 32) as usize
     }
 
     fn shard_of(&self, hash: u64) -> &Mutex<Shard<K, P>> {

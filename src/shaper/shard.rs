@@ -10,8 +10,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
-use std::hash::{BuildHasher, Hash};
-
+use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
 use hashbrown::HashTable;
@@ -84,6 +83,14 @@ impl Cap {
 /// schedule: coarse, and never before the schedule has passed.
 const EXPIRY_BUCKET_BITS: u32 = 26;
 
+/// The hash this shard's table files a client under, from the low 32 bits
+/// of the engine's hash (the engine picks the shard from the high ones):
+/// repeated in both halves, so that hashbrown's bucket (its low bits) and
+/// tag (its top seven) both come from them.
+fn table_hash(h32: u32) -> u64 {
+    u64::from(h32) * 0x1_0000_0001
+}
+
 /// How late a capped release may come and still keep the cap's grid.
 const CAP_REANCHOR: Nanos = 100_000_000;
 
@@ -115,6 +122,10 @@ struct Slot<K> {
 struct Client<K> {
     key: K,
     route: RouteId,
+    /// The low half of the engine's hash of (route, key): see
+    /// [`table_hash`]. Kept so that growing the table or forgetting the
+    /// client never hashes the key again (it fits in the padding).
+    hash: u32,
     /// The schedule value D: the earliest time its next cost unit may go
     /// (pushed back by the burst tolerance τ when one is configured).
     tat: Nanos,
@@ -165,7 +176,6 @@ enum Decision {
 
 pub(super) struct Shard<K, P> {
     id: u32,
-    hasher: foldhash::fast::RandomState,
     index: HashTable<u32>,
     slots: Vec<Slot<K>>,
     free_slots: Vec<u32>,
@@ -195,10 +205,9 @@ fn stalled(at: Nanos, now: Nanos, capacity: u32, step: Nanos) -> bool {
 }
 
 impl<K: Hash + Eq, P> Shard<K, P> {
-    pub(super) fn new(id: u32, hasher: foldhash::fast::RandomState) -> Shard<K, P> {
+    pub(super) fn new(id: u32) -> Shard<K, P> {
         Shard {
             id,
-            hasher,
             index: HashTable::new(),
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -216,13 +225,69 @@ impl<K: Hash + Eq, P> Shard<K, P> {
     fn find(&self, route: RouteId, key: &K, hash: u64) -> Option<u32> {
         let slots = &self.slots;
         self.index
-            .find(hash, |&s| {
+            .find(table_hash(hash as u32), |&s| {
                 slots[s as usize]
                     .client
                     .as_ref()
                     .is_some_and(|c| c.route == route && c.key == *key)
             })
             .copied()
+    }
+
+    /// The slot of (route, key), made (counted against the budget) when
+    /// the client has no state. `None` when no client may be added.
+    fn find_or_insert(
+        &mut self,
+        route: RouteId,
+        key: K,
+        hash: u64,
+        now: Nanos,
+        budget: &Budget,
+    ) -> Option<u32> {
+        if let Some(slot) = self.find(route, &key, hash) {
+            return Some(slot);
+        }
+        if !budget.take_client() {
+            // Out of client room: forget what has expired first.
+            self.expire(now, budget);
+            if !budget.take_client() {
+                return None;
+            }
+        }
+        let h32 = hash as u32;
+        let client = Client {
+            key,
+            route,
+            hash: h32,
+            tat: 0,
+            due: 0,
+            waiting_cost: 0,
+            waiting: 0,
+            head: NIL,
+            tail: NIL,
+            in_expiry: false,
+        };
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s as usize].client = Some(client);
+                s
+            }
+            None => {
+                self.slots.push(Slot {
+                    generation: 0,
+                    client: Some(client),
+                });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slots = &self.slots;
+        self.index.insert_unique(table_hash(h32), slot, |&s| {
+            slots[s as usize]
+                .client
+                .as_ref()
+                .map_or(0, |c| table_hash(c.hash))
+        });
+        Some(slot)
     }
 
     fn client(&self, slot: u32) -> Option<&Client<K>> {
@@ -341,17 +406,8 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         let Some(policy) = self.routes.get(route.0 as usize).map(|r| r.policy) else {
             return Admission::Rejected(Rejection::TooManyClients);
         };
-        let slot = match self.find(route, &key, hash) {
-            Some(slot) => slot,
-            None => {
-                if !budget.take_client() {
-                    self.expire(now, budget);
-                    if !budget.take_client() {
-                        return Admission::Rejected(Rejection::TooManyClients);
-                    }
-                }
-                self.insert(route, key, hash)
-            }
+        let Some(slot) = self.find_or_insert(route, key, hash, now, budget) else {
+            return Admission::Rejected(Rejection::TooManyClients);
         };
         let ask = Ask {
             policy: &policy,
@@ -722,50 +778,11 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         self.client(e.client).map(|c| c.route)
     }
 
-    fn hash(&self, route: RouteId, key: &K) -> u64 {
-        self.hasher.hash_one((route.0, key))
-    }
-
-    fn insert(&mut self, route: RouteId, key: K, hash: u64) -> u32 {
-        let client = Client {
-            key,
-            route,
-            tat: 0,
-            due: 0,
-            waiting_cost: 0,
-            waiting: 0,
-            head: NIL,
-            tail: NIL,
-            in_expiry: false,
-        };
-        let slot = match self.free_slots.pop() {
-            Some(s) => {
-                self.slots[s as usize].client = Some(client);
-                s
-            }
-            None => {
-                self.slots.push(Slot {
-                    generation: 0,
-                    client: Some(client),
-                });
-                (self.slots.len() - 1) as u32
-            }
-        };
-        let (slots, hasher) = (&self.slots, &self.hasher);
-        self.index.insert_unique(hash, slot, |&s| {
-            slots[s as usize]
-                .client
-                .as_ref()
-                .map_or(0, |c| hasher.hash_one((c.route.0, &c.key)))
-        });
-        slot
-    }
-
     fn remove(&mut self, slot: u32, budget: &Budget) {
-        let Some(hash) = self.client(slot).map(|c| self.hash(c.route, &c.key)) else {
+        let Some(h32) = self.client(slot).map(|c| c.hash) else {
             return;
         };
-        if let Ok(entry) = self.index.find_entry(hash, |&s| s == slot) {
+        if let Ok(entry) = self.index.find_entry(table_hash(h32), |&s| s == slot) {
             entry.remove();
         }
         let s = &mut self.slots[slot as usize];
@@ -965,5 +982,15 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             }
         }
         (end < self.slots.len()).then_some(end)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The stored hash sits in what was padding: a client's slot with a
+    /// 24-byte key (the daemon's key type) is still 80 bytes.
+    #[test]
+    fn the_stored_hash_costs_no_memory() {
+        assert_eq!(std::mem::size_of::<super::Slot<[u64; 3]>>(), 80);
     }
 }
