@@ -200,16 +200,21 @@ async fn global_cap_is_shared_fairly() {
             "{k} got {n} in 2 s (expected 20 +- 2): {per:?}"
         );
     }
-    // Spaced 1/R = 25 ms apart at the upstream (minus scheduling jitter).
+    // Spaced 1/R = 25 ms apart at the upstream. After a late release the
+    // cap catches up no faster than twice its rate (DESIGN section 1), so
+    // 12.5 ms gaps are correct; below 10 ms is a stall of this process
+    // stamping arrivals late (a busy machine) or a broken cap. Without the
+    // cap the 124 departures would come about 2.5 ms apart.
     let mut times: Vec<Instant> = seen.iter().map(|x| x.at).collect();
     times.sort();
     let close = times
         .windows(2)
-        .filter(|w| w[1] - w[0] < Duration::from_millis(15))
+        .filter(|w| w[1] - w[0] < Duration::from_millis(10))
         .count();
     assert!(
-        close <= 3,
-        "{close} upstream departures closer than 15 ms under a 40/s cap"
+        close <= times.len() / 20,
+        "{close} of {} upstream departures closer than 10 ms under a 40/s cap",
+        times.len()
     );
 }
 
