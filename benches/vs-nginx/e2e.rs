@@ -14,6 +14,12 @@
 //! `e2e clear DS_PORT`     forgets the downstream's arrivals.
 //! `e2e intervals DS_PORT RATE` prints the interval statistics of the
 //!                         arrivals since then (a backlog driven by wrk).
+//! `e2e direct DS_PORT RATE N` the end-to-end floor of a pacing scenario:
+//!                         no proxy, one thread sends N requests straight to
+//!                         the downstream on one kept-alive connection, each
+//!                         at its absolute deadline (sleep, then spin the
+//!                         last 100 µs), and prints the arrivals' interval
+//!                         statistics as `pacing` does.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -70,6 +76,7 @@ async fn dispatch(args: Vec<String>) -> Result<(), Fail> {
         Some("many") => many(&arg(1)?, num(2)? as u16, num(3)?).await,
         Some("intervals") => intervals(num(1)? as u16, num(2)?).await,
         Some("clear") => arrivals(num(1)? as u16).await.map(|_| ()),
+        Some("direct") => direct(num(1)? as u16, num(2)?, num(3)?).await,
         _ => Err(
             "usage: e2e downstream PORT | e2e (seed|pacing|passthrough|flood|many) URL DS_PORT ..."
                 .into(),
@@ -266,6 +273,56 @@ async fn intervals(ds_port: u16, rate: u64) -> Result<(), Fail> {
     let mut line = interval_stats(&times, rate, 10);
     line["scenario"] = json!("intervals");
     println!("{line}");
+    Ok(())
+}
+
+/// What a perfect pacer would show through this downstream on this
+/// machine: `n` requests sent `1/rate` apart by one thread that sleeps and
+/// then spins to each absolute deadline, on one connection opened before.
+/// Every wake-up a proxy adds is absent; what remains is the loopback and
+/// the downstream's own wake-up.
+async fn direct(ds_port: u16, rate: u64, n: u64) -> Result<(), Fail> {
+    let _ = arrivals(ds_port).await?;
+    tokio::task::spawn_blocking(move || direct_send(ds_port, rate, n)).await??;
+    let times = arrivals(ds_port).await?;
+    let mut line = interval_stats(&times, rate, 10);
+    line["scenario"] = json!("direct");
+    println!("{line}");
+    Ok(())
+}
+
+fn direct_send(ds_port: u16, rate: u64, n: u64) -> Result<(), Fail> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", ds_port))?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let spin = Duration::from_micros(100);
+    let interval = Duration::from_nanos(1_000_000_000 / rate.max(1));
+    let start = Instant::now() + Duration::from_millis(20);
+    let mut buf = [0u8; 1024];
+    for i in 0..n.min(100_000) {
+        let at = start + interval * u32::try_from(i)?;
+        let now = Instant::now();
+        if at > now + spin {
+            std::thread::sleep(at - now - spin);
+        }
+        while Instant::now() < at {
+            std::hint::spin_loop();
+        }
+        s.write_all(b"GET /direct HTTP/1.1\r\nHost: downstream\r\n\r\n")?;
+        // The downstream answers "ok" with a Content-Length: read to it.
+        let mut got = 0;
+        while !(buf[..got].windows(4).any(|w| w == b"\r\n\r\n") && buf[..got].ends_with(b"ok")) {
+            if got == buf.len() {
+                return Err("an unexpected answer from the downstream".into());
+            }
+            let k = s.read(&mut buf[got..])?;
+            if k == 0 {
+                return Err("the downstream closed the connection".into());
+            }
+            got += k;
+        }
+    }
     Ok(())
 }
 

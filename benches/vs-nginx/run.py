@@ -6,6 +6,9 @@ Each proxy runs in front of the same Rust downstream and is driven by wrk
 (what operators use) and by our own load tool (benches/vs-nginx/e2e.rs).
 The C spinner (floor.c) measures this machine's scheduling floor while
 each pacing scenario runs, beside it (the same load, the same moment).
+Just before each pacing scenario, `e2e direct` measures the end-to-end
+floor: no proxy, one thread pacing requests straight to the same
+downstream at the same rate, sleeping and spinning to each deadline.
 CPU per request comes from `perf stat` task-clock over the wrk run, split
 into user and system time from /proc.
 
@@ -185,19 +188,23 @@ def main():
             scenario(p, "seed", 5, 10, lambda: e2e("seed", p.url + "/x", ds))
             for rate, n in ((100, 500), (1000, 5000)):
                 def pacing(rate=rate, n=n):
+                    d = e2e("direct", ds, rate, n)
                     f = Floor(n / rate)
                     r = e2e("pacing", p.url + "/x", ds, rate, n)
                     r["floor"] = f.result()
+                    r["direct"] = d
                     return r
                 scenario(p, f"pacing-{rate}", rate, n, pacing)
 
             def backlog():
+                d = e2e("direct", ds, 1000, 5000)
                 e2e("clear", ds)
                 f = Floor(10)
                 w = wrk(p, 32, 10, key="backlog")
                 r = e2e("intervals", ds, 1000)
                 r["wrk"] = w
                 r["floor"] = f.result()
+                r["direct"] = d
                 return r
             scenario(p, "backlog-1000", 1000, 50, backlog)
             scenario(p, "passthrough-wrk", 1000000, 1000000,
