@@ -220,7 +220,7 @@ fn main() {
             Cluster::new(&config(Store::Postgres(Box::new(PostgresConfig {
                 target,
                 roots: None,
-                password_file: Some(pg.password_file.clone()),
+                password_file: Some(pg.password_file.to_path_buf()),
                 durable: false,
                 pool_size: PG_POOL,
             }))))

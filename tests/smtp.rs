@@ -50,11 +50,6 @@ fn text(v: &Value) -> &str {
     v[1].as_str().unwrap_or("")
 }
 
-/// A file only its owner may read, removed when dropped.
-fn secret_file(contents: &str) -> TempFile {
-    TempFile::new("secret", contents)
-}
-
 fn metrics(s: &Sluice) -> String {
     admin_get(s.admin.unwrap(), "/metrics")
 }
@@ -206,8 +201,8 @@ fn auth_inbound_and_outbound() {
         tls: Some(ca.leaf_files(&["127.0.0.1"])),
         auth: Some("relayuser:relay-pass".to_owned()),
     });
-    let users = secret_file("# inbound users\napp:s3cret\nother:pw2\n");
-    let password = secret_file("relay-pass\n");
+    let users = TempFile::new("secret", "# inbound users\napp:s3cret\nother:pw2\n");
+    let password = TempFile::new("secret", "relay-pass\n");
     let toml = config(
         up.port,
         &format!(
@@ -242,7 +237,7 @@ fn auth_inbound_and_outbound() {
     assert_eq!(code(&anonymous[0]["mail"]), Some(530), "{anonymous:?}");
 
     // A wrong upstream password: the client gets a 4xx, never a 250.
-    let bad = secret_file("not-the-password\n");
+    let bad = TempFile::new("secret", "not-the-password\n");
     let toml = config(
         up.port,
         &format!(

@@ -7,7 +7,7 @@ mod support;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{Downstream, RedisServer, Sluice, client, get};
+use support::{Downstream, RedisServer, Sluice, TempFile, client, get};
 
 fn config(downstream: std::net::SocketAddr, extra: &str) -> String {
     format!(
@@ -187,15 +187,13 @@ async fn dashboard_and_alert_rules_use_only_exported_metrics() {
     assert_eq!(a.status, 200);
     let scrape = get(&http, &sluice.admin_url("/metrics"), &[]).await;
     assert_eq!(scrape.status, 200);
-    let file = std::env::temp_dir().join(format!("sluice-scrape-{}.txt", std::process::id()));
-    std::fs::write(&file, &scrape.body).unwrap();
+    let file = TempFile::new("scrape.txt", &scrape.body);
 
     let check = Command::new("python3")
         .arg("contrib/check_metrics.py")
         .arg(&file)
         .output()
         .expect("python3 runs contrib/check_metrics.py");
-    let _ = std::fs::remove_file(&file);
     assert!(
         check.status.success(),
         "metrics the dashboard or rules use but sluice does not export:\n{}{}",

@@ -140,7 +140,7 @@ pub struct Sluice {
     log: Arc<Mutex<Vec<String>>>,
 }
 
-static CONFIG_SEQ: AtomicUsize = AtomicUsize::new(0);
+static TEMP_SEQ: AtomicUsize = AtomicUsize::new(0);
 
 /// A file of this test process in the temp directory, owner-only
 /// (0600), removed when dropped: tests leave nothing behind in /tmp.
@@ -149,9 +149,9 @@ pub struct TempFile(PathBuf);
 impl TempFile {
     /// A fresh file named after this process, a sequence number and
     /// `suffix`, holding `contents`.
-    pub fn new(suffix: &str, contents: &str) -> TempFile {
+    pub fn new(suffix: &str, contents: impl AsRef<[u8]>) -> TempFile {
         use std::os::unix::fs::PermissionsExt;
-        let n = CONFIG_SEQ.fetch_add(1, Ordering::SeqCst);
+        let n = TEMP_SEQ.fetch_add(1, Ordering::SeqCst);
         let path =
             std::env::temp_dir().join(format!("sluice-test-{}-{n}-{suffix}", std::process::id()));
         std::fs::write(&path, contents).unwrap();
@@ -391,8 +391,8 @@ impl TestCa {
         let key = rcgen::KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &self.issuer).unwrap();
         (
-            TempFile::new("leaf.crt", &cert.pem()),
-            TempFile::new("leaf.key", &key.serialize_pem()),
+            TempFile::new("leaf.crt", cert.pem()),
+            TempFile::new("leaf.key", key.serialize_pem()),
         )
     }
 
@@ -665,7 +665,7 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> RedisCluster {
-        let n = CONFIG_SEQ.fetch_add(1, Ordering::SeqCst);
+        let n = TEMP_SEQ.fetch_add(1, Ordering::SeqCst);
         let dir =
             std::env::temp_dir().join(format!("sluice-redis-cluster-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

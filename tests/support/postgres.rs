@@ -70,7 +70,7 @@ pub struct PostgresServer {
     pub port: u16,
     dir: PathBuf,
     /// The password, in a file for `password_file`.
-    pub password_file: PathBuf,
+    pub password_file: TempFile,
     /// The CA that signed the server's certificate, with TLS.
     pub ca_file: Option<TempFile>,
 }
@@ -94,9 +94,7 @@ impl PostgresServer {
         std::fs::create_dir_all(dir.join("data")).unwrap();
         let pwfile = dir.join("pw");
         std::fs::write(&pwfile, format!("{PASSWORD}\n")).unwrap();
-        let password_file =
-            std::env::temp_dir().join(format!("sluice-pgpw-{}-{n}", std::process::id()));
-        std::fs::write(&password_file, format!("{PASSWORD}\n")).unwrap();
+        let password_file = TempFile::new("pg.pass", format!("{PASSWORD}\n"));
         let ca_file = ca.map(|ca| {
             let (cert, key) = ca.leaf_files(&["localhost", "127.0.0.1"]);
             std::fs::copy(&cert, dir.join("server.crt")).unwrap();
@@ -303,6 +301,5 @@ impl Drop for PostgresServer {
         self.signal("CONT");
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
-        let _ = std::fs::remove_file(&self.password_file);
     }
 }

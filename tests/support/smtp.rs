@@ -6,15 +6,11 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-
-static SEQ: AtomicUsize = AtomicUsize::new(0);
 
 use super::{TempFile, clients_dir};
 
@@ -39,7 +35,7 @@ pub struct SmtpUpstream {
     child: Child,
     stdin: Option<ChildStdin>,
     pub port: u16,
-    mode_file: PathBuf,
+    mode_file: TempFile,
     /// The certificate and key files, kept while the server runs.
     _tls: Option<(TempFile, TempFile)>,
     arrivals: Arc<Mutex<Vec<Value>>>,
@@ -47,10 +43,7 @@ pub struct SmtpUpstream {
 
 impl SmtpUpstream {
     pub fn start(opts: UpstreamOpts) -> SmtpUpstream {
-        let n = SEQ.fetch_add(1, Ordering::SeqCst);
-        let mode_file =
-            std::env::temp_dir().join(format!("sluice-smtp-mode-{}-{n}", std::process::id()));
-        std::fs::write(&mode_file, "ok").unwrap();
+        let mode_file = TempFile::new("smtp-mode", "ok");
         let mut cmd = Command::new(python());
         cmd.arg(clients_dir().join("smtp_upstream.py"))
             .arg("--mode-file")
@@ -126,7 +119,6 @@ impl SmtpUpstream {
 impl Drop for SmtpUpstream {
     fn drop(&mut self) {
         self.stop();
-        let _ = std::fs::remove_file(&self.mode_file);
     }
 }
 
