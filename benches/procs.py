@@ -114,12 +114,15 @@ class CpuMeter:
         return res
 
 
-def rss_kib(pids):
+def rss_kib(pids, field="VmRSS"):
+    """Resident memory of `pids` in KiB, summed: all of it (`VmRSS`), or one
+    part of it (`RssAnon`: heap and stacks; `RssFile`: the binary's and
+    libraries' pages)."""
     total = 0
     for pid in pids:
         try:
             for line in open(f"/proc/{pid}/status"):
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     total += int(line.split()[1])
         except OSError:
             pass

@@ -185,6 +185,7 @@ fn run(path: std::path::PathBuf, config: Config) -> ExitCode {
 }
 
 /// jemalloc, with its background thread purging freed pages: memory held
-/// for a load spike returns to the system once the load falls.
+/// for a load spike returns to the system once the load falls. Its slab
+/// sizes are set at build time in `.cargo/config.toml`.
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;

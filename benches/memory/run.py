@@ -6,7 +6,9 @@ Each proxy, 2 workers, in front of the same downstream (`e2e downstream`),
 with a per-client limit that holds everything (sluice: 1/h with capacity
 1,000,000; nginx: `limit_req` 1 r/m with burst 1,000,000, no nodelay):
 
-  1. idle: resident memory (all processes) after one request;
+  1. idle: resident memory (all processes) after one request, and the
+     anonymous part of it (RssAnon: heap and stacks; the rest is the
+     binary's and libraries' file pages);
   2. HTTP/1.1: 8,000 requests, one connection each
      (tests/clients/hold_http1.py), held; RSS once it stops growing; the
      clients close; RSS 20 s later;
@@ -90,8 +92,8 @@ max_queued = 1000000
         wait_port(self.h2_port)
         time.sleep(0.5)
 
-    def rss(self):
-        return rss_kib([self.proc.pid] + children(self.proc.pid))
+    def rss(self, field="VmRSS"):
+        return rss_kib([self.proc.pid] + children(self.proc.pid), field)
 
     def status(self):
         """sluice's /status (None for nginx)."""
@@ -136,6 +138,7 @@ def measure(proxy, what, n, load):
         urllib.request.urlopen(urllib.request.Request(
             f"http://127.0.0.1:{proxy.port}/warm", headers={"X-Client": "warm"}), timeout=5).read()
         idle = proxy.rss()
+        idle_anon = proxy.rss("RssAnon")
         alloc = {"idle": proxy.allocator()}
         client = load(proxy)
         held = settled(proxy)
@@ -148,8 +151,10 @@ def measure(proxy, what, n, load):
         started.remove(client)
         time.sleep(20)
         after = proxy.rss()
+        after_anon = proxy.rss("RssAnon")
         alloc["after"] = proxy.allocator()
         return {"idle_kib": idle, "held_kib": held, "after_kib": after, "queued": queued,
+                "idle_anon_kib": idle_anon, "after_anon_kib": after_anon,
                 "bytes_per_request": (held - idle) * 1024 / n, "allocator_kib": alloc}
     finally:
         proxy.stop()
@@ -197,6 +202,9 @@ def main():
         sa, ga = s["after_kib"] / s["idle_kib"], g["after_kib"] / g["idle_kib"]
         print(f"|   same: RSS 20 s after the clients left, x idle | {sa:.2f} | {ga:.2f} | n/a | "
               f"<= 1.50: {'met' if sa <= 1.5 else '**missed**'} |")
+        print(f"|   same: of which anonymous (RssAnon: heap, stacks), idle / 20 s after, MiB | "
+              f"{s['idle_anon_kib'] / 1024:.1f} / {s['after_anon_kib'] / 1024:.1f} | "
+              f"{g['idle_anon_kib'] / 1024:.1f} / {g['after_anon_kib'] / 1024:.1f} | n/a | |")
         print(f"|   same: requests sluice held (/status queued) | {s['queued']} | n/a | | |")
         a = s.get("allocator_kib") or {}
         if all(a.get(k) for k in ("idle", "held", "after")):
