@@ -1,8 +1,9 @@
 """Format the JSON lines of benches/vs-nginx/run.py as markdown: the machine,
 one table per worker count (sluice and nginx with the same number of
 workers, side by side, with ratios), the scheduling floor measured beside
-each pacing scenario and the end-to-end floor (no proxy) just before it, and the DESIGN section 6 targets checked against the
-2-worker run (nginx's configuration in the issue that set them)."""
+each pacing scenario and the end-to-end floor (no proxy) just before it,
+and the DESIGN section 6 targets checked against the 2-worker run (nginx's
+configuration in the issue that set them)."""
 import json
 import platform
 import subprocess

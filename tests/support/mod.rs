@@ -142,18 +142,22 @@ pub struct Sluice {
 
 static TEMP_SEQ: AtomicUsize = AtomicUsize::new(0);
 
+/// A fresh path in the temp directory, named after this test process, a
+/// sequence number and `name`.
+pub fn temp_path(name: &str) -> PathBuf {
+    let n = TEMP_SEQ.fetch_add(1, Ordering::SeqCst);
+    std::env::temp_dir().join(format!("sluice-test-{}-{n}-{name}", std::process::id()))
+}
+
 /// A file of this test process in the temp directory, owner-only
 /// (0600), removed when dropped: tests leave nothing behind in /tmp.
 pub struct TempFile(PathBuf);
 
 impl TempFile {
-    /// A fresh file named after this process, a sequence number and
-    /// `suffix`, holding `contents`.
+    /// A fresh file ([`temp_path`]) holding `contents`.
     pub fn new(suffix: &str, contents: impl AsRef<[u8]>) -> TempFile {
         use std::os::unix::fs::PermissionsExt;
-        let n = TEMP_SEQ.fetch_add(1, Ordering::SeqCst);
-        let path =
-            std::env::temp_dir().join(format!("sluice-test-{}-{n}-{suffix}", std::process::id()));
+        let path = temp_path(suffix);
         std::fs::write(&path, contents).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         TempFile(path)
@@ -665,9 +669,7 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> RedisCluster {
-        let n = TEMP_SEQ.fetch_add(1, Ordering::SeqCst);
-        let dir =
-            std::env::temp_dir().join(format!("sluice-redis-cluster-{}-{n}", std::process::id()));
+        let dir = temp_path("redis-cluster");
         std::fs::create_dir_all(&dir).unwrap();
         let ports: Vec<u16> = (0..3).map(|_| closed_port()).collect();
         let mut c = RedisCluster {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{TempFile, TestCa, closed_port};
+use super::{TempFile, TestCa, closed_port, temp_path};
 
 /// The directory holding `initdb` and `postgres`: on PATH, else Debian's
 /// newest `/usr/lib/postgresql/N/bin`.
@@ -87,9 +87,7 @@ impl PostgresServer {
     }
 
     fn start_with(ca: Option<&TestCa>) -> PostgresServer {
-        static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let dir = std::env::temp_dir().join(format!("sluice-pg-{}-{n}", std::process::id()));
+        let dir = temp_path("pg");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("data")).unwrap();
         let pwfile = dir.join("pw");
