@@ -202,12 +202,17 @@ pub struct Hold {
 
 enum HoldKind {
     Local(Waiting),
-    Shared {
-        at: Nanos,
-        shaper: Shaper<Key>,
-        cluster: Arc<Cluster>,
-        reservation: Option<Reservation>,
-    },
+    /// Boxed: cluster holds are the rarer kind, and every held request
+    /// carries the enum.
+    Shared(Box<SharedHold>),
+}
+
+/// A request held by our pacer for the departure the shared schedule gave.
+struct SharedHold {
+    at: Nanos,
+    shaper: Shaper<Key>,
+    cluster: Arc<Cluster>,
+    reservation: Option<Reservation>,
 }
 
 impl Hold {
@@ -216,7 +221,7 @@ impl Hold {
     pub fn departure(&self) -> Option<Instant> {
         match self.kind.as_ref()? {
             HoldKind::Local(w) => Some(w.departure()),
-            HoldKind::Shared { at, shaper, .. } => Some(shaper.instant(*at)),
+            HoldKind::Shared(s) => Some(s.shaper.instant(s.at)),
         }
     }
 
@@ -236,12 +241,13 @@ impl Hold {
     fn release(&self, kind: HoldKind) {
         match kind {
             HoldKind::Local(waiting) => drop(waiting),
-            HoldKind::Shared {
-                shaper,
-                cluster,
-                reservation,
-                ..
-            } => {
+            HoldKind::Shared(s) => {
+                let SharedHold {
+                    shaper,
+                    cluster,
+                    reservation,
+                    ..
+                } = *s;
                 shaper.budget().give_queued();
                 if let Some(r) = reservation {
                     cluster.cancel(r);
@@ -257,8 +263,8 @@ impl Hold {
         let closing = self.closing.clone();
         let result = match self.kind.as_mut() {
             None => Ok(()),
-            Some(HoldKind::Shared { at, shaper, .. }) => {
-                let (at, shaper) = (*at, shaper.clone());
+            Some(HoldKind::Shared(s)) => {
+                let (at, shaper) = (s.at, s.shaper.clone());
                 tokio::select! {
                     () = shaper.sleep_until(at) => Ok(()),
                     () = closing.cancelled() => Err(HoldError::Closed),
@@ -302,7 +308,7 @@ impl Hold {
     /// waiter that did not depart (max_wait passed) is withdrawn.
     fn settle(&mut self) {
         match self.kind.take() {
-            Some(HoldKind::Shared { shaper, .. }) => shaper.budget().give_queued(),
+            Some(HoldKind::Shared(s)) => s.shaper.budget().give_queued(),
             Some(HoldKind::Local(waiting)) => drop(waiting),
             None => {}
         }
@@ -576,12 +582,12 @@ impl Admission {
                         .saturating_add(u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX));
                     Verdict::Wait(Hold {
                         rule: rule.clone(),
-                        kind: Some(HoldKind::Shared {
+                        kind: Some(HoldKind::Shared(Box::new(SharedHold {
                             at,
                             shaper: self.shaper.clone(),
                             cluster: cluster.clone(),
                             reservation: Some(reservation),
-                        }),
+                        }))),
                         arrival,
                         deadline: None,
                         closing: self.closing.clone(),

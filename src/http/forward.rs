@@ -13,7 +13,7 @@
 //! driven with upgrades on, so a `101` hands back the raw connection for a
 //! tunnel.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -148,6 +148,13 @@ enum Back {
     H2(Arc<()>),
 }
 
+/// What a request's head keeps from its arrival for its departure's
+/// rewrite: the client's address and the host it asked for.
+pub struct Origin {
+    peer: IpAddr,
+    host: Option<HeaderValue>,
+}
+
 /// One configured upstream, as one worker sees it.
 pub struct Upstream {
     name: String,
@@ -256,16 +263,19 @@ impl Upstream {
         self.request_timeout
     }
 
-    /// Forward `req` and stream the response back; 502 when the upstream
-    /// cannot be reached, 504 when it does not answer in time.
-    /// Rewrite an inbound request head for this upstream: the target in
-    /// absolute form with the upstream's path prefix (and the route's
-    /// `strip_prefix` removed; the query byte for byte), the `Host` its
-    /// mode says, hop-by-hop headers and `Expect` removed (sluice answers
-    /// `100-continue` itself), `X-Forwarded-*` and `Via` added. `None` when
-    /// the target cannot be forwarded (400).
-    pub fn prepare(&self, parts: &mut Parts, peer: SocketAddr, strip: Option<&str>) -> Option<()> {
-        let client_host = parts.headers.get(HOST).cloned().or_else(|| {
+    /// Point an inbound request at this upstream, on its arrival: the
+    /// target in absolute form with the upstream's path prefix (and the
+    /// route's `strip_prefix` removed; the query byte for byte). `None`
+    /// when the target cannot be forwarded (400). What the rest of the
+    /// head needs from the client's target (its host) is returned for
+    /// [`Upstream::rewrite`].
+    pub fn retarget(
+        &self,
+        parts: &mut Parts,
+        peer: SocketAddr,
+        strip: Option<&str>,
+    ) -> Option<Origin> {
+        let host = parts.headers.get(HOST).cloned().or_else(|| {
             parts
                 .uri
                 .authority()
@@ -276,6 +286,20 @@ impl Upstream {
         target.authority = Some(self.authority.clone());
         target.path_and_query = Some(self.map_path(parts.uri.path_and_query(), strip)?);
         parts.uri = Uri::from_parts(target).ok()?;
+        Some(Origin {
+            peer: peer.ip(),
+            host,
+        })
+    }
+
+    /// Rewrite the headers of a request [`Upstream::retarget`]ed, on its
+    /// departure: the `Host` its mode says, hop-by-hop headers and
+    /// `Expect` removed (sluice answers `100-continue` itself),
+    /// `X-Forwarded-*` and `Via` added. Done at the departure, not the
+    /// arrival, so that a held request's header table is the client's
+    /// alone (adding five headers to a small request doubles its table).
+    pub fn rewrite(&self, parts: &mut Parts, origin: Origin) {
+        let Origin { peer, host } = origin;
         let upgrade = upgrade_to(&parts.headers);
         let trailers = accepts_trailers(&parts.headers);
         strip_hop_by_hop(&mut parts.headers);
@@ -293,11 +317,11 @@ impl Upstream {
                 .headers
                 .insert(TE, HeaderValue::from_static("trailers"));
         }
-        add_forwarded(&mut parts.headers, peer.ip(), client_host.as_ref());
+        add_forwarded(&mut parts.headers, peer, host.as_ref());
         append_via(&mut parts.headers, parts.version);
         let host = match &self.host {
             HostMode::Upstream => HeaderValue::from_str(self.authority.as_str()).ok(),
-            HostMode::Client => client_host,
+            HostMode::Client => host,
             HostMode::Fixed(v) => Some(v.clone()),
         };
         match host {
@@ -305,7 +329,6 @@ impl Upstream {
             None => parts.headers.remove(HOST),
         };
         parts.version = Version::HTTP_11;
-        Some(())
     }
 
     /// The path sent upstream: the upstream URL's path, then the request's
@@ -649,13 +672,13 @@ pub enum OutBody {
     Stream(Incoming),
     Staged {
         data: Option<Bytes>,
-        trailers: Option<HeaderMap>,
+        trailers: Option<Box<HeaderMap>>,
     },
 }
 
 impl OutBody {
     /// A staged body, sent again as often as needed.
-    pub fn staged(data: Bytes, trailers: Option<HeaderMap>) -> OutBody {
+    pub fn staged(data: Bytes, trailers: Option<Box<HeaderMap>>) -> OutBody {
         OutBody::Staged {
             data: (!data.is_empty()).then_some(data),
             trailers,
@@ -676,7 +699,7 @@ impl Body for OutBody {
             OutBody::Staged { data, trailers } => Poll::Ready(
                 data.take()
                     .map(|d| Ok(Frame::data(d)))
-                    .or_else(|| trailers.take().map(|t| Ok(Frame::trailers(t)))),
+                    .or_else(|| trailers.take().map(|t| Ok(Frame::trailers(*t)))),
             ),
         }
     }

@@ -32,7 +32,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::task::TaskTracker;
 
 use super::Shared;
-use super::forward::{OutBody, Upstream};
+use super::forward::{Origin, OutBody, Upstream};
 use super::grpc;
 use super::headers::{add_ratelimit_headers, upgrade_to};
 use super::key;
@@ -86,6 +86,8 @@ struct Admit {
     /// Index into `app.routes`.
     route: usize,
     parts: Parts,
+    /// For the head's rewrite at the departure.
+    origin: Origin,
     body: Incoming,
     key: Key,
     cost: u32,
@@ -94,8 +96,20 @@ struct Admit {
     switch: Option<Switch>,
 }
 
+/// What an admitted request does next.
+enum Step {
+    /// Depart now, its body read in full first.
+    Stage,
+    /// Depart now, its body streamed.
+    Stream,
+    /// A gRPC call: wait, its body not staged.
+    Call(Hold),
+    /// Wait, staging its body meanwhile.
+    Wait(Hold),
+}
+
 impl Handler {
-    /// The answer to `req`. Routing, the key and the request's rewriting
+    /// The answer to `req`. Routing, the key and the request's new target
     /// happen here, synchronously; what is returned is the admission's
     /// future alone (a held request's whole state, so kept small: an
     /// `async fn` would also carry the request it was given).
@@ -127,7 +141,8 @@ impl Handler {
         })
     }
 
-    /// Route, key and rewrite a request; or the answer that refuses it.
+    /// Route, key and retarget a request (its headers are rewritten at its
+    /// departure: [`Upstream::rewrite`]); or the answer that refuses it.
     #[expect(
         clippy::result_large_err,
         reason = "the error is the response itself, returned once; boxing it would add an allocation to every refusal"
@@ -215,18 +230,17 @@ impl Handler {
                 }
             };
         }
-        if upstream
-            .prepare(&mut parts, peer, route.strip_prefix.as_deref())
-            .is_none()
-        {
+        let Some(origin) = upstream.retarget(&mut parts, peer, route.strip_prefix.as_deref())
+        else {
             route.rule.count(Outcome::Invalid);
             let detail = "the request target cannot be forwarded";
             return Err(problem(StatusCode::BAD_REQUEST, detail, None));
-        }
+        };
         Ok(Admit {
             app,
             route: index,
             parts,
+            origin,
             body,
             key,
             cost,
@@ -239,94 +253,119 @@ impl Handler {
     /// waits without staging (a streaming call's body flows once it
     /// departs) and is refused at once when its deadline ends before its
     /// departure.
-    async fn admit(self: Arc<Self>, a: Admit) -> Response<ProxyBody> {
-        // Fields are used in place: a destructured copy would be a
-        // second one in this future. `prepare` found both indices in this
-        // same (immutable) table.
-        let route = &a.app.routes[a.route];
-        let upstream = &a.app.upstreams[route.upstream];
-        let arrival = Instant::now();
-        let verdict = self
-            .shared
-            .admission
-            .admit(&route.rule, a.key.clone(), a.cost)
-            .await;
-        let body = match verdict {
-            // A gRPC call is never staged, even for an upstream that may
-            // pause: it may stream both ways. So it is never sent twice.
-            Verdict::Go if upstream.stages_everything() && a.grpc.is_none() => {
-                match self.stage(route, a.body).await {
+    ///
+    /// This and the futures a held request waits in are `async` blocks
+    /// returned by plain functions, not `async fn`s: an `async fn` keeps a
+    /// second copy of each argument it moves from (its parameter, and the
+    /// local that binds it), and these futures are what a held request
+    /// costs in memory (BENCHMARKS.md, "Memory per held request").
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn keeps a second copy of each argument in a held request's state"
+    )]
+    fn admit(self: Arc<Self>, a: Admit) -> impl Future<Output = Response<ProxyBody>> + Send {
+        async move {
+            // Fields are used in place: a destructured copy would be a
+            // second one in this future. `prepare` found both indices in
+            // this same (immutable) table.
+            let route = &a.app.routes[a.route];
+            let upstream = &a.app.upstreams[route.upstream];
+            let arrival = Instant::now();
+            let step = match self
+                .shared
+                .admission
+                .admit(&route.rule, a.key.clone(), a.cost)
+                .await
+            {
+                // A gRPC call is never staged, even for an upstream that
+                // may pause: it may stream both ways. So it is never sent
+                // twice.
+                Verdict::Go if upstream.stages_everything() && a.grpc.is_none() => Step::Stage,
+                Verdict::Go => Step::Stream,
+                Verdict::Wait(hold) if a.grpc.is_some() => Step::Call(hold),
+                Verdict::Wait(hold) => Step::Wait(hold),
+                refused => return self.refusal(route, refused),
+            };
+            let body = match step {
+                Step::Stage => match self.stage(route, a.body).await {
                     Ok(staged) => Body::Staged(staged),
                     Err(response) => return response,
+                },
+                Step::Stream => Body::Stream(a.body),
+                Step::Call(hold) => {
+                    let deadline = a.grpc.flatten().map(|d| arrival + d);
+                    if let (Some(deadline), Some(departure)) = (deadline, hold.departure())
+                        && departure > deadline
+                    {
+                        hold.withdraw();
+                        route.rule.count(Outcome::Rejected);
+                        return problem(
+                            StatusCode::TOO_MANY_REQUESTS,
+                            "the call's deadline (grpc-timeout) ends before its turn",
+                            Some(departure - deadline),
+                        );
+                    }
+                    match hold.departed().await {
+                        Ok(()) => Body::Stream(a.body),
+                        Err(e) => return self.hold_failed(route, e),
+                    }
                 }
-            }
-            Verdict::Go => Body::Stream(a.body),
-            Verdict::Wait(hold) if a.grpc.is_some() => {
-                let deadline = a.grpc.flatten().map(|d| arrival + d);
-                if let (Some(deadline), Some(departure)) = (deadline, hold.departure())
-                    && departure > deadline
-                {
-                    hold.withdraw();
-                    route.rule.count(Outcome::Rejected);
-                    return problem(
-                        StatusCode::TOO_MANY_REQUESTS,
-                        "the call's deadline (grpc-timeout) ends before its turn",
-                        Some(departure - deadline),
-                    );
-                }
-                match hold.departed().await {
-                    Ok(()) => Body::Stream(a.body),
-                    Err(e) => return self.hold_failed(route, e),
-                }
-            }
-            Verdict::Wait(hold) => match self.wait(route, hold, a.body).await {
-                Ok(staged) => Body::Staged(staged),
-                Err(response) => return response,
-            },
-            refused => return self.refusal(route, refused),
-        };
-        // Boxed: the forwarding state (upstream connect, TLS, the call) is
-        // large and only exists once the request departs, so a waiting
-        // request holds none of it.
-        let departed = (a.key, a.cost, arrival);
-        Box::pin(self.forward(route, upstream, a.parts, body, departed, a.switch)).await
+                Step::Wait(hold) => match self.wait(route, hold, a.body).await {
+                    Ok(staged) => Body::Staged(staged),
+                    Err(response) => return response,
+                },
+            };
+            // Boxed: the forwarding state (upstream connect, TLS, the call)
+            // is large and only exists once the request departs, so a
+            // waiting request holds none of it.
+            let mut parts = a.parts;
+            upstream.rewrite(&mut parts, a.origin);
+            let departed = (a.key, a.cost, arrival);
+            Box::pin(self.forward(route, upstream, parts, body, departed, a.switch)).await
+        }
     }
 
     /// Wait for the departure while the body is staged. A body that
     /// cannot be staged ends the wait: a client gone is counted as
     /// cancelled (by the dropped hold), a refused body as what it got.
-    async fn wait(
-        &self,
-        route: &Route,
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn keeps a second copy of each argument in a held request's state"
+    )]
+    fn wait<'a>(
+        &'a self,
+        route: &'a Route,
         mut hold: Hold,
         body: Incoming,
-    ) -> Result<Staged, Response<ProxyBody>> {
-        let staging = stage(body, &self.shared.staging);
-        tokio::pin!(staging);
-        let mut staged = None;
-        loop {
-            tokio::select! {
-                s = &mut staging, if staged.is_none() => match s {
-                    Ok(s) => staged = Some(s),
-                    Err(refused @ Refused { error: StageError::Gone, .. }) => {
-                        drop(hold);
-                        return Err(self.stage_failed(route, refused, false));
-                    }
-                    Err(refused) => {
-                        hold.withdraw();
-                        return Err(self.stage_failed(route, refused, true));
-                    }
-                },
-                d = hold.wait() => match d {
-                    Ok(()) => break,
-                    Err(e) => return Err(self.hold_failed(route, e)),
-                },
+    ) -> impl Future<Output = Result<Staged, Response<ProxyBody>>> + Send + 'a {
+        async move {
+            let staging = stage(body, &self.shared.staging);
+            tokio::pin!(staging);
+            let mut staged = None;
+            loop {
+                tokio::select! {
+                    s = &mut staging, if staged.is_none() => match s {
+                        Ok(s) => staged = Some(s),
+                        Err(refused @ Refused { error: StageError::Gone, .. }) => {
+                            drop(hold);
+                            return Err(self.stage_failed(route, refused, false));
+                        }
+                        Err(refused) => {
+                            hold.withdraw();
+                            return Err(self.stage_failed(route, refused, true));
+                        }
+                    },
+                    d = hold.wait() => match d {
+                        Ok(()) => break,
+                        Err(e) => return Err(self.hold_failed(route, e)),
+                    },
+                }
             }
-        }
-        // Departed; a body still arriving is forwarded once complete.
-        match staged {
-            Some(s) => Ok(s),
-            None => staging.await.map_err(|e| self.stage_failed(route, e, true)),
+            // Departed; a body still arriving is forwarded once complete.
+            match staged {
+                Some(s) => Ok(s),
+                None => staging.await.map_err(|e| self.stage_failed(route, e, true)),
+            }
         }
     }
 

@@ -15,6 +15,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -61,9 +62,15 @@ struct Protocols {
 /// consumed), so hyper reads from the socket itself: no re-read prefix, and
 /// HTTP/1.1's read buffer keeps its first size (hyper-util's detection
 /// hands the sniffed bytes back through a wrapper, which doubles it).
-// The value lives in its connection's task whichever variant it holds:
-// boxing the large one would only add an allocation per connection.
-#[allow(clippy::large_enum_variant)]
+// HTTP/2's connection state is boxed: the task of every connection is as
+// large as the largest variant, and HTTP/1.1 connections (one per held
+// request) are the many; an HTTP/2 connection carries many streams and
+// pays one allocation for its life. HTTP/1.1's stays inline: it is what
+// the task holds for nearly all of its life.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "the HTTP/1.1 variant is the connection's state for its life; boxing it adds an allocation per connection"
+)]
 enum Conn<S>
 where
     S: hyper::service::HttpService<hyper::body::Incoming>,
@@ -76,7 +83,7 @@ where
         Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     ),
     H1(http1::UpgradeableConnection<TokioIo<TcpStream>, S>),
-    H2(http2::Connection<TokioIo<TcpStream>, S, TokioExecutor>),
+    H2(Pin<Box<http2::Connection<TokioIo<TcpStream>, S, TokioExecutor>>>),
     /// Shut down before its protocol was known, or the peer left.
     Done,
 }
@@ -379,56 +386,65 @@ impl Worker {
 
     /// Serve one connection until it ends, closing it gracefully (the
     /// request in hand finishes) on shutdown, when it has been idle too
-    /// long, or when a new connection needs its place.
-    async fn serve_connection(
+    /// long, or when a new connection needs its place. (An `async` block,
+    /// not an `async fn`, which would keep a dead copy of each argument
+    /// in every connection's task.)
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn keeps a second copy of each argument in every connection's task"
+    )]
+    fn serve_connection(
         self: Arc<Self>,
         stream: TcpStream,
         peer: SocketAddr,
         permit: OwnedPermit,
-    ) {
-        let state = self.conns.opened();
-        let handler = Arc::new(self.handler.clone());
-        let (conns, st) = (self.conns.clone(), state.clone());
-        let service = service_fn(move |req| {
-            let guard = conns.request(&st);
-            handler.handle(req, peer).map(move |response| {
-                drop(guard);
-                Ok::<_, Infallible>(response)
-            })
-        });
-        let conn = Conn::new(&self.http, stream, service);
-        tokio::pin!(conn);
-        let mut closing = false;
-        loop {
-            let deadline = self.conns.idle_deadline(&state);
-            let recheck = deadline.unwrap_or_else(|| Instant::now() + self.conns.keepalive_timeout);
-            tokio::select! {
-                result = conn.as_mut() => {
-                    if let Err(e) = result {
-                        debug!(%peer, error = %e, "connection ended with an error");
+    ) -> impl Future<Output = ()> + Send {
+        async move {
+            let state = self.conns.opened();
+            let handler = Arc::new(self.handler.clone());
+            let (conns, st) = (self.conns.clone(), state.clone());
+            let service = service_fn(move |req| {
+                let guard = conns.request(&st);
+                handler.handle(req, peer).map(move |response| {
+                    drop(guard);
+                    Ok::<_, Infallible>(response)
+                })
+            });
+            let conn = Conn::new(&self.http, stream, service);
+            tokio::pin!(conn);
+            let mut closing = false;
+            loop {
+                let deadline = self.conns.idle_deadline(&state);
+                let recheck =
+                    deadline.unwrap_or_else(|| Instant::now() + self.conns.keepalive_timeout);
+                tokio::select! {
+                    result = conn.as_mut() => {
+                        if let Err(e) = result {
+                            debug!(%peer, error = %e, "connection ended with an error");
+                        }
+                        break;
                     }
-                    break;
-                }
-                () = self.stop.cancelled(), if !closing => {
-                    conn.as_mut().graceful_shutdown();
-                    closing = true;
-                }
-                () = state.evict.cancelled(), if !closing => {
-                    debug!(%peer, "idle connection closed for a new one");
-                    conn.as_mut().graceful_shutdown();
-                    closing = true;
-                }
-                () = tokio::time::sleep_until(recheck.into()), if !closing => {
-                    if self.conns.idle_deadline(&state).is_some_and(|d| d <= Instant::now()) {
-                        debug!(%peer, "idle connection closed");
+                    () = self.stop.cancelled(), if !closing => {
                         conn.as_mut().graceful_shutdown();
                         closing = true;
                     }
+                    () = state.evict.cancelled(), if !closing => {
+                        debug!(%peer, "idle connection closed for a new one");
+                        conn.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
+                    () = tokio::time::sleep_until(recheck.into()), if !closing => {
+                        if self.conns.idle_deadline(&state).is_some_and(|d| d <= Instant::now()) {
+                            debug!(%peer, "idle connection closed");
+                            conn.as_mut().graceful_shutdown();
+                            closing = true;
+                        }
+                    }
                 }
             }
+            self.conns.closed();
+            drop(permit);
         }
-        self.conns.closed();
-        drop(permit);
     }
 }
 
@@ -455,7 +471,7 @@ where
         let this = self.get_mut();
         match this {
             Conn::H1(c) => std::pin::Pin::new(c).graceful_shutdown(),
-            Conn::H2(c) => std::pin::Pin::new(c).graceful_shutdown(),
+            Conn::H2(c) => c.as_mut().graceful_shutdown(),
             Conn::Sniffing(..) | Conn::Done => *this = Conn::Done,
         }
     }
@@ -519,7 +535,7 @@ where
                     };
                     let io = TokioIo::new(stream);
                     *this = if prefix == H2_PREFACE {
-                        Conn::H2(protocols.http2.serve_connection(io, service))
+                        Conn::H2(Box::pin(protocols.http2.serve_connection(io, service)))
                     } else {
                         Conn::H1(
                             protocols
@@ -530,7 +546,7 @@ where
                     };
                 }
                 Conn::H1(c) => return std::pin::Pin::new(c).poll(cx),
-                Conn::H2(c) => return std::pin::Pin::new(c).poll(cx),
+                Conn::H2(c) => return c.as_mut().poll(cx),
                 Conn::Done => return Poll::Ready(Ok(())),
             }
         }

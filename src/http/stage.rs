@@ -19,7 +19,8 @@ pub use crate::admission::{Room, StageBudget};
 #[derive(Debug)]
 pub struct Staged {
     pub data: Bytes,
-    pub trailers: Option<HeaderMap>,
+    /// Boxed: rare, and a held request carries the field.
+    pub trailers: Option<Box<HeaderMap>>,
     _room: Room,
 }
 
@@ -96,16 +97,23 @@ pub fn linger(mut rest: Incoming) {
     });
 }
 
-/// Read `body` in full within the budget.
-pub async fn stage(body: Incoming, budget: &Arc<StageBudget>) -> Result<Staged, Refused> {
+/// Read `body` in full within the budget. (An `async` block, not an
+/// `async fn`, so that the future holds one copy of the body, not two: a
+/// held request carries it.)
+pub fn stage(
+    body: Incoming,
+    budget: &Arc<StageBudget>,
+) -> impl Future<Output = Result<Staged, Refused>> + Send + '_ {
     let mut body = Some(body);
-    read(&mut body, budget).await.map_err(|error| Refused {
-        rest: match error {
-            StageError::TooLarge(_) | StageError::Full => body,
-            StageError::Gone | StageError::Malformed(_) => None,
-        },
-        error,
-    })
+    async move {
+        read(&mut body, budget).await.map_err(|error| Refused {
+            rest: match error {
+                StageError::TooLarge(_) | StageError::Full => body,
+                StageError::Gone | StageError::Malformed(_) => None,
+            },
+            error,
+        })
+    }
 }
 
 async fn read(
@@ -149,7 +157,7 @@ async fn read(
             }
             Err(frame) => {
                 if let Ok(t) = frame.into_trailers() {
-                    trailers = Some(t);
+                    trailers = Some(Box::new(t));
                 }
             }
         }
