@@ -37,7 +37,9 @@ use tokio_util::either::Either;
 use tracing::debug;
 
 use super::ServeError;
-use super::headers::{accepts_trailers, add_forwarded, append_via, strip_hop_by_hop, upgrade_to};
+use super::headers::{
+    accepts_trailers, add_forwarded, append_via, detach, strip_hop_by_hop, upgrade_to,
+};
 use super::response::{ProxyBody, problem};
 use crate::config::{self, HostMode, OnThrottle, UpstreamProtocol};
 use crate::metrics::{self as m, Outcome};
@@ -275,6 +277,8 @@ impl Upstream {
         peer: SocketAddr,
         strip: Option<&str>,
     ) -> Option<Origin> {
+        let path = self.map_path(parts.uri.path_and_query(), strip)?;
+        let path = detach(&mut parts.headers, path.as_str().as_bytes());
         let host = parts.headers.get(HOST).cloned().or_else(|| {
             parts
                 .uri
@@ -284,7 +288,7 @@ impl Upstream {
         let mut target = http::uri::Parts::default();
         target.scheme = Some(self.scheme.clone());
         target.authority = Some(self.authority.clone());
-        target.path_and_query = Some(self.map_path(parts.uri.path_and_query(), strip)?);
+        target.path_and_query = Some(PathAndQuery::from_maybe_shared(path).ok()?);
         parts.uri = Uri::from_parts(target).ok()?;
         Some(Origin {
             peer: peer.ip(),

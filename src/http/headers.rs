@@ -4,6 +4,7 @@
 use std::io::Write as _;
 use std::net::IpAddr;
 
+use bytes::{Bytes, BytesMut};
 use http::Version;
 
 use super::response::ceil_secs;
@@ -20,6 +21,35 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// Copy `headers`' values, and `target` before them, into one buffer of
+/// their own; returns the target's copy.
+///
+/// hyper parses an HTTP/1.1 head in place: its values are slices of the
+/// connection's 8 KiB read buffer, so that buffer stays referenced for as
+/// long as the request lives, and hyper allocates another for the
+/// connection's next read. Copied out (one allocation of the head's
+/// size), the head lets hyper read on into the buffer it has. A value the
+/// copy would not accept (none that hyper parsed) stays as it was.
+pub fn detach(headers: &mut HeaderMap, target: &[u8]) -> Bytes {
+    let len = target.len() + headers.values().map(HeaderValue::len).sum::<usize>();
+    let mut buf = BytesMut::with_capacity(len);
+    buf.extend_from_slice(target);
+    for v in headers.values() {
+        buf.extend_from_slice(v.as_bytes());
+    }
+    let buf = buf.freeze();
+    let mut at = target.len();
+    for v in headers.values_mut() {
+        let n = v.len();
+        if let Ok(mut copy) = HeaderValue::from_maybe_shared(buf.slice(at..at + n)) {
+            copy.set_sensitive(v.is_sensitive());
+            *v = copy;
+        }
+        at += n;
+    }
+    buf.slice(..target.len())
+}
 
 /// Remove the hop-by-hop headers: `Connection` and every header it names,
 /// `Keep-Alive`, `Proxy-Connection`, `TE`, `Transfer-Encoding`, `Upgrade`
@@ -154,6 +184,35 @@ pub fn add_ratelimit_headers(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn detach_copies_every_value_out_of_the_read_buffer() {
+        let read = Bytes::from_static(b"/a?b=1 example.org k secret");
+        let within = |b: &[u8]| {
+            let r = read.as_ptr() as usize..read.as_ptr() as usize + read.len();
+            r.contains(&(b.as_ptr() as usize))
+        };
+        let mut h = HeaderMap::new();
+        let value =
+            |r: std::ops::Range<usize>| HeaderValue::from_maybe_shared(read.slice(r)).unwrap();
+        h.insert("host", value(7..18));
+        h.append("x-client", value(19..20));
+        h.append("x-client", value(7..18));
+        let mut secret = value(21..27);
+        secret.set_sensitive(true);
+        h.insert("authorization", secret);
+        assert!(h.values().all(|v| within(v.as_bytes())));
+
+        let target = detach(&mut h, &read[..6]);
+        assert_eq!(&target[..], b"/a?b=1");
+        assert!(!within(&target));
+        assert!(h.values().all(|v| !within(v.as_bytes())));
+        assert_eq!(h["host"], "example.org");
+        let clients: Vec<_> = h.get_all("x-client").iter().collect();
+        assert_eq!(clients, ["k", "example.org"]);
+        assert_eq!(h["authorization"], "secret");
+        assert!(h["authorization"].is_sensitive());
+    }
+
     use super::*;
 
     #[test]
