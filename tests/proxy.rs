@@ -367,3 +367,39 @@ async fn large_post_body_streams_through_intact() {
     assert_eq!(s.headers["host"], sluice.addr.to_string());
     assert_eq!(s.headers["x-forwarded-host"], sluice.addr.to_string());
 }
+
+/// A request that waited in the queue gets its forwarding headers when it
+/// departs (they are added then, not on arrival): the same rewrite as a
+/// request that departs at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_request_departs_with_its_forwarding_headers() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(&ds.addr.to_string(), "5/s", 10));
+    let c = client();
+    let headers = [
+        ("x-client", "held"),
+        ("x-forwarded-for", "198.51.100.7"),
+        ("connection", "x-drop"),
+        ("x-drop", "1"),
+    ];
+    let first = get(&c, &sluice.url("/first"), &headers).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let started = Instant::now();
+    let second = get(&c, &sluice.url("/second"), &headers).await;
+    assert_eq!(second.status, StatusCode::OK);
+    // Paced 200 ms after the first: it was held.
+    assert!(
+        started.elapsed() >= Duration::from_millis(150),
+        "{:?}",
+        started.elapsed()
+    );
+    let seen = ds.seen();
+    let s = seen.iter().find(|s| s.path == "/second").unwrap();
+    assert_eq!(s.headers["x-forwarded-for"], "198.51.100.7, 127.0.0.1");
+    assert_eq!(s.headers["x-forwarded-proto"], "http");
+    assert_eq!(s.headers["via"], "1.1 sluice");
+    assert_eq!(s.headers["host"], sluice.addr.to_string());
+    assert_eq!(s.headers["x-forwarded-host"], sluice.addr.to_string());
+    assert!(!s.headers.contains_key("x-drop"));
+    assert!(!s.headers.contains_key("connection"));
+}

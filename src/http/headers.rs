@@ -184,6 +184,8 @@ pub fn add_ratelimit_headers(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn detach_copies_every_value_out_of_the_read_buffer() {
         let read = Bytes::from_static(b"/a?b=1 example.org k secret");
@@ -212,8 +214,6 @@ mod tests {
         assert_eq!(h["authorization"], "secret");
         assert!(h["authorization"].is_sensitive());
     }
-
-    use super::*;
 
     #[test]
     fn connection_named_headers_are_removed() {
