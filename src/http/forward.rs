@@ -37,6 +37,7 @@ use tokio_util::either::Either;
 use tracing::debug;
 
 use super::ServeError;
+use super::h1::RequestBody;
 use super::headers::{
     accepts_trailers, add_forwarded, append_via, detach, strip_hop_by_hop, upgrade_to,
 };
@@ -673,7 +674,7 @@ impl SendError {
 /// one go.
 #[derive(Debug)]
 pub enum OutBody {
-    Stream(Incoming),
+    Stream(RequestBody),
     Staged {
         data: Option<Bytes>,
         trailers: Option<Box<HeaderMap>>,

@@ -3,9 +3,10 @@
 //! one place that does), stage the body while waiting for the departure,
 //! forward.
 //!
-//! A client that goes away while its request is held makes hyper drop this
-//! future (or the staged body's read fails), and with it the [`Hold`],
-//! which withdraws the request and gives its slot to the next in line.
+//! A client that goes away while its request is held makes its connection
+//! ([`super::h1`]'s or hyper's) drop this future (or the staged body's
+//! read fails), and with it the [`Hold`], which withdraws the request and
+//! gives its slot to the next in line.
 //!
 //! With `on_throttle = "pause"`, an upstream's 429 or 503 that says when
 //! to come back (or a gRPC pushback) pauses releases to it; the refused
@@ -26,7 +27,6 @@ use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::task::TaskTracker;
@@ -34,6 +34,7 @@ use tokio_util::task::TaskTracker;
 use super::Shared;
 use super::forward::{Origin, OutBody, Upstream};
 use super::grpc;
+use super::h1::RequestBody;
 use super::headers::{add_ratelimit_headers, upgrade_to};
 use super::key;
 use super::path;
@@ -65,7 +66,7 @@ type Switch = (OnUpgrade, Slot);
 /// A request body as it goes upstream.
 enum Body {
     /// Not read: streamed at departure.
-    Stream(Incoming),
+    Stream(RequestBody),
     /// Read in full while it waited.
     Staged(Staged),
 }
@@ -88,24 +89,12 @@ struct Admit {
     parts: Parts,
     /// For the head's rewrite at the departure.
     origin: Origin,
-    body: Incoming,
+    body: RequestBody,
     key: Key,
     cost: u32,
     /// For a gRPC call, its deadline (`grpc-timeout`) if any.
     grpc: Option<Option<Duration>>,
     switch: Option<Switch>,
-}
-
-/// What an admitted request does next.
-enum Step {
-    /// Depart now, its body read in full first.
-    Stage,
-    /// Depart now, its body streamed.
-    Stream,
-    /// A gRPC call: wait, its body not staged.
-    Call(Hold),
-    /// Wait, staging its body meanwhile.
-    Wait(Hold),
 }
 
 impl Handler {
@@ -115,7 +104,7 @@ impl Handler {
     /// `async fn` would also carry the request it was given).
     pub fn handle(
         self: &Arc<Self>,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         peer: SocketAddr,
     ) -> impl Future<Output = Response<ProxyBody>> + Send + use<> {
         let grpc = grpc::is_grpc(req.headers()).then(|| grpc::timeout(req.headers()));
@@ -149,7 +138,7 @@ impl Handler {
     )]
     fn prepare(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<RequestBody>,
         peer: SocketAddr,
         grpc: Option<Option<Duration>>,
     ) -> Result<Admit, Response<ProxyBody>> {
@@ -271,49 +260,32 @@ impl Handler {
             let route = &a.app.routes[a.route];
             let upstream = &a.app.upstreams[route.upstream];
             let arrival = Instant::now();
-            let step = match self
+            let verdict = self
                 .shared
                 .admission
                 .admit(&route.rule, a.key.clone(), a.cost)
-                .await
-            {
+                .await;
+            // What the request waits in next, chosen synchronously: the
+            // verdict (and the hold moved out of it) must not outlive this
+            // match, or the held future would carry its dead copy.
+            let next = match verdict {
                 // A gRPC call is never staged, even for an upstream that
                 // may pause: it may stream both ways. So it is never sent
                 // twice.
-                Verdict::Go if upstream.stages_everything() && a.grpc.is_none() => Step::Stage,
-                Verdict::Go => Step::Stream,
-                Verdict::Wait(hold) if a.grpc.is_some() => Step::Call(hold),
-                Verdict::Wait(hold) => Step::Wait(hold),
+                Verdict::Go if upstream.stages_everything() && a.grpc.is_none() => {
+                    Either::Left(Either::Left(self.stage(route, a.body)))
+                }
+                Verdict::Go => Either::Left(Either::Right(ready(Ok(Body::Stream(a.body))))),
+                Verdict::Wait(hold) if a.grpc.is_some() => {
+                    let deadline = a.grpc.flatten().map(|d| arrival + d);
+                    Either::Right(Either::Left(self.call(route, hold, a.body, deadline)))
+                }
+                Verdict::Wait(hold) => Either::Right(Either::Right(self.wait(route, hold, a.body))),
                 refused => return self.refusal(route, refused),
             };
-            let body = match step {
-                Step::Stage => match self.stage(route, a.body).await {
-                    Ok(staged) => Body::Staged(staged),
-                    Err(response) => return response,
-                },
-                Step::Stream => Body::Stream(a.body),
-                Step::Call(hold) => {
-                    let deadline = a.grpc.flatten().map(|d| arrival + d);
-                    if let (Some(deadline), Some(departure)) = (deadline, hold.departure())
-                        && departure > deadline
-                    {
-                        hold.withdraw();
-                        route.rule.count(Outcome::Rejected);
-                        return problem(
-                            StatusCode::TOO_MANY_REQUESTS,
-                            "the call's deadline (grpc-timeout) ends before its turn",
-                            Some(departure - deadline),
-                        );
-                    }
-                    match hold.departed().await {
-                        Ok(()) => Body::Stream(a.body),
-                        Err(e) => return self.hold_failed(route, e),
-                    }
-                }
-                Step::Wait(hold) => match self.wait(route, hold, a.body).await {
-                    Ok(staged) => Body::Staged(staged),
-                    Err(response) => return response,
-                },
+            let body = match next.await {
+                Ok(body) => body,
+                Err(response) => return response,
             };
             // Boxed: the forwarding state (upstream connect, TLS, the call)
             // is large and only exists once the request departs, so a
@@ -336,8 +308,8 @@ impl Handler {
         &'a self,
         route: &'a Route,
         mut hold: Hold,
-        body: Incoming,
-    ) -> impl Future<Output = Result<Staged, Response<ProxyBody>>> + Send + 'a {
+        body: RequestBody,
+    ) -> impl Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a {
         async move {
             let staging = stage(body, &self.shared.staging);
             tokio::pin!(staging);
@@ -363,18 +335,54 @@ impl Handler {
             }
             // Departed; a body still arriving is forwarded once complete.
             match staged {
-                Some(s) => Ok(s),
-                None => staging.await.map_err(|e| self.stage_failed(route, e, true)),
+                Some(s) => Ok(Body::Staged(s)),
+                None => staging
+                    .await
+                    .map(Body::Staged)
+                    .map_err(|e| self.stage_failed(route, e, true)),
             }
         }
     }
 
     /// Stage the body of a request that departs at once (an upstream that
     /// may need it twice).
-    async fn stage(&self, route: &Route, body: Incoming) -> Result<Staged, Response<ProxyBody>> {
+    async fn stage(&self, route: &Route, body: RequestBody) -> Result<Body, Response<ProxyBody>> {
         stage(body, &self.shared.staging)
             .await
+            .map(Body::Staged)
             .map_err(|e| self.stage_failed(route, e, true))
+    }
+
+    /// A gRPC call's wait: refused at once when its deadline ends before
+    /// its departure; its body is streamed once it departs.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn keeps a second copy of each argument in a held request's state"
+    )]
+    fn call<'a>(
+        &'a self,
+        route: &'a Route,
+        hold: Hold,
+        body: RequestBody,
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a {
+        async move {
+            if let (Some(deadline), Some(departure)) = (deadline, hold.departure())
+                && departure > deadline
+            {
+                hold.withdraw();
+                route.rule.count(Outcome::Rejected);
+                return Err(problem(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "the call's deadline (grpc-timeout) ends before its turn",
+                    Some(departure - deadline),
+                ));
+            }
+            match hold.departed().await {
+                Ok(()) => Ok(Body::Stream(body)),
+                Err(e) => Err(self.hold_failed(route, e)),
+            }
+        }
     }
 
     /// The answer to a body that could not be staged; counted when

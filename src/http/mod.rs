@@ -2,7 +2,8 @@
 //! route, derive the client key, ask the admission layer, then forward
 //! upstream over a pooled keep-alive client.
 //!
-//! Split by job: [`serve`] (workers, listeners, accept, drain), [`route`]
+//! Split by job: [`serve`] (workers, listeners, accept, drain), [`h1`]
+//! (HTTP/1.1 without hyper for requests without a body), [`route`]
 //! (the routing table), [`key`] (client keys), [`handler`] (one request's
 //! life and the mapping of verdicts to HTTP), [`forward`] (upstream pools),
 //! [`headers`] and [`response`].
@@ -17,6 +18,7 @@
 mod conn;
 mod forward;
 mod grpc;
+mod h1;
 mod handler;
 mod headers;
 pub mod key;

@@ -2,8 +2,9 @@
 //!
 //! Each worker is an OS thread running a current-thread runtime with its
 //! own listening socket per address (`SO_REUSEPORT`: the kernel spreads
-//! new connections over the workers). Connections are served by hyper-util
-//! (HTTP/1.1 and h2c); [`super::conn`] closes idle ones.
+//! new connections over the workers). HTTP/1.1 requests without a body
+//! are served by [`super::h1`]; it hands everything else (a body, a
+//! protocol switch, h2c) to hyper; [`super::conn`] closes idle ones.
 //!
 //! Shutdown: the cancellation token stops every accept loop and asks every
 //! connection to finish what it holds and close (hyper's graceful
@@ -22,6 +23,8 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use futures_util::FutureExt;
+use http::Request;
+use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -33,6 +36,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use super::conn::{Conns, OwnedPermit};
+use super::h1::{self, RequestBody, Rewind};
 use super::handler::Handler;
 use super::route::{App, Concurrency};
 use super::{Handle, ServeError, Shared, limits, lock, unix_now, unrouted_counter};
@@ -45,10 +49,6 @@ const H2_STREAM_WINDOW: u32 = 256 * 1024;
 const H2_CONNECTION_WINDOW: u32 = 1024 * 1024;
 const H2_MAX_STREAMS: u32 = 256;
 
-/// The connection preface of HTTP/2 with prior knowledge starts so; no
-/// HTTP/1.1 method does.
-const H2_PREFACE: &[u8] = b"PRI";
-
 /// The protocols served, configured once.
 #[derive(Clone)]
 struct Protocols {
@@ -56,17 +56,11 @@ struct Protocols {
     http2: http2::Builder<TokioExecutor>,
 }
 
-/// One client connection, HTTP/1.1 or HTTP/2 (prior knowledge).
-///
-/// The protocol is told by peeking at the first bytes (nothing is
-/// consumed), so hyper reads from the socket itself: no re-read prefix, and
-/// HTTP/1.1's read buffer keeps its first size (hyper-util's detection
-/// hands the sniffed bytes back through a wrapper, which doubles it).
+/// A client connection hyper serves: HTTP/2 (prior knowledge), or
+/// HTTP/1.1 from a request [`h1`] leaves to hyper on.
 // HTTP/2's connection state is boxed: the task of every connection is as
-// large as the largest variant, and HTTP/1.1 connections (one per held
-// request) are the many; an HTTP/2 connection carries many streams and
-// pays one allocation for its life. HTTP/1.1's stays inline: it is what
-// the task holds for nearly all of its life.
+// large as the largest variant, and an HTTP/2 connection carries many
+// streams and pays one allocation for its life.
 #[expect(
     clippy::large_enum_variant,
     reason = "the HTTP/1.1 variant is the connection's state for its life; boxing it adds an allocation per connection"
@@ -75,17 +69,8 @@ enum Conn<S>
 where
     S: hyper::service::HttpService<hyper::body::Incoming>,
 {
-    /// Peeking; the timer paces the next peek while only a part of the
-    /// preface has arrived.
-    Sniffing(
-        Option<(TcpStream, S)>,
-        Protocols,
-        Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
-    ),
-    H1(http1::UpgradeableConnection<TokioIo<TcpStream>, S>),
-    H2(Pin<Box<http2::Connection<TokioIo<TcpStream>, S, TokioExecutor>>>),
-    /// Shut down before its protocol was known, or the peer left.
-    Done,
+    H1(http1::UpgradeableConnection<TokioIo<Rewind>, S>),
+    H2(Pin<Box<http2::Connection<TokioIo<Rewind>, S, TokioExecutor>>>),
 }
 
 /// How often refusals are summarised in the log (one line per route per
@@ -100,6 +85,7 @@ pub struct Server {
     addrs: Vec<SocketAddr>,
     http: Protocols,
     max_connections: usize,
+    max_head: usize,
     header_read_timeout: Duration,
     keepalive_timeout: Duration,
 }
@@ -215,6 +201,7 @@ impl Server {
             addrs,
             http,
             max_connections: config.server.max_connections,
+            max_head: config.server.max_header_size,
             header_read_timeout: config.server.header_read_timeout,
             keepalive_timeout: config.server.keepalive_timeout,
         })
@@ -244,11 +231,12 @@ impl Server {
         let share = self.max_connections.div_ceil(self.listeners.len().max(1));
         for (i, listeners) in self.listeners.into_iter().enumerate() {
             let worker = Worker {
-                handler: Handler {
+                handler: Arc::new(Handler {
                     shared: self.shared.clone(),
                     worker: i,
                     tunnels: TaskTracker::new(),
-                },
+                }),
+                max_head: self.max_head,
                 http: self.http.clone(),
                 conns: Arc::new(Conns::new(
                     share,
@@ -311,7 +299,9 @@ impl Server {
 
 /// What one worker thread needs.
 struct Worker {
-    handler: Handler,
+    handler: Arc<Handler>,
+    /// `server.max_header_size`.
+    max_head: usize,
     http: Protocols,
     conns: Arc<Conns>,
     stop: CancellationToken,
@@ -401,16 +391,34 @@ impl Worker {
     ) -> impl Future<Output = ()> + Send {
         async move {
             let state = self.conns.opened();
-            let handler = Arc::new(self.handler.clone());
+            let session = h1::Session {
+                handler: &self.handler,
+                conns: &self.conns,
+                state: &state,
+                stop: &self.stop,
+                peer,
+                max_head: self.max_head,
+            };
+            let (io, h2) = match h1::serve(session, stream).await {
+                h1::Next::Closed => {
+                    self.conns.closed();
+                    drop(permit);
+                    return;
+                }
+                h1::Next::Hyper { io, h2 } => (io, h2),
+            };
+            let handler = self.handler.clone();
             let (conns, st) = (self.conns.clone(), state.clone());
-            let service = service_fn(move |req| {
+            let service = service_fn(move |req: Request<Incoming>| {
                 let guard = conns.request(&st);
-                handler.handle(req, peer).map(move |response| {
-                    drop(guard);
-                    Ok::<_, Infallible>(response)
-                })
+                handler
+                    .handle(req.map(RequestBody::from), peer)
+                    .map(move |response| {
+                        drop(guard);
+                        Ok::<_, Infallible>(response)
+                    })
             });
-            let conn = Conn::new(&self.http, stream, service);
+            let conn = Conn::new(&self.http, io, h2, service);
             tokio::pin!(conn);
             let mut closing = false;
             loop {
@@ -461,18 +469,25 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    fn new(protocols: &Protocols, stream: TcpStream, service: S) -> Conn<S> {
-        Conn::Sniffing(Some((stream, service)), protocols.clone(), None)
+    fn new(protocols: &Protocols, io: Rewind, h2: bool, service: S) -> Conn<S> {
+        let io = TokioIo::new(io);
+        if h2 {
+            Conn::H2(Box::pin(protocols.http2.serve_connection(io, service)))
+        } else {
+            Conn::H1(
+                protocols
+                    .http1
+                    .serve_connection(io, service)
+                    .with_upgrades(),
+            )
+        }
     }
 
-    /// Finish what is in hand, then close (before the protocol is known:
-    /// close now).
+    /// Finish what is in hand, then close.
     fn graceful_shutdown(self: std::pin::Pin<&mut Self>) {
-        let this = self.get_mut();
-        match this {
+        match self.get_mut() {
             Conn::H1(c) => std::pin::Pin::new(c).graceful_shutdown(),
             Conn::H2(c) => c.as_mut().graceful_shutdown(),
-            Conn::Sniffing(..) | Conn::Done => *this = Conn::Done,
         }
     }
 }
@@ -496,59 +511,9 @@ where
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
-        use std::task::Poll;
-        let this = self.get_mut();
-        loop {
-            match this {
-                Conn::Sniffing(inner, protocols, retry) => {
-                    if let Some(sleep) = retry.as_mut() {
-                        if sleep.as_mut().poll(cx).is_pending() {
-                            return Poll::Pending;
-                        }
-                        *retry = None;
-                    }
-                    let Some((stream, _)) = inner.as_ref() else {
-                        *this = Conn::Done;
-                        continue;
-                    };
-                    let mut head = [0u8; 3];
-                    let mut buf = tokio::io::ReadBuf::new(&mut head);
-                    let n = match stream.poll_peek(cx, &mut buf) {
-                        Poll::Pending => return Poll::Pending,
-                        Poll::Ready(Err(_)) | Poll::Ready(Ok(0)) => {
-                            *this = Conn::Done;
-                            continue;
-                        }
-                        Poll::Ready(Ok(n)) => n,
-                    };
-                    let prefix = &head[..n];
-                    if n < H2_PREFACE.len() && H2_PREFACE.starts_with(prefix) {
-                        // A part of the preface: look again shortly (the
-                        // bytes already there keep the socket readable, so
-                        // waiting on readiness would spin), bounded by the
-                        // connection's idle deadline.
-                        *retry = Some(Box::pin(tokio::time::sleep(Duration::from_millis(5))));
-                        continue;
-                    }
-                    let Some((stream, service)) = inner.take() else {
-                        continue;
-                    };
-                    let io = TokioIo::new(stream);
-                    *this = if prefix == H2_PREFACE {
-                        Conn::H2(Box::pin(protocols.http2.serve_connection(io, service)))
-                    } else {
-                        Conn::H1(
-                            protocols
-                                .http1
-                                .serve_connection(io, service)
-                                .with_upgrades(),
-                        )
-                    };
-                }
-                Conn::H1(c) => return std::pin::Pin::new(c).poll(cx),
-                Conn::H2(c) => return c.as_mut().poll(cx),
-                Conn::Done => return Poll::Ready(Ok(())),
-            }
+        match self.get_mut() {
+            Conn::H1(c) => std::pin::Pin::new(c).poll(cx),
+            Conn::H2(c) => c.as_mut().poll(cx),
         }
     }
 }

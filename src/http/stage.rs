@@ -11,7 +11,9 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body_util::BodyExt;
-use hyper::body::{Body, Incoming};
+use hyper::body::Body;
+
+use super::h1::RequestBody;
 
 pub use crate::admission::{Room, StageBudget};
 
@@ -71,7 +73,7 @@ pub fn body_error(e: hyper::Error) -> StageError {
 pub struct Refused {
     pub error: StageError,
     /// The unread rest, when the client may still be sending it.
-    pub rest: Option<Incoming>,
+    pub rest: Option<RequestBody>,
 }
 
 /// How much of a refused body is read (and dropped) so that the client,
@@ -82,7 +84,7 @@ const LINGER_BYTES: usize = 1 << 20;
 const LINGER_TIME: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Read and drop what is left of a refused body, for a bounded while.
-pub fn linger(mut rest: Incoming) {
+pub fn linger(mut rest: RequestBody) {
     tokio::spawn(async move {
         let reading = async {
             let mut read = 0usize;
@@ -101,7 +103,7 @@ pub fn linger(mut rest: Incoming) {
 /// `async fn`, so that the future holds one copy of the body, not two: a
 /// held request carries it.)
 pub fn stage(
-    body: Incoming,
+    body: RequestBody,
     budget: &Arc<StageBudget>,
 ) -> impl Future<Output = Result<Staged, Refused>> + Send + '_ {
     let mut body = Some(body);
@@ -117,7 +119,7 @@ pub fn stage(
 }
 
 async fn read(
-    slot: &mut Option<Incoming>,
+    slot: &mut Option<RequestBody>,
     budget: &Arc<StageBudget>,
 ) -> Result<Staged, StageError> {
     let Some(body) = slot.as_mut() else {

@@ -1,0 +1,641 @@
+//! HTTP/1.1 served by sluice itself for the requests a proxy sees most:
+//! those without a body. Everything else on a connection (a body, a
+//! protocol switch, `Expect`, `TE`, HTTP/1.0, `CONNECT`, a head that
+//! does not parse) is handed to hyper at the request's first byte, with the
+//! bytes read so far, and hyper serves the connection from there on; so
+//! do HTTP/2 connections (prior knowledge), told by their preface.
+//!
+//! Why: while a request is held in its queue, hyper keeps the connection's
+//! read buffer (8 KiB, its first page written), a write buffer and the
+//! request's boxed future, which made a held HTTP/1.1 request cost twice
+//! what an HTTP/2 stream does. Here a head is read into a buffer that is
+//! freed as soon as the head is parsed (its values are copied out, see
+//! [`super::headers::detach`]), and the request's future lives inside the
+//! connection's task. (BENCHMARKS.md, "Memory per held request".)
+//!
+//! What a client sees is what hyper does: the same limits (a head past
+//! `max_header_size` or with more than 100 fields gets hyper's 431, a
+//! malformed one its 400, both by handing it over), a `Date` header, the
+//! body framed by `Content-Length` when its size is known and chunked
+//! otherwise, `Connection: close` on the last response. A client that
+//! closes its connection while its request waits withdraws the request, as
+//! with hyper (no half-close). A head that started arriving is dropped
+//! with the connection after `header_read_timeout`, and an idle connection
+//! after its idle timeout ([`super::conn`]).
+
+use std::cell::RefCell;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::{Buf, Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::header::{
+    CONNECTION, CONTENT_LENGTH, DATE, EXPECT, HeaderName, HeaderValue, TE, TRANSFER_ENCODING,
+    UPGRADE,
+};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use smallvec::SmallVec;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use super::conn::{ConnState, Conns};
+use super::handler::Handler;
+use super::response::ProxyBody;
+
+/// At most this many header fields (hyper's limit: a head with more goes
+/// to hyper, which answers 431).
+const MAX_HEADERS: usize = 100;
+/// Targets this long go to hyper (it answers 414).
+const MAX_TARGET: usize = u16::MAX as usize - 1;
+/// Read at a time (on the stack) while a head arrives.
+const READ_SIZE: usize = 4096;
+/// Body data up to this size is copied next to what precedes it and
+/// written in one call; larger data is written from its own buffer.
+const COPY_MAX: usize = 16 * 1024;
+/// HTTP/2's connection preface starts so; no HTTP/1.1 method does.
+const H2_PREFACE: &[u8] = b"PRI";
+
+/// A request's body as the handler gets it: none (a request read here),
+/// or hyper's.
+#[derive(Debug)]
+pub enum RequestBody {
+    Empty,
+    Hyper(Incoming),
+}
+
+impl From<Incoming> for RequestBody {
+    fn from(body: Incoming) -> RequestBody {
+        RequestBody::Hyper(body)
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            RequestBody::Empty => Poll::Ready(None),
+            RequestBody::Hyper(body) => Pin::new(body).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Empty => true,
+            RequestBody::Hyper(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RequestBody::Empty => SizeHint::with_exact(0),
+            RequestBody::Hyper(body) => body.size_hint(),
+        }
+    }
+}
+
+/// A connection handed to hyper: the bytes already read, then the socket.
+pub struct Rewind {
+    prefix: Bytes,
+    io: TcpStream,
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.prefix.is_empty() {
+            let n = this.prefix.len().min(buf.remaining());
+            buf.put_slice(&this.prefix[..n]);
+            this.prefix.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// How a connection goes on when this module is done with it.
+pub enum Next {
+    /// Closed (or to be dropped): the peer left, the connection was idle
+    /// too long, or it ended after its last response.
+    Closed,
+    /// For hyper from here on: HTTP/2, or a request this module leaves to
+    /// hyper (it is the first of the bytes given back).
+    Hyper { io: Rewind, h2: bool },
+}
+
+/// What serving a connection needs from its worker.
+pub struct Session<'a> {
+    pub handler: &'a Arc<Handler>,
+    pub conns: &'a Arc<Conns>,
+    pub state: &'a Arc<ConnState>,
+    pub stop: &'a CancellationToken,
+    pub peer: SocketAddr,
+    /// `server.max_header_size`.
+    pub max_head: usize,
+}
+
+/// A request head read and accepted here.
+struct Head {
+    req: Request<RequestBody>,
+    /// No `Connection: close` from the client.
+    keep_alive: bool,
+    /// A `HEAD` request: its response has no body.
+    head: bool,
+}
+
+#[expect(
+    clippy::large_enum_variant,
+    reason = "returned once per head and taken apart at once; boxing would add an allocation per request"
+)]
+enum Parsed {
+    /// More bytes needed.
+    Partial,
+    /// For hyper, from its first byte.
+    Hyper,
+    /// Consumed and not a request (400).
+    Bad,
+    Request(Head),
+}
+
+/// Serve `stream` until it closes or is handed to hyper. (An `async`
+/// block, not an `async fn`, which would keep a second copy of each
+/// argument in the connection's task.)
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an async fn keeps a second copy of each argument in every connection's task"
+)]
+pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next> + Send + '_ {
+    async move {
+        let mut buf = BytesMut::new();
+        let mut first = true;
+        // One timer for the connection's life, for its idle and header
+        // deadlines: moving a registered timer later costs nothing, while
+        // a new one per request would be registered (and wake the
+        // worker's driver) every time.
+        let timer = tokio::time::sleep(s.conns.keepalive_timeout);
+        tokio::pin!(timer);
+        loop {
+            // The next head: from what is already read, else from the socket.
+            let mut started = None;
+            let Head {
+                req,
+                keep_alive,
+                head,
+            } = loop {
+                if !buf.is_empty() {
+                    started.get_or_insert_with(Instant::now);
+                    if first && H2_PREFACE.starts_with(&buf[..buf.len().min(H2_PREFACE.len())]) {
+                        if buf.len() >= H2_PREFACE.len() {
+                            return hand_over(buf, stream, true);
+                        }
+                    } else {
+                        let bad = match parse(&mut buf, s.max_head) {
+                            Parsed::Request(head) => break head,
+                            Parsed::Hyper => return hand_over(buf, stream, false),
+                            Parsed::Bad => true,
+                            Parsed::Partial => false,
+                        };
+                        if bad {
+                            let _ = stream.write_all(&bad_request()).await;
+                            let _ = stream.shutdown().await;
+                            return Next::Closed;
+                        }
+                    }
+                }
+                if !read_more(&s, &stream, &mut buf, started, timer.as_mut()).await {
+                    return Next::Closed;
+                }
+            };
+            first = false;
+            // Nothing left over (no pipelining): the read buffer goes, so
+            // that a held request does not keep it.
+            if buf.is_empty() {
+                buf = BytesMut::new();
+            }
+            let guard = s.conns.request(s.state);
+            let answer = s.handler.handle(req, s.peer);
+            tokio::pin!(answer);
+            // While the answer is awaited, the socket is watched: a client
+            // that leaves withdraws its request (the future is dropped);
+            // what it sends meanwhile (pipelined) is kept, up to a head's
+            // limit.
+            let mut watching = true;
+            let response = loop {
+                tokio::select! {
+                    response = &mut answer => break response,
+                    ready = stream.readable(), if watching => {
+                        if ready.is_err() {
+                            return Next::Closed;
+                        }
+                        match read_into(&stream, &mut buf) {
+                            Ok(0) => return Next::Closed,
+                            Ok(_) => watching = buf.len() < s.max_head,
+                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                            Err(_) => return Next::Closed,
+                        }
+                    }
+                }
+            };
+            drop(guard);
+            let close = !keep_alive || s.stop.is_cancelled() || s.state.evict.is_cancelled();
+            if let Err(e) = write_response(&mut stream, response, head, close).await {
+                debug!(peer = %s.peer, error = %e, "connection ended with an error");
+                return Next::Closed;
+            }
+            if close {
+                let _ = stream.shutdown().await;
+                return Next::Closed;
+            }
+        }
+    }
+}
+
+fn hand_over(buf: BytesMut, io: TcpStream, h2: bool) -> Next {
+    Next::Hyper {
+        io: Rewind {
+            prefix: buf.freeze(),
+            io,
+        },
+        h2,
+    }
+}
+
+/// Wait for more bytes of a head: `false` when the connection is to close
+/// instead (the peer left, shutdown, eviction, or its idle or header
+/// timeout passed). `started` is when the head's first byte arrived.
+async fn read_more(
+    s: &Session<'_>,
+    stream: &TcpStream,
+    buf: &mut BytesMut,
+    started: Option<Instant>,
+    mut timer: Pin<&mut tokio::time::Sleep>,
+) -> bool {
+    let idle = s
+        .conns
+        .idle_deadline(s.state)
+        .unwrap_or_else(|| Instant::now() + s.conns.keepalive_timeout);
+    let deadline = match started {
+        Some(t) => idle.min(t + s.conns.header_read_timeout),
+        None => idle,
+    };
+    if timer.deadline() != deadline.into() {
+        timer.as_mut().reset(deadline.into());
+    }
+    loop {
+        tokio::select! {
+            ready = stream.readable() => {
+                if ready.is_err() {
+                    return false;
+                }
+                match read_into(stream, buf) {
+                    Ok(0) => return false,
+                    Ok(_) => return true,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(_) => return false,
+                }
+            }
+            () = s.stop.cancelled() => return false,
+            () = s.state.evict.cancelled() => {
+                debug!(peer = %s.peer, "idle connection closed for a new one");
+                return false;
+            }
+            () = timer.as_mut() => {
+                debug!(peer = %s.peer, "idle connection closed");
+                return false;
+            }
+        }
+    }
+}
+
+/// Read what the socket has (up to [`READ_SIZE`]) and append it to `buf`.
+/// Read on the stack and copied, so that `buf` is only as large as what
+/// arrived: a held request keeps no read buffer, and a socket that turns
+/// out to have nothing (readiness is cleared only by a read that would
+/// block) costs no allocation.
+///
+/// A read that did not fill the chunk took all there was, so the socket's
+/// readiness is cleared at once rather than by one more read that would
+/// block. (Safe on the worker's current-thread runtime: data that arrives
+/// after this read is a new event, which its driver delivers at its next
+/// turn.)
+fn read_into(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+    let mut chunk = [0u8; READ_SIZE];
+    let n = stream.try_read(&mut chunk)?;
+    buf.extend_from_slice(&chunk[..n]);
+    if n > 0 && n < READ_SIZE {
+        let _ = stream.try_io(Interest::READABLE, || {
+            Err::<(), _>(io::ErrorKind::WouldBlock.into())
+        });
+    }
+    Ok(n)
+}
+
+/// Parse a head from the start of `buf`; a complete one that is served
+/// here is split off `buf`.
+fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut parsed = httparse::Request::new(&mut fields);
+    let len = match parsed.parse(buf) {
+        Ok(httparse::Status::Complete(n)) if n <= max_head => n,
+        Ok(httparse::Status::Partial) if buf.len() < max_head => return Parsed::Partial,
+        _ => return Parsed::Hyper,
+    };
+    if parsed.version != Some(1) {
+        return Parsed::Hyper;
+    }
+    let Some(method) = parsed
+        .method
+        .and_then(|m| Method::from_bytes(m.as_bytes()).ok())
+    else {
+        return Parsed::Hyper;
+    };
+    let Some(target) = parsed.path.filter(|t| t.len() <= MAX_TARGET) else {
+        return Parsed::Hyper;
+    };
+    if method == Method::CONNECT {
+        return Parsed::Hyper;
+    }
+    // Where each part sits in `buf`, to slice the head once it is split off.
+    let base = buf.as_ptr() as usize;
+    let at = |part: &[u8]| -> Option<(usize, usize)> {
+        if part.is_empty() {
+            return Some((0, 0));
+        }
+        let start = (part.as_ptr() as usize).checked_sub(base)?;
+        (start + part.len() <= len).then_some((start, part.len()))
+    };
+    let Some(target) = at(target.as_bytes()) else {
+        return Parsed::Hyper;
+    };
+    let mut keep_alive = true;
+    let mut names: SmallVec<[(HeaderName, (usize, usize)); 16]> = SmallVec::new();
+    for field in parsed.headers.iter() {
+        let Ok(name) = HeaderName::from_bytes(field.name.as_bytes()) else {
+            return Parsed::Hyper;
+        };
+        if name == CONTENT_LENGTH
+            || name == TRANSFER_ENCODING
+            || name == UPGRADE
+            || name == EXPECT
+            || name == TE
+        {
+            return Parsed::Hyper;
+        }
+        if name == CONNECTION {
+            for token in field.value.split(|&b| b == b',') {
+                let token = token.trim_ascii();
+                if token.eq_ignore_ascii_case(b"close") {
+                    keep_alive = false;
+                } else if !token.eq_ignore_ascii_case(b"keep-alive") {
+                    return Parsed::Hyper;
+                }
+            }
+        }
+        let Some(place) = at(field.value) else {
+            return Parsed::Hyper;
+        };
+        names.push((name, place));
+    }
+    let head = buf.split_to(len).freeze();
+    let slice = |(start, n): (usize, usize)| head.slice(start..start + n);
+    let Ok(uri) = Uri::from_maybe_shared(slice(target)) else {
+        return Parsed::Bad;
+    };
+    let mut headers = HeaderMap::with_capacity(names.len());
+    for (name, place) in names {
+        let Ok(value) = HeaderValue::from_maybe_shared(slice(place)) else {
+            return Parsed::Bad;
+        };
+        headers.append(name, value);
+    }
+    let is_head = method == Method::HEAD;
+    let mut req = Request::new(RequestBody::Empty);
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.version_mut() = Version::HTTP_11;
+    *req.headers_mut() = headers;
+    Parsed::Request(Head {
+        req,
+        keep_alive,
+        head: is_head,
+    })
+}
+
+/// hyper's answer to a head it cannot read.
+fn bad_request() -> Vec<u8> {
+    let mut out =
+        b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n".to_vec();
+    put_date(&mut out);
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
+/// `date: <now>\r\n`, formatted once a second per thread.
+fn put_date(out: &mut Vec<u8>) {
+    thread_local! {
+        static DATE: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
+    }
+    let now = SystemTime::now();
+    let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    DATE.with(|cached| {
+        let mut cached = cached.borrow_mut();
+        if cached.0 != secs {
+            *cached = (secs, httpdate::fmt_http_date(now));
+        }
+        out.extend_from_slice(b"date: ");
+        out.extend_from_slice(cached.1.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    });
+}
+
+/// How a response's body is delimited.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// No body (`HEAD`, 1xx, 204, 304).
+    None,
+    Length(u64),
+    Chunked,
+}
+
+/// Write `response`: its head, then its body framed as hyper would.
+async fn write_response(
+    stream: &mut TcpStream,
+    response: Response<ProxyBody>,
+    head_request: bool,
+    close: bool,
+) -> io::Result<()> {
+    let (parts, mut body) = response.into_parts();
+    let status = parts.status;
+    let declared = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let no_body = head_request
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    let framing = if no_body {
+        Framing::None
+    } else if let Some(n) = declared {
+        Framing::Length(n)
+    } else if let Some(n) = body.size_hint().exact() {
+        Framing::Length(n)
+    } else {
+        Framing::Chunked
+    };
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in &parts.headers {
+        if name == CONNECTION || name == TRANSFER_ENCODING {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    match framing {
+        Framing::Length(n) if declared.is_none() => {
+            out.extend_from_slice(b"content-length: ");
+            out.extend_from_slice(n.to_string().as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        Framing::None
+            if head_request
+                && declared.is_none()
+                && !status.is_informational()
+                && status != StatusCode::NO_CONTENT
+                && status != StatusCode::NOT_MODIFIED =>
+        {
+            if let Some(n) = body.size_hint().exact() {
+                out.extend_from_slice(b"content-length: ");
+                out.extend_from_slice(n.to_string().as_bytes());
+                out.extend_from_slice(b"\r\n");
+            }
+        }
+        Framing::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+        _ => {}
+    }
+    if !parts.headers.contains_key(DATE) {
+        put_date(&mut out);
+    }
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    if framing == Framing::None {
+        return stream.write_all(&out).await;
+    }
+    let mut sent = 0u64;
+    loop {
+        // The body's next frame: taken at once when it is there (so a
+        // small response goes out in one write), else after what is
+        // ready is written.
+        let frame = match body.frame().now_or_never() {
+            Some(frame) => frame,
+            None => {
+                if !out.is_empty() {
+                    stream.write_all(&out).await?;
+                    out.clear();
+                }
+                body.frame().await
+            }
+        };
+        let data = match frame {
+            None => break,
+            Some(Err(e)) => return Err(io::Error::other(e)),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) if !data.is_empty() => data,
+                // Trailers (HTTP/1.1 sends them only to a client that
+                // asked, and such requests are hyper's) and empty data.
+                _ => continue,
+            },
+        };
+        sent += data.len() as u64;
+        if let Framing::Length(n) = framing
+            && sent > n
+        {
+            return Err(io::Error::other("the body is longer than its length"));
+        }
+        if framing == Framing::Chunked {
+            out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+        }
+        if data.len() <= COPY_MAX {
+            out.extend_from_slice(&data);
+        } else {
+            stream.write_all(&out).await?;
+            out.clear();
+            stream.write_all(&data).await?;
+        }
+        if framing == Framing::Chunked {
+            out.extend_from_slice(b"\r\n");
+        }
+        if out.len() >= COPY_MAX {
+            stream.write_all(&out).await?;
+            out.clear();
+        }
+    }
+    match framing {
+        Framing::Chunked => out.extend_from_slice(b"0\r\n\r\n"),
+        Framing::Length(n) if sent < n => {
+            stream.write_all(&out).await?;
+            return Err(io::Error::other("the body ended before its length"));
+        }
+        _ => {}
+    }
+    if !out.is_empty() {
+        stream.write_all(&out).await?;
+    }
+    Ok(())
+}

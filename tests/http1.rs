@@ -1,0 +1,246 @@
+//! HTTP/1.1 as sluice serves it itself (requests without a body) and as it
+//! hands a connection to hyper (a body), seen byte for byte by a raw client
+//! on one connection: framing, pipelining, `HEAD`, `Connection: close`,
+//! bodies of unknown length, `Date`.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::Duration;
+
+use support::{Downstream, Sluice};
+
+fn config(upstream: SocketAddr) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[[upstream]]
+name = "api"
+url = "http://{upstream}"
+request_timeout = "5s"
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "1000/s"
+capacity = 100
+"#
+    )
+}
+
+/// One response as read off the wire.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    /// Lowercased names.
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+fn connect(addr: SocketAddr) -> BufReader<TcpStream> {
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    BufReader::new(s)
+}
+
+fn send(conn: &mut BufReader<TcpStream>, bytes: &[u8]) {
+    conn.get_mut().write_all(bytes).unwrap();
+}
+
+/// Read one response; `head` says it answers a `HEAD` (no body).
+fn read_answer(conn: &mut BufReader<TcpStream>, head: bool) -> Answer {
+    let mut line = String::new();
+    conn.read_line(&mut line).unwrap();
+    assert!(line.starts_with("HTTP/1.1 "), "status line {line:?}");
+    let status = line[9..12].parse().unwrap();
+    let mut headers = Vec::new();
+    loop {
+        let mut line = String::new();
+        conn.read_line(&mut line).unwrap();
+        let line = line.trim_end();
+        if line.is_empty() {
+            break;
+        }
+        let (name, value) = line.split_once(':').unwrap();
+        headers.push((name.to_ascii_lowercase(), value.trim().to_owned()));
+    }
+    let mut answer = Answer {
+        status,
+        headers,
+        body: Vec::new(),
+    };
+    if head {
+        return answer;
+    }
+    if let Some(n) = answer.header("content-length") {
+        let mut body = vec![0; n.parse().unwrap()];
+        conn.read_exact(&mut body).unwrap();
+        answer.body = body;
+    } else if answer.header("transfer-encoding") == Some("chunked") {
+        loop {
+            let mut size = String::new();
+            conn.read_line(&mut size).unwrap();
+            let n = usize::from_str_radix(size.trim_end(), 16).unwrap();
+            let mut chunk = vec![0; n + 2];
+            conn.read_exact(&mut chunk).unwrap();
+            assert_eq!(&chunk[n..], b"\r\n");
+            if n == 0 {
+                break;
+            }
+            answer.body.extend_from_slice(&chunk[..n]);
+        }
+    } else {
+        conn.read_to_end(&mut answer.body).unwrap();
+    }
+    answer
+}
+
+/// A downstream that answers every request with a chunked body (no
+/// length): "hello world" in two chunks, or nothing to a `HEAD`.
+fn chunked_downstream() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().take(16) {
+            let Ok(conn) = conn else { return };
+            std::thread::spawn(move || {
+                let mut conn = BufReader::new(conn);
+                loop {
+                    let mut head = String::new();
+                    let mut line = String::new();
+                    while conn.read_line(&mut line).is_ok_and(|n| n > 0) {
+                        head.push_str(&line);
+                        if line == "\r\n" {
+                            break;
+                        }
+                        line.clear();
+                    }
+                    if head.is_empty() {
+                        return;
+                    }
+                    let answer: &[u8] = if head.starts_with("HEAD ") {
+                        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                    } else {
+                        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+                    };
+                    if conn.get_mut().write_all(answer).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Two requests in one write are answered in order on their connection;
+/// a request with a body then goes on the same connection (hyper's from
+/// there on), and so does a request after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_requests_then_a_body_on_one_connection() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(ds.addr));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        let mut c = connect(addr);
+        send(
+            &mut c,
+            b"GET /one HTTP/1.1\r\nHost: t\r\nX-Client: p\r\n\r\nGET /two HTTP/1.1\r\nHost: t\r\nX-Client: p\r\n\r\n",
+        );
+        for _ in 0..2 {
+            let a = read_answer(&mut c, false);
+            assert_eq!((a.status, a.body.as_slice()), (200, &b"ok"[..]), "{a:?}");
+            assert!(a.header("date").is_some(), "{a:?}");
+            assert_eq!(a.header("connection"), None, "{a:?}");
+        }
+        send(
+            &mut c,
+            b"POST /echo HTTP/1.1\r\nHost: t\r\nX-Client: p\r\nContent-Length: 5\r\n\r\nhello",
+        );
+        let a = read_answer(&mut c, false);
+        assert_eq!((a.status, a.body.as_slice()), (200, &b"hello"[..]), "{a:?}");
+        send(&mut c, b"GET /three HTTP/1.1\r\nHost: t\r\nX-Client: p\r\n\r\n");
+        let a = read_answer(&mut c, false);
+        assert_eq!((a.status, a.body.as_slice()), (200, &b"ok"[..]), "{a:?}");
+    })
+    .await
+    .unwrap();
+    let paths: Vec<String> = ds.seen().into_iter().map(|s| s.path).collect();
+    assert_eq!(paths, ["/one", "/two", "/echo", "/three"]);
+}
+
+/// A body of unknown length is sent chunked; the answer to a `HEAD` has
+/// no body (the next response on the connection reads cleanly); a local
+/// answer to a `HEAD` keeps its length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_lengths_are_chunked_and_head_has_no_body() {
+    let sluice = Sluice::start(&config(chunked_downstream()));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        let mut c = connect(addr);
+        send(&mut c, b"GET /a HTTP/1.1\r\nHost: t\r\nX-Client: h\r\n\r\n");
+        let a = read_answer(&mut c, false);
+        assert_eq!(a.status, 200, "{a:?}");
+        assert_eq!(a.header("transfer-encoding"), Some("chunked"), "{a:?}");
+        assert_eq!(a.body, b"hello world");
+
+        send(
+            &mut c,
+            b"HEAD /a HTTP/1.1\r\nHost: t\r\nX-Client: h\r\n\r\n",
+        );
+        let a = read_answer(&mut c, true);
+        assert_eq!(a.status, 200, "{a:?}");
+
+        // Refused locally (no key): a problem document's length, no body.
+        send(&mut c, b"HEAD /a HTTP/1.1\r\nHost: t\r\n\r\n");
+        let a = read_answer(&mut c, true);
+        assert_eq!(a.status, 400, "{a:?}");
+        assert!(
+            a.header("content-length").is_some_and(|n| n != "0"),
+            "{a:?}"
+        );
+
+        send(&mut c, b"GET /b HTTP/1.1\r\nHost: t\r\nX-Client: h\r\n\r\n");
+        let a = read_answer(&mut c, false);
+        assert_eq!((a.status, a.body.as_slice()), (200, &b"hello world"[..]));
+    })
+    .await
+    .unwrap();
+}
+
+/// `Connection: close` gets its answer with `connection: close`, then the
+/// connection ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_close_ends_the_connection_after_its_answer() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(ds.addr));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        let mut c = connect(addr);
+        send(
+            &mut c,
+            b"GET /last HTTP/1.1\r\nHost: t\r\nX-Client: c\r\nConnection: close\r\n\r\n",
+        );
+        let a = read_answer(&mut c, false);
+        assert_eq!((a.status, a.body.as_slice()), (200, &b"ok"[..]), "{a:?}");
+        assert_eq!(a.header("connection"), Some("close"), "{a:?}");
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).unwrap();
+        assert!(rest.is_empty(), "{rest:?}");
+    })
+    .await
+    .unwrap();
+}
