@@ -258,31 +258,36 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
             if buf.is_empty() {
                 buf = BytesMut::new();
             }
-            let guard = s.conns.request(s.state);
-            let answer = s.handler.handle(req, s.peer);
-            tokio::pin!(answer);
             // While the answer is awaited, the socket is watched: a client
             // that leaves withdraws its request (the future is dropped);
             // what it sends meanwhile (pipelined) is kept, up to a head's
-            // limit.
-            let mut watching = true;
-            let response = loop {
-                tokio::select! {
-                    response = &mut answer => break response,
-                    ready = stream.readable(), if watching => {
-                        if ready.is_err() {
-                            return Next::Closed;
-                        }
-                        match read_into(&stream, &mut buf) {
-                            Ok(0) => return Next::Closed,
-                            Ok(_) => watching = buf.len() < s.max_head,
-                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                            Err(_) => return Next::Closed,
+            // limit. (In a block of its own: the answer's future then
+            // shares its place in the connection's task with the response
+            // being written, instead of being kept beside it.)
+            let response = {
+                let guard = s.conns.request(s.state);
+                let answer = s.handler.handle(req, s.peer);
+                tokio::pin!(answer);
+                let mut watching = true;
+                let response = loop {
+                    tokio::select! {
+                        response = &mut answer => break response,
+                        ready = stream.readable(), if watching => {
+                            if ready.is_err() {
+                                return Next::Closed;
+                            }
+                            match read_into(&stream, &mut buf) {
+                                Ok(0) => return Next::Closed,
+                                Ok(_) => watching = buf.len() < s.max_head,
+                                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                                Err(_) => return Next::Closed,
+                            }
                         }
                     }
-                }
+                };
+                drop(guard);
+                response
             };
-            drop(guard);
             let close = !keep_alive || s.stop.is_cancelled() || s.state.evict.is_cancelled();
             if let Err(e) = write_response(&mut stream, response, head, close).await {
                 debug!(peer = %s.peer, error = %e, "connection ended with an error");

@@ -265,23 +265,12 @@ impl Handler {
                 .admission
                 .admit(&route.rule, a.key.clone(), a.cost)
                 .await;
-            // What the request waits in next, chosen synchronously: the
-            // verdict (and the hold moved out of it) must not outlive this
-            // match, or the held future would carry its dead copy.
-            let next = match verdict {
-                // A gRPC call is never staged, even for an upstream that
-                // may pause: it may stream both ways. So it is never sent
-                // twice.
-                Verdict::Go if upstream.stages_everything() && a.grpc.is_none() => {
-                    Either::Left(Either::Left(self.stage(route, a.body)))
-                }
-                Verdict::Go => Either::Left(Either::Right(ready(Ok(Body::Stream(a.body))))),
-                Verdict::Wait(hold) if a.grpc.is_some() => {
-                    let deadline = a.grpc.flatten().map(|d| arrival + d);
-                    Either::Right(Either::Left(self.call(route, hold, a.body, deadline)))
-                }
-                Verdict::Wait(hold) => Either::Right(Either::Right(self.wait(route, hold, a.body))),
-                refused => return self.refusal(route, refused),
+            // Moved whole into a plain function: a verdict matched here
+            // would stay in this future (the hold moved out of it) while
+            // the request waits.
+            let next = match self.next(route, upstream, verdict, a.body, a.grpc, arrival) {
+                Ok(next) => next,
+                Err(response) => return response,
             };
             let body = match next.await {
                 Ok(body) => body,
@@ -295,6 +284,40 @@ impl Handler {
             let departed = (a.key, a.cost, arrival);
             Box::pin(self.forward(route, upstream, parts, body, departed, a.switch)).await
         }
+    }
+
+    /// What an admitted request waits in next; or the answer that refuses
+    /// it.
+    #[expect(
+        clippy::result_large_err,
+        reason = "the error is the response itself, returned once; boxing it would add an allocation to every refusal"
+    )]
+    fn next<'a>(
+        &'a self,
+        route: &'a Route,
+        upstream: &Upstream,
+        verdict: Verdict,
+        body: RequestBody,
+        grpc: Option<Option<Duration>>,
+        arrival: Instant,
+    ) -> Result<
+        impl Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a,
+        Response<ProxyBody>,
+    > {
+        Ok(match verdict {
+            // A gRPC call is never staged, even for an upstream that may
+            // pause: it may stream both ways. So it is never sent twice.
+            Verdict::Go if upstream.stages_everything() && grpc.is_none() => {
+                Either::Left(Either::Left(self.stage(route, body)))
+            }
+            Verdict::Go => Either::Left(Either::Right(ready(Ok(Body::Stream(body))))),
+            Verdict::Wait(hold) if grpc.is_some() => {
+                let deadline = grpc.flatten().map(|d| arrival + d);
+                Either::Right(Either::Left(self.call(route, hold, body, deadline)))
+            }
+            Verdict::Wait(hold) => Either::Right(Either::Right(self.wait(route, hold, body))),
+            refused => return Err(self.refusal(route, refused)),
+        })
     }
 
     /// Wait for the departure while the body is staged. A body that
