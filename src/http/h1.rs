@@ -271,6 +271,9 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                 let mut watching = true;
                 let response = loop {
                     tokio::select! {
+                        // The answer first: a refusal is ready at once, and
+                        // then the socket is not even looked at.
+                        biased;
                         response = &mut answer => break response,
                         ready = stream.readable(), if watching => {
                             if ready.is_err() {
@@ -499,6 +502,25 @@ fn put_date(out: &mut Vec<u8>) {
     });
 }
 
+/// `content-length: <n>\r\n`, the number written without formatting
+/// machinery.
+fn put_length(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(b"content-length: ");
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut rest = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
+    out.extend_from_slice(b"\r\n");
+}
+
 /// How a response's body is delimited.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Framing {
@@ -551,11 +573,7 @@ async fn write_response(
         out.extend_from_slice(b"\r\n");
     }
     match framing {
-        Framing::Length(n) if declared.is_none() => {
-            out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(n.to_string().as_bytes());
-            out.extend_from_slice(b"\r\n");
-        }
+        Framing::Length(n) if declared.is_none() => put_length(&mut out, n),
         Framing::None
             if head_request
                 && declared.is_none()
@@ -564,9 +582,7 @@ async fn write_response(
                 && status != StatusCode::NOT_MODIFIED =>
         {
             if let Some(n) = body.size_hint().exact() {
-                out.extend_from_slice(b"content-length: ");
-                out.extend_from_slice(n.to_string().as_bytes());
-                out.extend_from_slice(b"\r\n");
+                put_length(&mut out, n);
             }
         }
         Framing::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
@@ -643,4 +659,83 @@ async fn write_response(
         stream.write_all(&out).await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(bytes: &[u8]) -> (Parsed, BytesMut) {
+        let mut buf = BytesMut::from(bytes);
+        (parse(&mut buf, 16 * 1024), buf)
+    }
+
+    #[test]
+    fn a_request_without_a_body_is_served_here_and_split_off() {
+        let (p, rest) = parsed(
+            b"GET /a?b=1 HTTP/1.1\r\nHost: t\r\nX-Client: k\r\nX-Client: j\r\n\r\nGET /next",
+        );
+        let Parsed::Request(head) = p else {
+            panic!("not served here");
+        };
+        assert!(head.keep_alive && !head.head);
+        assert_eq!(head.req.method(), Method::GET);
+        assert_eq!(head.req.uri(), "/a?b=1");
+        assert_eq!(head.req.headers()["host"], "t");
+        let clients: Vec<_> = head.req.headers().get_all("x-client").iter().collect();
+        assert_eq!(clients, ["k", "j"]);
+        assert_eq!(&rest[..], b"GET /next");
+    }
+
+    #[test]
+    fn connection_close_and_head_are_noted() {
+        let (p, _) = parsed(b"HEAD / HTTP/1.1\r\nConnection: keep-alive, Close\r\n\r\n");
+        let Parsed::Request(head) = p else {
+            panic!("not served here");
+        };
+        assert!(!head.keep_alive && head.head);
+    }
+
+    #[test]
+    fn what_is_not_ours_goes_to_hyper_untouched() {
+        for head in [
+            &b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n"[..],
+            b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
+            b"GET / HTTP/1.1\r\nConnection: Upgrade\r\n\r\n",
+            b"GET / HTTP/1.1\r\nExpect: 100-continue\r\n\r\n",
+            b"GET / HTTP/1.1\r\nTE: trailers\r\n\r\n",
+            b"GET / HTTP/1.0\r\n\r\n",
+            b"CONNECT t:443 HTTP/1.1\r\n\r\n",
+            b"BLAH\x01 / HTTP/9\r\n\r\n",
+        ] {
+            let (p, rest) = parsed(head);
+            assert!(
+                matches!(p, Parsed::Hyper),
+                "{:?}",
+                String::from_utf8_lossy(head)
+            );
+            assert_eq!(&rest[..], head, "consumed");
+        }
+    }
+
+    #[test]
+    fn a_head_is_partial_until_complete_or_over_the_limit() {
+        assert!(matches!(
+            parsed(b"GET / HTTP/1.1\r\nHost:").0,
+            Parsed::Partial
+        ));
+        let mut long = BytesMut::from(&b"GET / HTTP/1.1\r\nX-Big: "[..]);
+        long.extend_from_slice(&[b'a'; 100]);
+        assert!(matches!(parse(&mut long, 64), Parsed::Hyper));
+    }
+
+    #[test]
+    fn lengths_are_written_in_decimal() {
+        for n in [0, 7, 10, 12_345, u64::MAX] {
+            let mut out = Vec::new();
+            put_length(&mut out, n);
+            assert_eq!(out, format!("content-length: {n}\r\n").into_bytes());
+        }
+    }
 }
