@@ -551,8 +551,18 @@ pub async fn get(
 
 /// A port on 127.0.0.1 that nothing listens on (bound, then released).
 pub fn closed_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+    closed_ports(1)[0]
+}
+
+/// `n` distinct free loopback ports (their listeners are held together
+/// while the ports are picked, then closed).
+pub fn closed_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    held.iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
 }
 
 /// A real `redis-server` child on a free loopback port, without
@@ -669,17 +679,21 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> RedisCluster {
-        let dir = temp_path("redis-cluster");
-        std::fs::create_dir_all(&dir).unwrap();
-        let ports: Vec<u16> = (0..3).map(|_| closed_port()).collect();
-        let mut c = RedisCluster {
-            children: ports.iter().map(|_| None).collect(),
-            ports,
-            dir,
-        };
-        for i in 0..3 {
-            c.start_node(i);
-        }
+        // Three distinct ports; a port another test's process took between
+        // its pick and our node's bind makes our node exit: pick again.
+        let c = (0..5)
+            .find_map(|_| {
+                let dir = temp_path("redis-cluster");
+                std::fs::create_dir_all(&dir).unwrap();
+                let ports = closed_ports(3);
+                let mut c = RedisCluster {
+                    children: ports.iter().map(|_| None).collect(),
+                    ports,
+                    dir,
+                };
+                (0..3).all(|i| c.try_start_node(i)).then_some(c)
+            })
+            .expect("no three free ports for a redis cluster in five tries");
         let nodes: Vec<String> = c.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
         let created = Command::new("redis-cli")
             .args(["--cluster", "create"])
@@ -695,6 +709,11 @@ impl RedisCluster {
     }
 
     fn start_node(&mut self, i: usize) {
+        assert!(self.try_start_node(i), "redis node {i} could not start");
+    }
+
+    /// Start node `i` on its port; `false` if it exited (its port taken).
+    fn try_start_node(&mut self, i: usize) -> bool {
         let port = self.ports[i].to_string();
         let child = Command::new("redis-server")
             .args([
@@ -719,7 +738,22 @@ impl RedisCluster {
             .expect("redis-server is needed (bash .ci/run installs it)");
         self.children[i] = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while self.cli(i, &["PING"]).as_deref() != Some("PONG") {
+        // A PONG counts only while our node runs: another process may
+        // answer on a port it took first.
+        loop {
+            let exited = self.children[i]
+                .as_mut()
+                .is_none_or(|c| !matches!(c.try_wait(), Ok(None)));
+            if exited {
+                self.children[i] = None;
+                return false;
+            }
+            if self.cli(i, &["PING"]).as_deref() == Some("PONG") {
+                std::thread::sleep(Duration::from_millis(50));
+                return self.children[i]
+                    .as_mut()
+                    .is_some_and(|c| matches!(c.try_wait(), Ok(None)));
+            }
             assert!(Instant::now() < deadline, "redis node {i} did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
