@@ -38,9 +38,7 @@ use tracing::debug;
 
 use super::ServeError;
 use super::h1::RequestBody;
-use super::headers::{
-    accepts_trailers, add_forwarded, append_via, detach, strip_hop_by_hop, upgrade_to,
-};
+use super::headers::{accepts_trailers, add_forwarded, append_via, strip_hop_by_hop, upgrade_to};
 use super::response::{ProxyBody, problem};
 use crate::config::{self, HostMode, OnThrottle, UpstreamProtocol};
 use crate::metrics::{self as m, Outcome};
@@ -278,8 +276,6 @@ impl Upstream {
         peer: SocketAddr,
         strip: Option<&str>,
     ) -> Option<Origin> {
-        let path = self.map_path(parts.uri.path_and_query(), strip)?;
-        let path = detach(&mut parts.headers, path.as_str().as_bytes());
         let host = parts.headers.get(HOST).cloned().or_else(|| {
             parts
                 .uri
@@ -289,7 +285,7 @@ impl Upstream {
         let mut target = http::uri::Parts::default();
         target.scheme = Some(self.scheme.clone());
         target.authority = Some(self.authority.clone());
-        target.path_and_query = Some(PathAndQuery::from_maybe_shared(path).ok()?);
+        target.path_and_query = Some(self.map_path(parts.uri.path_and_query(), strip)?);
         parts.uri = Uri::from_parts(target).ok()?;
         Some(Origin {
             peer: peer.ip(),

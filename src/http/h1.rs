@@ -8,10 +8,10 @@
 //! Why: while a request is held in its queue, hyper keeps the connection's
 //! read buffer (8 KiB, its first page written), a write buffer and the
 //! request's boxed future, which made a held HTTP/1.1 request cost twice
-//! what an HTTP/2 stream does. Here a head is read into a buffer that is
-//! freed as soon as the head is parsed (its values are copied out, see
-//! [`super::headers::detach`]), and the request's future lives inside the
-//! connection's task. (BENCHMARKS.md, "Memory per held request".)
+//! what an HTTP/2 stream does. Here a head is read on the stack into a
+//! buffer of its own size, which the request's values and target share
+//! (nothing to copy out, unlike hyper's: [`super::headers::detach_head`]),
+//! and the request's future lives inside the connection's task. (BENCHMARKS.md, "Memory per held request".)
 //!
 //! What a client sees is what hyper does: the same limits (a head past
 //! `max_header_size` or with more than 100 fields gets hyper's 431, a

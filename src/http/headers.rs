@@ -5,7 +5,9 @@ use std::io::Write as _;
 use std::net::IpAddr;
 
 use bytes::{Bytes, BytesMut};
-use http::Version;
+use http::request::Parts;
+use http::uri::PathAndQuery;
+use http::{Uri, Version};
 
 use super::response::ceil_secs;
 use super::route::Route;
@@ -28,8 +30,9 @@ const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 /// hyper parses an HTTP/1.1 head in place: its values are slices of the
 /// connection's 8 KiB read buffer, so that buffer stays referenced for as
 /// long as the request lives, and hyper allocates another for the
-/// connection's next read. Copied out (one allocation of the head's
-/// size), the head lets hyper read on into the buffer it has. A value the
+/// connection's next read (HTTP/2's values are slices of the frame's).
+/// Copied out (one allocation of the head's size), the head lets hyper
+/// read on into the buffer it has. A value the
 /// copy would not accept (none that hyper parsed) stays as it was.
 pub fn detach(headers: &mut HeaderMap, target: &[u8]) -> Bytes {
     let len = target.len() + headers.values().map(HeaderValue::len).sum::<usize>();
@@ -49,6 +52,23 @@ pub fn detach(headers: &mut HeaderMap, target: &[u8]) -> Bytes {
         at += n;
     }
     buf.slice(..target.len())
+}
+
+/// [`detach`] a request head that hyper parsed: its header values and its
+/// path and query go into one buffer of their own. (sluice's own HTTP/1.1
+/// reads a head into a buffer of the head's size, so its requests need
+/// none of this: [`super::h1`].)
+pub fn detach_head(parts: &mut Parts) {
+    let Some(pq) = parts.uri.path_and_query() else {
+        detach(&mut parts.headers, b"");
+        return;
+    };
+    let target = detach(&mut parts.headers, pq.as_str().as_bytes());
+    let mut uri = parts.uri.clone().into_parts();
+    uri.path_and_query = PathAndQuery::from_maybe_shared(target).ok();
+    if let Ok(uri) = Uri::from_parts(uri) {
+        parts.uri = uri;
+    }
 }
 
 /// Remove the hop-by-hop headers: `Connection` and every header it names,
@@ -213,6 +233,31 @@ mod tests {
         assert_eq!(clients, ["k", "example.org"]);
         assert_eq!(h["authorization"], "secret");
         assert!(h["authorization"].is_sensitive());
+    }
+
+    #[test]
+    fn detach_head_copies_the_path_and_query_too() {
+        let read = Bytes::from_static(b"/a?b=1 k");
+        let within = |b: &[u8]| {
+            let r = read.as_ptr() as usize..read.as_ptr() as usize + read.len();
+            r.contains(&(b.as_ptr() as usize))
+        };
+        let uri = Uri::from_maybe_shared(read.slice(..6)).unwrap();
+        let (mut parts, ()) = http::Request::builder()
+            .uri(uri)
+            .header(
+                "x-client",
+                HeaderValue::from_maybe_shared(read.slice(7..)).unwrap(),
+            )
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert!(within(parts.uri.path().as_bytes()));
+        detach_head(&mut parts);
+        assert_eq!(parts.uri, "/a?b=1");
+        assert!(!within(parts.uri.path().as_bytes()));
+        assert_eq!(parts.headers["x-client"], "k");
+        assert!(!within(parts.headers["x-client"].as_bytes()));
     }
 
     #[test]

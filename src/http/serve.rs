@@ -38,6 +38,7 @@ use tracing::{debug, info, warn};
 use super::conn::{Conns, OwnedPermit};
 use super::h1::{self, RequestBody, Rewind};
 use super::handler::Handler;
+use super::headers::detach_head;
 use super::route::{App, Concurrency};
 use super::{Handle, ServeError, Shared, limits, lock, unix_now, unrouted_counter};
 use crate::admission::Admission;
@@ -411,8 +412,10 @@ impl Worker {
             let (conns, st) = (self.conns.clone(), state.clone());
             let service = service_fn(move |req: Request<Incoming>| {
                 let guard = conns.request(&st);
+                let (mut parts, body) = req.into_parts();
+                detach_head(&mut parts);
                 handler
-                    .handle(req.map(RequestBody::from), peer)
+                    .handle(Request::from_parts(parts, RequestBody::from(body)), peer)
                     .map(move |response| {
                         drop(guard);
                         Ok::<_, Infallible>(response)
