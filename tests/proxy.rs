@@ -403,3 +403,52 @@ async fn a_held_request_departs_with_its_forwarding_headers() {
     assert!(!s.headers.contains_key("x-drop"));
     assert!(!s.headers.contains_key("connection"));
 }
+
+/// A held request's head is packed while it waits and rebuilt at its
+/// departure: the upstream gets the same target, and every field in
+/// order (repeated names included), over HTTP/1.1 and HTTP/2 alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_request_departs_with_its_head_as_sent() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(&ds.addr.to_string(), "5/s", 10));
+    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let h1 = client();
+    let headers = [
+        ("x-client", "packed"),
+        ("x-tag", "first"),
+        ("accept", "text/plain"),
+        ("x-tag", "second, third"),
+        ("authorization", "Bearer secret"),
+        ("x-empty", ""),
+    ];
+    let first = get(&h1, &sluice.url("/first"), &headers).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let started = Instant::now();
+    let over_h1 = get(&h1, &sluice.url("/held/1?a=1&b=%2F"), &headers).await;
+    let over_h2 = get(&h2, &sluice.url("/held/2?c=3"), &headers).await;
+    assert_eq!(over_h1.status, StatusCode::OK);
+    assert_eq!(over_h2.status, StatusCode::OK);
+    // Paced 200 ms apart after the first: both were held.
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        started.elapsed()
+    );
+    let seen = ds.seen();
+    // HTTP/1.1 upstreams get the origin form, held or not (as nginx sends).
+    let at_once = seen.iter().find(|s| s.path == "/first").unwrap();
+    assert_eq!(at_once.target, "/first");
+    for (path, target) in [("/held/1", "/held/1?a=1&b=%2F"), ("/held/2", "/held/2?c=3")] {
+        let s = seen.iter().find(|s| s.path == path).unwrap();
+        assert_eq!(s.target, target);
+        let tags: Vec<_> = s.headers.get_all("x-tag").iter().collect();
+        assert_eq!(tags, ["first", "second, third"], "{path}");
+        assert_eq!(s.headers["accept"], "text/plain");
+        assert_eq!(s.headers["authorization"], "Bearer secret");
+        assert_eq!(s.headers["x-empty"], "");
+        assert_eq!(s.headers["x-client"], "packed");
+        assert_eq!(s.headers["x-forwarded-for"], "127.0.0.1");
+    }
+}

@@ -332,6 +332,20 @@ impl Upstream {
         parts.version = Version::HTTP_11;
     }
 
+    /// A request given back by an HTTP/1.1 connection that closed, in
+    /// the absolute form again ([`origin_form`] undone), to go on another
+    /// connection (which may turn out to be HTTP/2).
+    fn absolute_form(&self, mut req: Request<OutBody>) -> Request<OutBody> {
+        let mut target = http::uri::Parts::default();
+        target.scheme = Some(self.scheme.clone());
+        target.authority = Some(self.authority.clone());
+        target.path_and_query = req.uri().path_and_query().cloned();
+        if let Ok(uri) = Uri::from_parts(target) {
+            *req.uri_mut() = uri;
+        }
+        req
+    }
+
     /// The path sent upstream: the upstream URL's path, then the request's
     /// path without the route's `strip_prefix`, then the query unchanged.
     fn map_path(&self, pq: Option<&PathAndQuery>, strip: Option<&str>) -> Option<PathAndQuery> {
@@ -494,10 +508,10 @@ impl Upstream {
             },
         };
         let req = match sender.ready().await {
-            Ok(()) => match sender.try_send_request(req).await {
+            Ok(()) => match sender.try_send_request(origin_form(req)).await {
                 Ok(response) => return Ok((response, Back::H1(sender))),
                 Err(mut e) => match e.take_message() {
-                    Some(req) if pooled => req,
+                    Some(req) if pooled => self.absolute_form(req),
                     _ => return Err(SendError::Request(e.into_error())),
                 },
             },
@@ -509,7 +523,10 @@ impl Upstream {
             Connected::H2(tx) => return Box::pin(self.send_on_h2(tx, None, req)).await,
         };
         sender.ready().await.map_err(SendError::Request)?;
-        let response = sender.send_request(req).await.map_err(SendError::Request)?;
+        let response = sender
+            .send_request(origin_form(req))
+            .await
+            .map_err(SendError::Request)?;
         Ok((response, Back::H1(sender)))
     }
 
@@ -623,6 +640,18 @@ impl Upstream {
             .await
             .map_err(|_| ConnectError::Timeout)?
     }
+}
+
+/// A request as an HTTP/1.1 upstream gets it: the target in origin form
+/// (`/path?query`, RFC 9112 3.2.1), as nginx and HAProxy send it. hyper
+/// writes the target it is given, and the absolute form a request is
+/// kept in (for HTTP/2's `:scheme` and `:authority`) is one that servers
+/// must accept but some route or log wrongly.
+fn origin_form(mut req: Request<OutBody>) -> Request<OutBody> {
+    if let Some(pq) = req.uri().path_and_query().cloned() {
+        *req.uri_mut() = Uri::from(pq);
+    }
+    req
 }
 
 /// A request prepared for HTTP/1.1, in HTTP/2 form: the `Host` sluice

@@ -30,6 +30,8 @@ pub struct Seen {
     pub at: Instant,
     pub method: String,
     pub path: String,
+    /// Path and query, as sent.
+    pub target: String,
     pub headers: HeaderMap,
     pub body_len: usize,
 }
@@ -94,6 +96,7 @@ impl Downstream {
             at,
             method: parts.method.to_string(),
             path: path.clone(),
+            target: parts.uri.to_string(),
             headers: parts.headers.clone(),
             body_len: body.len(),
         });
