@@ -15,7 +15,9 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::Hash;
+use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll, ready};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -136,15 +138,15 @@ impl Waiting {
 
     /// Resolve when the request may depart.
     pub async fn departed(mut self) -> Result<(), AcquireError> {
-        self.wait().await
+        std::future::poll_fn(|cx| self.poll_wait(cx)).await
     }
 
-    /// Resolve when the request may depart, keeping the waiter: dropping
-    /// it before this resolves still withdraws the request.
-    pub async fn wait(&mut self) -> Result<(), AcquireError> {
-        let result = (&mut self.rx).await.map_err(|_| AcquireError::Closed);
+    /// Ready when the request may depart, keeping the waiter: dropping it
+    /// before this is ready still withdraws the request.
+    pub fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), AcquireError>> {
+        let result = ready!(Pin::new(&mut self.rx).poll(cx)).map_err(|_| AcquireError::Closed);
         self.ticket = None;
-        result
+        Poll::Ready(result)
     }
 }
 

@@ -17,8 +17,10 @@ mod budget;
 mod key;
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
 use metrics::Counter;
@@ -196,8 +198,37 @@ pub struct Hold {
     kind: Option<HoldKind>,
     arrival: Instant,
     /// When a request still waiting expires (`max_wait` under a cap).
-    deadline: Option<Instant>,
+    expiry: Expiry,
     closing: CancellationToken,
+}
+
+/// A held request's `max_wait` deadline. Its timer is made by the first
+/// poll that needs one: most holds never expire, and a waiting request
+/// carries only this (BENCHMARKS.md, "Memory per held request").
+enum Expiry {
+    Never,
+    At(Instant),
+    Armed(Pin<Box<tokio::time::Sleep>>),
+}
+
+impl Expiry {
+    fn new(at: Option<Instant>) -> Expiry {
+        at.map_or(Expiry::Never, Expiry::At)
+    }
+
+    /// Ready once the deadline has passed.
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        match self {
+            Expiry::Never => Poll::Pending,
+            Expiry::At(at) => {
+                let mut timer = Box::pin(tokio::time::sleep_until((*at).into()));
+                let passed = timer.as_mut().poll(cx);
+                *self = Expiry::Armed(timer);
+                passed
+            }
+            Expiry::Armed(timer) => timer.as_mut().poll(cx),
+        }
+    }
 }
 
 enum HoldKind {
@@ -213,6 +244,27 @@ struct SharedHold {
     shaper: Shaper<Key>,
     cluster: Arc<Cluster>,
     reservation: Option<Reservation>,
+    /// The pacer's timer for `at`, or the drain's end (false); made by the
+    /// first poll.
+    woken: Option<Pin<Box<dyn Future<Output = bool> + Send + Sync>>>,
+}
+
+impl SharedHold {
+    fn poll_departed(&mut self, closing: &CancellationToken, cx: &mut Context<'_>) -> Poll<bool> {
+        let (at, shaper) = (self.at, &self.shaper);
+        self.woken
+            .get_or_insert_with(|| {
+                let (shaper, closing) = (shaper.clone(), closing.clone());
+                Box::pin(async move {
+                    tokio::select! {
+                        () = shaper.sleep_until(at) => true,
+                        () = closing.cancelled() => false,
+                    }
+                })
+            })
+            .as_mut()
+            .poll(cx)
+    }
 }
 
 impl Hold {
@@ -227,8 +279,8 @@ impl Hold {
 
     /// Resolve when the request may depart. Dropping the future before
     /// it resolves withdraws the request (and counts it as cancelled).
-    pub async fn departed(mut self) -> Result<(), HoldError> {
-        self.wait().await
+    pub fn departed(mut self) -> impl Future<Output = Result<(), HoldError>> + Send {
+        std::future::poll_fn(move |cx| self.poll_wait(cx))
     }
 
     /// Withdraw the request for a reason the front end counts itself (a
@@ -258,31 +310,29 @@ impl Hold {
 
     /// As [`Hold::departed`], keeping the hold: dropping it before this
     /// resolves still withdraws the request.
-    pub async fn wait(&mut self) -> Result<(), HoldError> {
-        let deadline = self.deadline;
-        let closing = self.closing.clone();
+    pub fn wait(&mut self) -> impl Future<Output = Result<(), HoldError>> + Send + '_ {
+        std::future::poll_fn(move |cx| self.poll_wait(cx))
+    }
+
+    /// Ready when the request may depart, or may not (the drain ended, or
+    /// `max_wait` passed). Polled in place, with no future of its own: a
+    /// held request's whole state is what it carries while it waits.
+    pub fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), HoldError>> {
         let result = match self.kind.as_mut() {
             None => Ok(()),
-            Some(HoldKind::Shared(s)) => {
-                let (at, shaper) = (s.at, s.shaper.clone());
-                tokio::select! {
-                    () = shaper.sleep_until(at) => Ok(()),
-                    () = closing.cancelled() => Err(HoldError::Closed),
+            Some(HoldKind::Shared(s)) => match ready!(s.poll_departed(&self.closing, cx)) {
+                true => Ok(()),
+                false => Err(HoldError::Closed),
+            },
+            Some(HoldKind::Local(waiting)) => match waiting.poll_wait(cx) {
+                Poll::Ready(Ok(())) => Ok(()),
+                Poll::Ready(Err(AcquireError::Closed)) => Err(HoldError::Closed),
+                Poll::Ready(Err(AcquireError::Rejected(_))) => Err(HoldError::Expired),
+                Poll::Pending => {
+                    ready!(self.expiry.poll(cx));
+                    Err(HoldError::Expired)
                 }
-            }
-            Some(HoldKind::Local(waiting)) => {
-                let waited = match deadline {
-                    Some(at) => tokio::time::timeout_at(at.into(), waiting.wait())
-                        .await
-                        .unwrap_or(Err(AcquireError::Rejected(Rejection::TooManyQueued))),
-                    None => waiting.wait().await,
-                };
-                match waited {
-                    Ok(()) => Ok(()),
-                    Err(AcquireError::Closed) => Err(HoldError::Closed),
-                    Err(AcquireError::Rejected(_)) => Err(HoldError::Expired),
-                }
-            }
+            },
         };
         // Settled: dropping the hold now withdraws nothing (an expired
         // local waiter still holds its ticket and is withdrawn here).
@@ -291,7 +341,7 @@ impl Hold {
             Ok(()) => self.rule.queue_wait.record(self.arrival.elapsed()),
             Err(_) => self.rule.count(Outcome::Expired),
         }
-        result
+        Poll::Ready(result)
     }
 
     /// Stop waiting without withdrawing (dry run): the request keeps its
@@ -488,11 +538,12 @@ impl Admission {
                 // Under an upstream cap or pause the departure is only a
                 // lower bound at admission: max_wait is also enforced while
                 // waiting.
-                deadline: rule
-                    .policy
-                    .max_wait
-                    .filter(|_| rule.capped() || rule.pausable())
-                    .map(|w| arrival + Duration::from_nanos(w)),
+                expiry: Expiry::new(
+                    rule.policy
+                        .max_wait
+                        .filter(|_| rule.capped() || rule.pausable())
+                        .map(|w| arrival + Duration::from_nanos(w)),
+                ),
                 closing: self.closing.clone(),
             }),
             Err(Rejection::Full { retry_after }) => Verdict::Refused {
@@ -587,9 +638,10 @@ impl Admission {
                             shaper: self.shaper.clone(),
                             cluster: cluster.clone(),
                             reservation: Some(reservation),
+                            woken: None,
                         }))),
                         arrival,
-                        deadline: None,
+                        expiry: Expiry::Never,
                         closing: self.closing.clone(),
                     })
                 }

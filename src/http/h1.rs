@@ -10,8 +10,9 @@
 //! request's boxed future, which made a held HTTP/1.1 request cost twice
 //! what an HTTP/2 stream does. Here a head is read on the stack into a
 //! buffer of its own size, which the request's values and target share
-//! (nothing to copy out, unlike hyper's: [`super::headers::detach_head`]),
-//! and the request's future lives inside the connection's task. (BENCHMARKS.md, "Memory per held request".)
+//! (a request that waits is then packed like any other:
+//! [`super::headers::pack`]), and the request's future lives inside the
+//! connection's task. (BENCHMARKS.md, "Memory per held request".)
 //!
 //! What a client sees is what hyper does: the same limits (a head past
 //! `max_header_size` or with more than 100 fields gets hyper's 431, a
@@ -175,7 +176,7 @@ pub struct Session<'a> {
     pub conns: &'a Arc<Conns>,
     pub state: &'a Arc<ConnState>,
     pub stop: &'a CancellationToken,
-    pub peer: SocketAddr,
+    pub peer: &'a SocketAddr,
     /// `server.max_header_size`.
     pub max_head: usize,
 }
@@ -222,34 +223,39 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
         tokio::pin!(timer);
         loop {
             // The next head: from what is already read, else from the socket.
-            let mut started = None;
             let Head {
                 req,
                 keep_alive,
                 head,
-            } = loop {
-                if !buf.is_empty() {
-                    started.get_or_insert_with(Instant::now);
-                    if first && H2_PREFACE.starts_with(&buf[..buf.len().min(H2_PREFACE.len())]) {
-                        if buf.len() >= H2_PREFACE.len() {
-                            return hand_over(buf, stream, true);
-                        }
-                    } else {
-                        let bad = match parse(&mut buf, s.max_head) {
-                            Parsed::Request(head) => break head,
-                            Parsed::Hyper => return hand_over(buf, stream, false),
-                            Parsed::Bad => true,
-                            Parsed::Partial => false,
-                        };
-                        if bad {
-                            let _ = stream.write_all(&bad_request()).await;
-                            let _ = stream.shutdown().await;
-                            return Next::Closed;
+            } = {
+                // In a block: `started` would otherwise stay in the task
+                // while the request waits.
+                let mut started = None;
+                loop {
+                    if !buf.is_empty() {
+                        started.get_or_insert_with(Instant::now);
+                        if first && H2_PREFACE.starts_with(&buf[..buf.len().min(H2_PREFACE.len())])
+                        {
+                            if buf.len() >= H2_PREFACE.len() {
+                                return hand_over(buf, stream, true);
+                            }
+                        } else {
+                            let bad = match parse(&mut buf, s.max_head) {
+                                Parsed::Request(head) => break head,
+                                Parsed::Hyper => return hand_over(buf, stream, false),
+                                Parsed::Bad => true,
+                                Parsed::Partial => false,
+                            };
+                            if bad {
+                                let _ = stream.write_all(&bad_request()).await;
+                                let _ = stream.shutdown().await;
+                                return Next::Closed;
+                            }
                         }
                     }
-                }
-                if !read_more(&s, &stream, &mut buf, started, timer.as_mut()).await {
-                    return Next::Closed;
+                    if !read_more(&s, &stream, &mut buf, started, timer.as_mut()).await {
+                        return Next::Closed;
+                    }
                 }
             };
             first = false;
@@ -266,7 +272,7 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
             // being written, instead of being kept beside it.)
             let response = {
                 let guard = s.conns.request(s.state);
-                let answer = s.handler.handle(req, s.peer);
+                let answer = s.handler.handle(req, *s.peer);
                 tokio::pin!(answer);
                 let mut watching = true;
                 let response = loop {
@@ -317,13 +323,17 @@ fn hand_over(buf: BytesMut, io: TcpStream, h2: bool) -> Next {
 /// Wait for more bytes of a head: `false` when the connection is to close
 /// instead (the peer left, shutdown, eviction, or its idle or header
 /// timeout passed). `started` is when the head's first byte arrived.
-async fn read_more(
-    s: &Session<'_>,
-    stream: &TcpStream,
-    buf: &mut BytesMut,
+///
+/// A plain function around an `async` block: the deadline is set before
+/// the wait, and the wait's state (part of every connection's task)
+/// carries no copies of the arguments.
+fn read_more<'a>(
+    s: &'a Session<'_>,
+    stream: &'a TcpStream,
+    buf: &'a mut BytesMut,
     started: Option<Instant>,
-    mut timer: Pin<&mut tokio::time::Sleep>,
-) -> bool {
+    mut timer: Pin<&'a mut tokio::time::Sleep>,
+) -> impl Future<Output = bool> + Send + 'a {
     let idle = s
         .conns
         .idle_deadline(s.state)
@@ -335,27 +345,29 @@ async fn read_more(
     if timer.deadline() != deadline.into() {
         timer.as_mut().reset(deadline.into());
     }
-    loop {
-        tokio::select! {
-            ready = stream.readable() => {
-                if ready.is_err() {
+    async move {
+        loop {
+            tokio::select! {
+                ready = stream.readable() => {
+                    if ready.is_err() {
+                        return false;
+                    }
+                    match read_into(stream, buf) {
+                        Ok(0) => return false,
+                        Ok(_) => return true,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(_) => return false,
+                    }
+                }
+                () = s.stop.cancelled() => return false,
+                () = s.state.evict.cancelled() => {
+                    debug!(peer = %s.peer, "idle connection closed for a new one");
                     return false;
                 }
-                match read_into(stream, buf) {
-                    Ok(0) => return false,
-                    Ok(_) => return true,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(_) => return false,
+                () = timer.as_mut() => {
+                    debug!(peer = %s.peer, "idle connection closed");
+                    return false;
                 }
-            }
-            () = s.stop.cancelled() => return false,
-            () = s.state.evict.cancelled() => {
-                debug!(peer = %s.peer, "idle connection closed for a new one");
-                return false;
-            }
-            () = timer.as_mut() => {
-                debug!(peer = %s.peer, "idle connection closed");
-                return false;
             }
         }
     }
@@ -531,13 +543,29 @@ enum Framing {
 }
 
 /// Write `response`: its head, then its body framed as hyper would.
-async fn write_response(
+///
+/// The head is written out by a plain function first: the async part then
+/// carries only the body and the bytes to send (the response's header
+/// table would otherwise stay in the connection's task while it writes,
+/// and size that task for every connection).
+fn write_response(
     stream: &mut TcpStream,
     response: Response<ProxyBody>,
     head_request: bool,
     close: bool,
-) -> io::Result<()> {
-    let (parts, mut body) = response.into_parts();
+) -> impl Future<Output = io::Result<()>> + Send + '_ {
+    let (parts, body) = response.into_parts();
+    let (out, framing) = response_head(&parts, &body, head_request, close);
+    write_body(stream, body, out, framing)
+}
+
+/// A response's head, as bytes, and how its body is delimited.
+fn response_head(
+    parts: &http::response::Parts,
+    body: &ProxyBody,
+    head_request: bool,
+    close: bool,
+) -> (Vec<u8>, Framing) {
     let status = parts.status;
     let declared = parts
         .headers
@@ -595,6 +623,16 @@ async fn write_response(
         out.extend_from_slice(b"connection: close\r\n");
     }
     out.extend_from_slice(b"\r\n");
+    (out, framing)
+}
+
+/// Send `out` (the head and whatever the body adds), then the body.
+async fn write_body(
+    stream: &mut TcpStream,
+    mut body: ProxyBody,
+    mut out: Vec<u8>,
+    framing: Framing,
+) -> io::Result<()> {
     if framing == Framing::None {
         return stream.write_all(&out).await;
     }

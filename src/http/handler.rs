@@ -17,6 +17,7 @@
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,6 +28,7 @@ use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
+use hyper::body::Body as _;
 use hyper::upgrade::OnUpgrade;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::task::TaskTracker;
@@ -35,7 +37,7 @@ use super::Shared;
 use super::forward::{Origin, OutBody, Upstream};
 use super::grpc;
 use super::h1::RequestBody;
-use super::headers::{add_ratelimit_headers, upgrade_to};
+use super::headers::{Packed, add_ratelimit_headers, pack, unpack, upgrade_to};
 use super::key;
 use super::path;
 use super::response::{ProxyBody, full, problem};
@@ -80,6 +82,9 @@ impl Body {
     }
 }
 
+/// A wait that is boxed (not the common one).
+type Waits<'a> = Pin<Box<dyn Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a>>;
+
 /// A request routed and keyed: everything its admission needs, owned, so
 /// that the one future that waits for it carries nothing else.
 struct Admit {
@@ -94,7 +99,11 @@ struct Admit {
     cost: u32,
     /// For a gRPC call, its deadline (`grpc-timeout`) if any.
     grpc: Option<Option<Duration>>,
-    switch: Option<Switch>,
+    /// Boxed: rare, and every request carries the field.
+    switch: Option<Box<Switch>>,
+    arrival: Instant,
+    /// The head's fields while it waits ([`pack`]).
+    packed: Option<Packed>,
 }
 
 impl Handler {
@@ -108,26 +117,17 @@ impl Handler {
         peer: SocketAddr,
     ) -> impl Future<Output = Response<ProxyBody>> + Send + use<> {
         let grpc = grpc::is_grpc(req.headers()).then(|| grpc::timeout(req.headers()));
-        let (call, shown) = match self.prepare(req, peer, grpc) {
-            Ok(a) => {
-                let shown = a.app.routes[a.route]
-                    .ratelimit_headers
-                    .then(|| (a.app.clone(), a.route, a.key.clone()));
-                (Either::Left(self.clone().admit(a)), shown)
-            }
-            Err(response) => (Either::Right(ready(response)), None),
-        };
-        let this = self.clone();
-        call.map(move |mut response| {
-            if let Some((app, route, key)) = shown {
-                this.ratelimit(&app.routes[route], &key, &mut response);
-            }
-            if grpc.is_some() {
-                grpc::answer(response)
-            } else {
-                response
-            }
-        })
+        match self.prepare(req, peer, grpc) {
+            // Boxed: the request's own state lives in one allocation of
+            // its size, so that the future which waits (in hyper's stream
+            // task, or our connection's) carries a pointer to it, not the
+            // request itself.
+            Ok(a) => Either::Left(self.clone().admit(Box::new(a))),
+            Err(response) => Either::Right(ready(match grpc {
+                Some(_) => grpc::answer(response),
+                None => response,
+            })),
+        }
     }
 
     /// Route, key and retarget a request (its headers are rewritten at its
@@ -147,7 +147,7 @@ impl Handler {
         let switch =
             if req.version() <= http::Version::HTTP_11 && upgrade_to(req.headers()).is_some() {
                 match self.shared.tunnels.reserve() {
-                    Some(slot) => Some((hyper::upgrade::on(&mut req), slot)),
+                    Some(slot) => Some(Box::new((hyper::upgrade::on(&mut req), slot))),
                     None => {
                         return Err(problem(
                             StatusCode::SERVICE_UNAVAILABLE,
@@ -235,6 +235,8 @@ impl Handler {
             cost,
             grpc,
             switch,
+            arrival: Instant::now(),
+            packed: None,
         })
     }
 
@@ -252,37 +254,63 @@ impl Handler {
         clippy::manual_async_fn,
         reason = "an async fn keeps a second copy of each argument in a held request's state"
     )]
-    fn admit(self: Arc<Self>, a: Admit) -> impl Future<Output = Response<ProxyBody>> + Send {
+    fn admit(
+        self: Arc<Self>,
+        mut a: Box<Admit>,
+    ) -> impl Future<Output = Response<ProxyBody>> + Send {
         async move {
+            let verdict = {
+                let rule = &a.app.routes[a.route].rule;
+                self.shared
+                    .admission
+                    .admit(rule, a.key.clone(), a.cost)
+                    .await
+            };
+            if let Verdict::Wait(_) = verdict {
+                // It waits: its head moves into memory of its own size.
+                a.packed = Some(pack(&mut a.parts));
+            }
             // Fields are used in place: a destructured copy would be a
             // second one in this future. `prepare` found both indices in
             // this same (immutable) table.
             let route = &a.app.routes[a.route];
             let upstream = &a.app.upstreams[route.upstream];
-            let arrival = Instant::now();
-            let verdict = self
-                .shared
-                .admission
-                .admit(&route.rule, a.key.clone(), a.cost)
-                .await;
-            // Moved whole into a plain function: a verdict matched here
-            // would stay in this future (the hold moved out of it) while
-            // the request waits.
-            let next = match self.next(route, upstream, verdict, a.body, a.grpc, arrival) {
-                Ok(next) => next,
-                Err(response) => return response,
+            let mut response = 'answer: {
+                // Moved whole into a plain function: a verdict matched here
+                // would stay in this future (the hold moved out of it)
+                // while the request waits.
+                let next = match self.next(route, upstream, verdict, &mut a.body, a.grpc, a.arrival)
+                {
+                    Ok(next) => next,
+                    Err(response) => break 'answer response,
+                };
+                let body = match next.await {
+                    Ok(body) => body,
+                    Err(response) => break 'answer response,
+                };
+                // The head is made in a block of its own: a local would
+                // stay in this future through the call.
+                let parts = {
+                    let mut parts = a.parts;
+                    if let Some(packed) = a.packed {
+                        unpack(&mut parts, packed);
+                    }
+                    upstream.rewrite(&mut parts, a.origin);
+                    parts
+                };
+                // Boxed: the forwarding state (upstream connect, TLS, the
+                // call) is large and only exists once the request departs,
+                // so a waiting request holds none of it.
+                let departed = (&a.key, a.cost, a.arrival);
+                Box::pin(self.forward(route, upstream, parts, body, departed, a.switch)).await
             };
-            let body = match next.await {
-                Ok(body) => body,
-                Err(response) => return response,
-            };
-            // Boxed: the forwarding state (upstream connect, TLS, the call)
-            // is large and only exists once the request departs, so a
-            // waiting request holds none of it.
-            let mut parts = a.parts;
-            upstream.rewrite(&mut parts, a.origin);
-            let departed = (a.key, a.cost, arrival);
-            Box::pin(self.forward(route, upstream, parts, body, departed, a.switch)).await
+            if route.ratelimit_headers {
+                self.ratelimit(route, &a.key, &mut response);
+            }
+            match a.grpc {
+                Some(_) => grpc::answer(response),
+                None => response,
+            }
         }
     }
 
@@ -297,25 +325,39 @@ impl Handler {
         route: &'a Route,
         upstream: &Upstream,
         verdict: Verdict,
-        body: RequestBody,
+        body: &'a mut RequestBody,
         grpc: Option<Option<Duration>>,
         arrival: Instant,
     ) -> Result<
         impl Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a,
         Response<ProxyBody>,
     > {
+        let take = |body: &mut RequestBody| std::mem::replace(body, RequestBody::Empty);
+        // What a held request without a body waits in is the hold itself
+        // (the body stays with the request, taken at its departure); every
+        // other wait is boxed (a staged body, a gRPC deadline), so that it
+        // does not size the common one.
         Ok(match verdict {
             // A gRPC call is never staged, even for an upstream that may
             // pause: it may stream both ways. So it is never sent twice.
             Verdict::Go if upstream.stages_everything() && grpc.is_none() => {
-                Either::Left(Either::Left(self.stage(route, body)))
+                Either::Right(Box::pin(self.stage(route, take(body))) as Waits<'a>)
             }
-            Verdict::Go => Either::Left(Either::Right(ready(Ok(Body::Stream(body))))),
+            Verdict::Go => Either::Left(Either::Left(ready(Ok(Body::Stream(take(body)))))),
             Verdict::Wait(hold) if grpc.is_some() => {
                 let deadline = grpc.flatten().map(|d| arrival + d);
-                Either::Right(Either::Left(self.call(route, hold, body, deadline)))
+                let call = self.call(route, hold, take(body), deadline);
+                Either::Right(Box::pin(call) as Waits<'a>)
             }
-            Verdict::Wait(hold) => Either::Right(Either::Right(self.wait(route, hold, body))),
+            Verdict::Wait(hold) if body.is_end_stream() => {
+                Either::Left(Either::Right(hold.departed().map(move |d| match d {
+                    Ok(()) => Ok(Body::Stream(take(body))),
+                    Err(e) => Err(self.hold_failed(route, e)),
+                })))
+            }
+            Verdict::Wait(hold) => {
+                Either::Right(Box::pin(self.wait(route, hold, take(body))) as Waits<'a>)
+            }
             refused => return Err(self.refusal(route, refused)),
         })
     }
@@ -494,8 +536,8 @@ impl Handler {
         upstream: &Upstream,
         parts: Parts,
         body: Body,
-        (key, cost, arrival): (Key, u32, Instant),
-        switch: Option<Switch>,
+        (key, cost, arrival): (&Key, u32, Instant),
+        switch: Option<Box<Switch>>,
     ) -> Response<ProxyBody> {
         let replay = body.out().map(|b| (parts.clone(), b));
         let out = match body {
@@ -510,7 +552,7 @@ impl Handler {
             }
         };
         let (response, outcome, throttle, switched) = upstream.forward(parts, out, permit).await;
-        if let Some((client, slot)) = switch {
+        if let Some((client, slot)) = switch.map(|s| *s) {
             if let Some(theirs) = switched {
                 self.shared
                     .tunnels
@@ -542,7 +584,7 @@ impl Handler {
         upstream: &Upstream,
         (response, outcome, until): (Response<ProxyBody>, Outcome, Instant),
         replay: Option<(Parts, OutBody)>,
-        (key, cost, arrival): (Key, u32, Instant),
+        (key, cost, arrival): (&Key, u32, Instant),
     ) -> Response<ProxyBody> {
         let admission = &self.shared.admission;
         let within_max_wait = route
@@ -564,7 +606,7 @@ impl Handler {
                 None,
             );
         };
-        let again = match admission.admit(&route.rule, key, cost).await {
+        let again = match admission.admit(&route.rule, key.clone(), cost).await {
             Verdict::Go => true,
             Verdict::Wait(hold) => hold.departed().await.is_ok(),
             _ => false,

@@ -24,51 +24,76 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
-/// Copy `headers`' values, and `target` before them, into one buffer of
-/// their own; returns the target's copy.
+/// A waiting request's header fields, packed into one buffer of their
+/// own size (see [`pack`]).
 ///
-/// hyper parses an HTTP/1.1 head in place: its values are slices of the
-/// connection's 8 KiB read buffer, so that buffer stays referenced for as
-/// long as the request lives, and hyper allocates another for the
-/// connection's next read (HTTP/2's values are slices of the frame's).
-/// Copied out (one allocation of the head's size), the head lets hyper
-/// read on into the buffer it has. A value the
-/// copy would not accept (none that hyper parsed) stays as it was.
-pub fn detach(headers: &mut HeaderMap, target: &[u8]) -> Bytes {
-    let len = target.len() + headers.values().map(HeaderValue::len).sum::<usize>();
+/// `name:value\n` per field in order (`;` for a sensitive value): neither a
+/// name nor a value can hold `\n`, nor a name `:` or `;`.
+pub struct Packed(Bytes);
+
+/// Pack the head of a request that waits into memory of its own size: its
+/// path and query and its header fields into one buffer, which the target
+/// keeps and the fields are rebuilt from at its departure ([`unpack`]).
+///
+/// A head as parsed is much larger than its text. hyper's HTTP/1.1 values
+/// are slices of the connection's 8 KiB read buffer and HTTP/2's of the
+/// frame's, which a held request would keep referenced; and a header
+/// table is 104 bytes per field with room for six at its first (656
+/// bytes for a request with two fields). A request that departs at once
+/// keeps its head as parsed: only requests that wait pay for the copy and
+/// the rebuild, and they leave at the configured rate.
+pub fn pack(parts: &mut Parts) -> Packed {
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or(&b""[..], |pq| pq.as_str().as_bytes());
+    let mut len = target.len();
+    for (name, value) in &parts.headers {
+        len += name.as_str().len() + value.len() + 2;
+    }
     let mut buf = BytesMut::with_capacity(len);
     buf.extend_from_slice(target);
-    for v in headers.values() {
-        buf.extend_from_slice(v.as_bytes());
+    let at = buf.len();
+    for (name, value) in &parts.headers {
+        buf.extend_from_slice(name.as_str().as_bytes());
+        buf.extend_from_slice(if value.is_sensitive() { b";" } else { b":" });
+        buf.extend_from_slice(value.as_bytes());
+        buf.extend_from_slice(b"\n");
     }
-    let buf = buf.freeze();
-    let mut at = target.len();
-    for v in headers.values_mut() {
-        let n = v.len();
-        if let Ok(mut copy) = HeaderValue::from_maybe_shared(buf.slice(at..at + n)) {
-            copy.set_sensitive(v.is_sensitive());
-            *v = copy;
+    let mut buf = buf.freeze();
+    let fields = buf.split_off(at);
+    parts.headers = HeaderMap::new();
+    if parts.uri.path_and_query().is_some()
+        && let Ok(pq) = PathAndQuery::from_maybe_shared(buf)
+    {
+        let mut uri = parts.uri.clone().into_parts();
+        uri.path_and_query = Some(pq);
+        if let Ok(uri) = Uri::from_parts(uri) {
+            parts.uri = uri;
         }
-        at += n;
     }
-    buf.slice(..target.len())
+    Packed(fields)
 }
 
-/// [`detach`] a request head that hyper parsed: its header values and its
-/// path and query go into one buffer of their own. (sluice's own HTTP/1.1
-/// reads a head into a buffer of the head's size, so its requests need
-/// none of this: [`super::h1`].)
-pub fn detach_head(parts: &mut Parts) {
-    let Some(pq) = parts.uri.path_and_query() else {
-        detach(&mut parts.headers, b"");
-        return;
-    };
-    let target = detach(&mut parts.headers, pq.as_str().as_bytes());
-    let mut uri = parts.uri.clone().into_parts();
-    uri.path_and_query = PathAndQuery::from_maybe_shared(target).ok();
-    if let Ok(uri) = Uri::from_parts(uri) {
-        parts.uri = uri;
+/// Rebuild the header fields of a head [`pack`]ed while it waited (the
+/// values are slices of the packed buffer).
+pub fn unpack(parts: &mut Parts, packed: Packed) {
+    let buf = &packed.0;
+    let count = buf.iter().filter(|&&b| b == b'\n').count();
+    let mut headers = HeaderMap::try_with_capacity(count).unwrap_or_default();
+    let mut at = 0;
+    while let Some(end) = buf[at..].iter().position(|&b| b == b'\n').map(|n| at + n) {
+        let line = &buf[at..end];
+        if let Some(colon) = line.iter().position(|&b| b == b':' || b == b';')
+            && let Ok(name) = HeaderName::from_bytes(&line[..colon])
+            && let Ok(mut value) = HeaderValue::from_maybe_shared(buf.slice(at + colon + 1..end))
+        {
+            value.set_sensitive(line[colon] == b';');
+            headers.append(name, value);
+        }
+        at = end + 1;
     }
+    parts.headers = headers;
 }
 
 /// Remove the hop-by-hop headers: `Connection` and every header it names,
@@ -207,57 +232,112 @@ mod tests {
     use super::*;
 
     #[test]
-    fn detach_copies_every_value_out_of_the_read_buffer() {
+    fn a_packed_head_is_out_of_the_read_buffer_and_unpacks_as_it_was() {
         let read = Bytes::from_static(b"/a?b=1 example.org k secret");
         let within = |b: &[u8]| {
             let r = read.as_ptr() as usize..read.as_ptr() as usize + read.len();
             r.contains(&(b.as_ptr() as usize))
         };
-        let mut h = HeaderMap::new();
         let value =
             |r: std::ops::Range<usize>| HeaderValue::from_maybe_shared(read.slice(r)).unwrap();
-        h.insert("host", value(7..18));
-        h.append("x-client", value(19..20));
-        h.append("x-client", value(7..18));
         let mut secret = value(21..27);
         secret.set_sensitive(true);
-        h.insert("authorization", secret);
-        assert!(h.values().all(|v| within(v.as_bytes())));
-
-        let target = detach(&mut h, &read[..6]);
-        assert_eq!(&target[..], b"/a?b=1");
-        assert!(!within(&target));
-        assert!(h.values().all(|v| !within(v.as_bytes())));
-        assert_eq!(h["host"], "example.org");
-        let clients: Vec<_> = h.get_all("x-client").iter().collect();
-        assert_eq!(clients, ["k", "example.org"]);
-        assert_eq!(h["authorization"], "secret");
-        assert!(h["authorization"].is_sensitive());
-    }
-
-    #[test]
-    fn detach_head_copies_the_path_and_query_too() {
-        let read = Bytes::from_static(b"/a?b=1 k");
-        let within = |b: &[u8]| {
-            let r = read.as_ptr() as usize..read.as_ptr() as usize + read.len();
-            r.contains(&(b.as_ptr() as usize))
-        };
-        let uri = Uri::from_maybe_shared(read.slice(..6)).unwrap();
         let (mut parts, ()) = http::Request::builder()
-            .uri(uri)
-            .header(
-                "x-client",
-                HeaderValue::from_maybe_shared(read.slice(7..)).unwrap(),
-            )
+            .uri(Uri::from_maybe_shared(read.slice(..6)).unwrap())
+            .header("host", value(7..18))
+            .header("x-client", value(19..20))
+            .header("x-client", value(7..18))
+            .header("authorization", secret)
+            .header("x-empty", HeaderValue::from_static(""))
             .body(())
             .unwrap()
             .into_parts();
+        let before = parts.headers.clone();
         assert!(within(parts.uri.path().as_bytes()));
-        detach_head(&mut parts);
+
+        let packed = pack(&mut parts);
+        assert!(parts.headers.is_empty());
         assert_eq!(parts.uri, "/a?b=1");
         assert!(!within(parts.uri.path().as_bytes()));
-        assert_eq!(parts.headers["x-client"], "k");
-        assert!(!within(parts.headers["x-client"].as_bytes()));
+
+        unpack(&mut parts, packed);
+        assert_eq!(parts.headers, before);
+        assert!(parts.headers.values().all(|v| !within(v.as_bytes())));
+        let clients: Vec<_> = parts.headers.get_all("x-client").iter().collect();
+        assert_eq!(clients, ["k", "example.org"]);
+        assert!(parts.headers["authorization"].is_sensitive());
+        assert!(!parts.headers["host"].is_sensitive());
+        // The table has room for what it holds, not HTTP/2's first six.
+        assert!(parts.headers.capacity() < 12);
+    }
+
+    proptest::proptest! {
+        /// Any fields (names from every token byte, values from every
+        /// byte a value may hold, repeated names, sensitive or not) and
+        /// any target come back from a pack exactly as they were.
+        #[test]
+        fn pack_then_unpack_gives_the_head_back(
+            fields in proptest::collection::vec(
+                (
+                    proptest::collection::vec(
+                        proptest::sample::select(b"abcxyz0189!#$%&'*+-.^_`|~".to_vec()),
+                        1..6,
+                    ),
+                    proptest::collection::vec(
+                        proptest::prop_oneof![
+                            0x20u8..0x7f,
+                            proptest::strategy::Just(b'\t'),
+                            0x80u8..=0xff,
+                        ],
+                        0..12,
+                    ),
+                    proptest::bool::ANY,
+                ),
+                0..12,
+            ),
+            path in "/[a-z0-9/%.]{0,12}",
+            query in proptest::option::of("[a-z0-9=&%]{0,8}"),
+        ) {
+            let target = match &query {
+                Some(q) => format!("{path}?{q}"),
+                None => path.clone(),
+            };
+            let mut parts = http::Request::builder()
+                .uri(target.as_str())
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0;
+            for (name, value, sensitive) in &fields {
+                let name = HeaderName::from_bytes(name).unwrap();
+                let mut value = HeaderValue::from_bytes(value).unwrap();
+                value.set_sensitive(*sensitive);
+                parts.headers.append(name, value);
+            }
+            let before = parts.headers.clone();
+            let packed = pack(&mut parts);
+            unpack(&mut parts, packed);
+            proptest::prop_assert_eq!(&parts.headers, &before);
+            for (name, _) in &before {
+                let a: Vec<_> = before.get_all(name).iter().map(HeaderValue::is_sensitive).collect();
+                let b: Vec<_> = parts.headers.get_all(name).iter().map(HeaderValue::is_sensitive).collect();
+                proptest::prop_assert_eq!(a, b);
+            }
+            proptest::prop_assert_eq!(parts.uri.to_string(), target);
+        }
+    }
+
+    #[test]
+    fn a_head_without_fields_or_target_packs() {
+        let (mut parts, ()) = http::Request::builder()
+            .uri("http://example.org")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let packed = pack(&mut parts);
+        unpack(&mut parts, packed);
+        assert!(parts.headers.is_empty());
+        assert_eq!(parts.uri, "http://example.org/");
     }
 
     #[test]

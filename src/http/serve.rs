@@ -38,7 +38,6 @@ use tracing::{debug, info, warn};
 use super::conn::{Conns, OwnedPermit};
 use super::h1::{self, RequestBody, Rewind};
 use super::handler::Handler;
-use super::headers::detach_head;
 use super::route::{App, Concurrency};
 use super::{Handle, ServeError, Shared, limits, lock, unix_now, unrouted_counter};
 use crate::admission::Admission;
@@ -59,18 +58,15 @@ struct Protocols {
 
 /// A client connection hyper serves: HTTP/2 (prior knowledge), or
 /// HTTP/1.1 from a request [`h1`] leaves to hyper on.
-// HTTP/2's connection state is boxed: the task of every connection is as
-// large as the largest variant, and an HTTP/2 connection carries many
-// streams and pays one allocation for its life.
-#[expect(
-    clippy::large_enum_variant,
-    reason = "the HTTP/1.1 variant is the connection's state for its life; boxing it adds an allocation per connection"
-)]
+// Boxed, both: the connection's task is as large as its largest state, and
+// every HTTP/1.1 connection's task (which holds its waiting request) would
+// otherwise carry room for hyper's, which only connections handed over
+// use (one allocation for their life).
 enum Conn<S>
 where
     S: hyper::service::HttpService<hyper::body::Incoming>,
 {
-    H1(http1::UpgradeableConnection<TokioIo<Rewind>, S>),
+    H1(Pin<Box<http1::UpgradeableConnection<TokioIo<Rewind>, S>>>),
     H2(Pin<Box<http2::Connection<TokioIo<Rewind>, S, TokioExecutor>>>),
 }
 
@@ -397,7 +393,7 @@ impl Worker {
                 conns: &self.conns,
                 state: &state,
                 stop: &self.stop,
-                peer,
+                peer: &peer,
                 max_head: self.max_head,
             };
             let (io, h2) = match h1::serve(session, stream).await {
@@ -412,10 +408,8 @@ impl Worker {
             let (conns, st) = (self.conns.clone(), state.clone());
             let service = service_fn(move |req: Request<Incoming>| {
                 let guard = conns.request(&st);
-                let (mut parts, body) = req.into_parts();
-                detach_head(&mut parts);
                 handler
-                    .handle(Request::from_parts(parts, RequestBody::from(body)), peer)
+                    .handle(req.map(RequestBody::from), peer)
                     .map(move |response| {
                         drop(guard);
                         Ok::<_, Infallible>(response)
@@ -477,19 +471,19 @@ where
         if h2 {
             Conn::H2(Box::pin(protocols.http2.serve_connection(io, service)))
         } else {
-            Conn::H1(
+            Conn::H1(Box::pin(
                 protocols
                     .http1
                     .serve_connection(io, service)
                     .with_upgrades(),
-            )
+            ))
         }
     }
 
     /// Finish what is in hand, then close.
     fn graceful_shutdown(self: std::pin::Pin<&mut Self>) {
         match self.get_mut() {
-            Conn::H1(c) => std::pin::Pin::new(c).graceful_shutdown(),
+            Conn::H1(c) => c.as_mut().graceful_shutdown(),
             Conn::H2(c) => c.as_mut().graceful_shutdown(),
         }
     }
@@ -515,7 +509,7 @@ where
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
         match self.get_mut() {
-            Conn::H1(c) => std::pin::Pin::new(c).poll(cx),
+            Conn::H1(c) => c.as_mut().poll(cx),
             Conn::H2(c) => c.as_mut().poll(cx),
         }
     }
