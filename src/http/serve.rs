@@ -322,7 +322,7 @@ impl Worker {
     async fn serve(self, listeners: Vec<std::net::TcpListener>) {
         let connections = TaskTracker::new();
         let me = Arc::new(self);
-        let mut loops = Vec::new();
+        let mut loops = vec![tokio::spawn(crate::memory::return_cache_when_idle())];
         for listener in listeners {
             match TcpListener::from_std(listener) {
                 Ok(l) => loops.push(tokio::spawn(me.clone().accept_loop(l, connections.clone()))),
