@@ -220,6 +220,7 @@ async fn global_cap_is_shared_fairly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_concurrency_is_never_exceeded() {
+    const KEYS: [&str; 8] = ["a", "b", "c", "d", "e", "f", "g", "h"];
     let ds = Downstream::start().await;
     let routes = route(
         "default",
@@ -228,9 +229,8 @@ async fn max_concurrency_is_never_exceeded() {
     let s = Sluice::start(&config(ds.addr, "max_concurrency = 2", &routes));
     let c = client();
     let mut tasks = Vec::new();
-    for i in 0..8 {
+    for (i, key) in KEYS.into_iter().enumerate() {
         let (c, url) = (c.clone(), s.url(&format!("/delay/{i}")));
-        let key: &'static str = ["a", "b", "c", "d", "e", "f", "g", "h"][i];
         tasks.push(tokio::spawn(async move {
             get(&c, &url, &[("x-client", key)]).await.status
         }));
@@ -244,6 +244,15 @@ async fn max_concurrency_is_never_exceeded() {
         2,
         "the downstream saw more (or fewer) than 2 in flight"
     );
+    // Those that waited for a slot (their heads packed meanwhile) arrive
+    // with their own target and fields, as those that did not.
+    for seen in ds.seen() {
+        let i: usize = seen.path["/delay/".len()..].parse().unwrap();
+        assert_eq!(seen.target, seen.path);
+        assert_eq!(seen.headers["x-client"], KEYS[i]);
+        assert_eq!(seen.headers["via"], "1.1 sluice");
+        assert_eq!(seen.headers["x-forwarded-for"], "127.0.0.1");
+    }
 }
 
 /// A cost-5 request occupies 5 units of capacity and 5 departure slots.

@@ -544,7 +544,8 @@ impl Handler {
             Body::Stream(b) => OutBody::Stream(b),
             Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
         };
-        let permit = match self.in_flight_slot(upstream).await {
+        let mut parts = parts;
+        let permit = match self.in_flight_slot(upstream, &mut parts).await {
             Ok(p) => p,
             Err(response) => {
                 route.rule.count(Outcome::Expired);
@@ -592,7 +593,7 @@ impl Handler {
             .policy()
             .max_wait
             .is_none_or(|mw| until <= arrival + Duration::from_nanos(mw));
-        let Some((parts, out)) = replay.filter(|(p, _)| safe_to_repeat(p) && within_max_wait)
+        let Some((mut parts, out)) = replay.filter(|(p, _)| safe_to_repeat(p) && within_max_wait)
         else {
             route.rule.count(outcome);
             return response;
@@ -615,7 +616,7 @@ impl Handler {
             route.rule.count(outcome);
             return kept;
         }
-        let permit = match self.in_flight_slot(upstream).await {
+        let permit = match self.in_flight_slot(upstream, &mut parts).await {
             Ok(p) => p,
             Err(response) => {
                 route.rule.count(Outcome::Expired);
@@ -631,9 +632,11 @@ impl Handler {
     /// `max_concurrency` slots (first come, first served, as calls end).
     /// The wait counts against `max_queued`, lasts at most the upstream's
     /// `request_timeout` (504), and ends with 503 when the drain gives up.
+    /// The request's head is packed while it waits, as in the queue.
     async fn in_flight_slot(
         &self,
         upstream: &Upstream,
+        head: &mut Parts,
     ) -> Result<Option<OwnedSemaphorePermit>, Response<ProxyBody>> {
         let Some(sem) = upstream.concurrency() else {
             return Ok(None);
@@ -645,7 +648,8 @@ impl Handler {
         let Some(_room) = admission.reserve_wait() else {
             return Err(self.shared.overloaded(Overload::Queued));
         };
-        tokio::select! {
+        let packed = pack(head);
+        let slot = tokio::select! {
             p = sem.clone().acquire_owned() => Ok(p.ok()),
             () = tokio::time::sleep(upstream.request_timeout()) => Err(problem(
                 StatusCode::GATEWAY_TIMEOUT,
@@ -657,7 +661,9 @@ impl Handler {
                 "sluice is shutting down; this request was not forwarded",
                 Some(Duration::from_secs(1)),
             )),
-        }
+        };
+        unpack(head, packed);
+        slot
     }
 
     fn ratelimit(&self, route: &Route, key: &Key, response: &mut Response<ProxyBody>) {
