@@ -446,6 +446,8 @@ async fn many(url: &str, ds_port: u16, clients: u64) -> Result<(), Fail> {
         }));
     }
     let (mut ok, mut other, mut failed) = (0u64, 0u64, 0u64);
+    // Any answer other than 200, by status: which one says why.
+    let mut others = std::collections::BTreeMap::<String, u64>::new();
     for t in tasks {
         match t.await {
             Ok(Ok(statuses)) => {
@@ -454,6 +456,7 @@ async fn many(url: &str, ds_port: u16, clients: u64) -> Result<(), Fail> {
                         ok += 1;
                     } else {
                         other += 1;
+                        *others.entry(s.as_str().to_string()).or_default() += 1;
                     }
                 }
             }
@@ -462,7 +465,8 @@ async fn many(url: &str, ds_port: u16, clients: u64) -> Result<(), Fail> {
     }
     println!(
         "{}",
-        json!({"scenario": "many", "clients": clients, "ok": ok, "refused": other, "failed_clients": failed,
+        json!({"scenario": "many", "clients": clients, "ok": ok, "refused": other,
+               "refused_by_status": others, "failed_clients": failed,
                "seconds": t0.elapsed().as_secs_f64()})
     );
     Ok(())
