@@ -313,14 +313,22 @@ async fn bad_input_is_refused_without_harm() {
     assert_eq!(missing.headers["content-type"], "application/problem+json");
 }
 
+/// A client that speaks HTTP/2 with prior knowledge (h2c).
+fn h2_client() -> hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<bytes::Bytes>,
+> {
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build(hyper_util::client::legacy::connect::HttpConnector::new())
+}
+
 /// h2c (HTTP/2 with prior knowledge) works inbound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2c_requests_are_forwarded() {
     let ds = Downstream::start().await;
     let sluice = Sluice::start(&config(&ds.addr.to_string(), "50/s", 10));
-    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .http2_only(true)
-        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let h2 = h2_client();
     let a = get(&h2, &sluice.url("/h2"), &[("x-client", "h2")]).await;
     assert_eq!(a.status, StatusCode::OK);
     assert_eq!(&a.body[..], b"ok");
@@ -411,9 +419,7 @@ async fn a_held_request_departs_with_its_forwarding_headers() {
 async fn a_held_request_departs_with_its_head_as_sent() {
     let ds = Downstream::start().await;
     let sluice = Sluice::start(&config(&ds.addr.to_string(), "5/s", 10));
-    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .http2_only(true)
-        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let h2 = h2_client();
     let h1 = client();
     let headers = [
         ("x-client", "packed"),
