@@ -514,22 +514,11 @@ fn put_date(out: &mut Vec<u8>) {
     });
 }
 
-/// `content-length: <n>\r\n`, the number written without formatting
-/// machinery.
+/// `content-length: <n>\r\n` (the number by `itoa`, as hyper writes it,
+/// without `fmt`).
 fn put_length(out: &mut Vec<u8>, n: u64) {
     out.extend_from_slice(b"content-length: ");
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    let mut rest = n;
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[at..]);
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
     out.extend_from_slice(b"\r\n");
 }
 
