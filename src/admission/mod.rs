@@ -517,9 +517,9 @@ impl Admission {
         }
     }
 
-    /// Decide an arrival of `cost` for `key` under `rule`.
-    pub async fn admit(&self, rule: &Arc<Rule>, key: Key, cost: u32) -> Verdict {
-        let arrival = Instant::now();
+    /// Decide an arrival of `cost` for `key` under `rule`, which came at
+    /// `arrival` (a clock read the front end made anyway).
+    pub async fn admit(&self, rule: &Arc<Rule>, key: Key, cost: u32, arrival: Instant) -> Verdict {
         let mut local = rule.local;
         if let Some(cluster) = &self.cluster {
             // Boxed: the shared store's round trip is a large future that

@@ -263,7 +263,7 @@ impl Handler {
                 let rule = &a.app.routes[a.route].rule;
                 self.shared
                     .admission
-                    .admit(rule, a.key.clone(), a.cost)
+                    .admit(rule, a.key.clone(), a.cost, a.arrival)
                     .await
             };
             if let Verdict::Wait(_) = verdict {
@@ -607,7 +607,10 @@ impl Handler {
                 None,
             );
         };
-        let again = match admission.admit(&route.rule, key.clone(), cost).await {
+        let again = match admission
+            .admit(&route.rule, key.clone(), cost, Instant::now())
+            .await
+        {
             Verdict::Go => true,
             Verdict::Wait(hold) => hold.departed().await.is_ok(),
             _ => false,

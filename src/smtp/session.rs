@@ -466,7 +466,12 @@ impl Session {
         // Replies so far go out before a wait on the shared schedule.
         self.flush().await?;
         let rule = &tx.listener.rule;
-        match self.front.admission.admit(rule, tx.key.clone(), cost).await {
+        match self
+            .front
+            .admission
+            .admit(rule, tx.key.clone(), cost, Instant::now())
+            .await
+        {
             Verdict::Go => Ok(Some(None)),
             Verdict::Wait(hold) => Ok(Some(Some(hold))),
             Verdict::Refused { retry_after, .. } => {
