@@ -265,8 +265,10 @@ impl Upstream {
     }
 
     /// Point an inbound request at this upstream, on its arrival: the
-    /// target in absolute form with the upstream's path prefix (and the
-    /// route's `strip_prefix` removed; the query byte for byte). `None`
+    /// target in origin form (`/path?query`, RFC 9112 3.2.1, as nginx and
+    /// HAProxy send it) with the upstream's path prefix (and the route's
+    /// `strip_prefix` removed; the query byte for byte). HTTP/2 adds its
+    /// `:scheme` and `:authority` when it sends ([`Upstream::to_h2`]). `None`
     /// when the target cannot be forwarded (400). What the rest of the
     /// head needs from the client's target (its host) is returned for
     /// [`Upstream::rewrite`].
@@ -282,11 +284,7 @@ impl Upstream {
                 .authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
-        let mut target = http::uri::Parts::default();
-        target.scheme = Some(self.scheme.clone());
-        target.authority = Some(self.authority.clone());
-        target.path_and_query = Some(self.map_path(parts.uri.path_and_query(), strip)?);
-        parts.uri = Uri::from_parts(target).ok()?;
+        parts.uri = Uri::from(self.map_path(parts.uri.path_and_query(), strip)?);
         Some(Origin {
             peer: peer.ip(),
             host,
@@ -332,18 +330,26 @@ impl Upstream {
         parts.version = Version::HTTP_11;
     }
 
-    /// A request given back by an HTTP/1.1 connection that closed, in
-    /// the absolute form again ([`origin_form`] undone), to go on another
-    /// connection (which may turn out to be HTTP/2).
-    fn absolute_form(&self, mut req: Request<OutBody>) -> Request<OutBody> {
+    /// A request prepared for HTTP/1.1 (origin form, `Host`), in HTTP/2
+    /// form: `:scheme` the upstream's, `:authority` the `Host` sluice chose
+    /// (RFC 9113 8.3.1: never both, never different) or, with none, the
+    /// upstream's; the version says h2.
+    fn to_h2(&self, req: &mut Request<OutBody>) {
+        *req.version_mut() = Version::HTTP_2;
+        let authority = req
+            .headers_mut()
+            .remove(HOST)
+            .and_then(|host| Authority::try_from(host.as_bytes()).ok())
+            .unwrap_or_else(|| self.authority.clone());
         let mut target = http::uri::Parts::default();
         target.scheme = Some(self.scheme.clone());
-        target.authority = Some(self.authority.clone());
+        target.authority = Some(authority);
         target.path_and_query = req.uri().path_and_query().cloned();
         if let Ok(uri) = Uri::from_parts(target) {
             *req.uri_mut() = uri;
         }
-        req
+        req.headers_mut().remove(CONNECTION);
+        req.headers_mut().remove(UPGRADE);
     }
 
     /// The path sent upstream: the upstream URL's path, then the request's
@@ -508,10 +514,10 @@ impl Upstream {
             },
         };
         let req = match sender.ready().await {
-            Ok(()) => match sender.try_send_request(origin_form(req)).await {
+            Ok(()) => match sender.try_send_request(req).await {
                 Ok(response) => return Ok((response, Back::H1(sender))),
                 Err(mut e) => match e.take_message() {
-                    Some(req) if pooled => self.absolute_form(req),
+                    Some(req) if pooled => req,
                     _ => return Err(SendError::Request(e.into_error())),
                 },
             },
@@ -523,10 +529,7 @@ impl Upstream {
             Connected::H2(tx) => return Box::pin(self.send_on_h2(tx, None, req)).await,
         };
         sender.ready().await.map_err(SendError::Request)?;
-        let response = sender
-            .send_request(origin_form(req))
-            .await
-            .map_err(SendError::Request)?;
+        let response = sender.send_request(req).await.map_err(SendError::Request)?;
         Ok((response, Back::H1(sender)))
     }
 
@@ -583,7 +586,7 @@ impl Upstream {
             Some(s) => s,
             None => self.pool.add_h2(tx.clone()),
         };
-        to_h2(&mut req);
+        self.to_h2(&mut req);
         match tx.try_send_request(req).await {
             Ok(response) => Ok((response, Back::H2(streams))),
             Err(mut e) => match e.take_message() {
@@ -640,36 +643,6 @@ impl Upstream {
             .await
             .map_err(|_| ConnectError::Timeout)?
     }
-}
-
-/// A request as an HTTP/1.1 upstream gets it: the target in origin form
-/// (`/path?query`, RFC 9112 3.2.1), as nginx and HAProxy send it. hyper
-/// writes the target it is given, and the absolute form a request is
-/// kept in (for HTTP/2's `:scheme` and `:authority`) is one that servers
-/// must accept but some route or log wrongly.
-fn origin_form(mut req: Request<OutBody>) -> Request<OutBody> {
-    if let Some(pq) = req.uri().path_and_query().cloned() {
-        *req.uri_mut() = Uri::from(pq);
-    }
-    req
-}
-
-/// A request prepared for HTTP/1.1, in HTTP/2 form: the `Host` sluice
-/// chose becomes `:authority` (RFC 9113 8.3.1: never both, never
-/// different), and the version says h2.
-fn to_h2(req: &mut Request<OutBody>) {
-    *req.version_mut() = Version::HTTP_2;
-    if let Some(host) = req.headers_mut().remove(HOST)
-        && let Ok(authority) = Authority::try_from(host.as_bytes())
-    {
-        let mut parts = req.uri().clone().into_parts();
-        parts.authority = Some(authority);
-        if let Ok(uri) = Uri::from_parts(parts) {
-            *req.uri_mut() = uri;
-        }
-    }
-    req.headers_mut().remove(CONNECTION);
-    req.headers_mut().remove(UPGRADE);
 }
 
 /// Why a request could not be sent.
