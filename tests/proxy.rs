@@ -458,3 +458,74 @@ async fn a_held_request_departs_with_its_head_as_sent() {
         assert_eq!(s.headers["x-forwarded-for"], "127.0.0.1");
     }
 }
+
+/// An upstream that answers the first request on each connection and
+/// closes the connection, unanswered, at the second: what a keep-alive
+/// connection the upstream closes just as sluice takes it from its pool
+/// looks like. A request sluice has sent on such a connection goes once
+/// more on a new one when sending it twice is safe (GET), and is answered
+/// 502 otherwise (POST); every request seen is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_pooled_connection_dropped_is_sent_again_only_when_safe() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let seen = seen_tx.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                for answered in [true, false] {
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        let mut chunk = [0u8; 1024];
+                        match s.read(&mut chunk).await {
+                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                            _ => return,
+                        }
+                    }
+                    let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+                    let head: Vec<u8> = buf.drain(..end).collect();
+                    let line = String::from_utf8_lossy(&head)
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                        .to_owned();
+                    let _ = seen.send(line);
+                    if answered {
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if s.write_all(ok).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                // Dropped here: closed without an answer.
+            });
+        }
+    });
+    // One worker: one pool of upstream connections.
+    let toml = config(&upstream.to_string(), "1000/s", 100);
+    let sluice = Sluice::start(&toml.replace("[server]\n", "[server]\nworkers = 1\n"));
+    let c = client();
+    let first = get(&c, &sluice.url("/a"), &[("x-client", "k")]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(seen.recv().await.unwrap(), "GET /a HTTP/1.1");
+    // On the pooled connection, dropped unanswered; then on a new one.
+    let again = get(&c, &sluice.url("/b"), &[("x-client", "k")]).await;
+    assert_eq!(again.status, StatusCode::OK, "{:?}", again.body);
+    assert_eq!(seen.recv().await.unwrap(), "GET /b HTTP/1.1");
+    assert_eq!(seen.recv().await.unwrap(), "GET /b HTTP/1.1");
+    // A POST is not sent twice: the client is told.
+    let post = send(
+        &c,
+        "POST",
+        &sluice.url("/c"),
+        &[("x-client", "k")],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(post.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(seen.recv().await.unwrap(), "POST /c HTTP/1.1");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(seen.try_recv().is_err(), "the POST was sent twice");
+}

@@ -2,11 +2,16 @@
 //! worker (http, or https through rustls), so that a request never leaves
 //! the thread that accepted it; request rewriting, and the 502/504 mapping.
 //!
+//! A request without a body to a plain-TCP HTTP/1.1 upstream (most of
+//! what a proxy forwards) is sent by sluice's own client ([`client`]); the
+//! rest (bodies, TLS, HTTP/2, protocol switches) by hyper's.
+//!
 //! The pool is deliberately small: idle HTTP/1.1 connections in a stack
 //! (the most recently used first, so a few stay warm), a connection goes
 //! back when its response body has been read to the end, and a request
 //! that a pooled connection never started to send is retried once on a
-//! fresh one. HTTP/2 upstreams (`h2c`, `h2`, or `auto` when ALPN picks
+//! fresh one (with sluice's own client, also one the connection closed
+//! without answering, when sending it twice is safe). HTTP/2 upstreams (`h2c`, `h2`, or `auto` when ALPN picks
 //! h2) get a few multiplexed connections per worker, each request on the
 //! least busy one; a new connection is opened (one at a time) only when
 //! every open one carries `H2_STREAMS` streams. HTTP/1.1 connections are
@@ -37,9 +42,11 @@ use tokio_util::either::Either;
 use tracing::debug;
 
 use super::ServeError;
+use super::client;
 use super::h1::RequestBody;
+use super::handler::safe_to_repeat;
 use super::headers::{accepts_trailers, add_forwarded, append_via, strip_hop_by_hop, upgrade_to};
-use super::response::{ProxyBody, problem};
+use super::response::{BodyError, ProxyBody, problem};
 use crate::config::{self, HostMode, OnThrottle, UpstreamProtocol};
 use crate::metrics::{self as m, Outcome};
 
@@ -57,10 +64,12 @@ type H2Sender = http2::SendRequest<OutBody>;
 const H2_STREAMS: usize = 100;
 const H2_CONNECTIONS: usize = 4;
 
-/// Idle connections, most recently used last; open HTTP/2 connections.
+/// Idle connections, most recently used last (hyper's, and sluice's own
+/// client's); open HTTP/2 connections.
 #[derive(Default)]
 struct Pool {
     idle: Mutex<Vec<(Sender, Instant)>>,
+    own: Arc<client::Idle>,
     h2: Mutex<Vec<(H2Sender, Arc<()>)>>,
     /// One HTTP/2 connect at a time.
     h2_connecting: tokio::sync::Mutex<()>,
@@ -147,6 +156,13 @@ enum Connected {
 enum Back {
     H1(Sender),
     H2(Arc<()>),
+}
+
+/// A response body from hyper's client (and what gives its connection
+/// back), or from sluice's own.
+enum Answer {
+    Hyper(Incoming, Back),
+    Own(client::Incoming),
 }
 
 /// What a request's head keeps from its arrival for its departure's
@@ -402,9 +418,8 @@ impl Upstream {
         Option<Instant>,
         Option<OnUpgrade>,
     ) {
-        let req = Request::from_parts(parts, body);
         let started = Instant::now();
-        let result = tokio::time::timeout(self.request_timeout, self.send(req)).await;
+        let result = tokio::time::timeout(self.request_timeout, self.send(parts, body)).await;
         self.duration.record(started.elapsed());
         match result {
             Err(_) => {
@@ -441,8 +456,7 @@ impl Upstream {
                     None,
                 )
             }
-            Ok(Ok((response, back))) => {
-                let (mut parts, body) = response.into_parts();
+            Ok(Ok((mut parts, answer))) => {
                 let throttle = match self.on_throttle {
                     OnThrottle::Pause => {
                         super::throttle::pause_until(parts.status, &parts.headers, self.max_pause)
@@ -468,20 +482,29 @@ impl Upstream {
                     parts.headers.insert(UPGRADE, to);
                 }
                 append_via(&mut parts.headers, parts.version);
-                let (sender, stream) = match back {
-                    Back::H1(s) if !switched => (Some(s), None),
-                    Back::H1(_) => (None, None),
-                    Back::H2(streams) => (None, Some(streams)),
-                };
-                let body = Returning {
-                    body,
-                    sender,
-                    pool: self.pool.clone(),
-                    _stream: stream,
-                    _permit: permit,
+                let body = match answer {
+                    Answer::Hyper(body, back) => {
+                        let (sender, stream) = match back {
+                            Back::H1(s) if !switched => (Some(s), None),
+                            Back::H1(_) => (None, None),
+                            Back::H2(streams) => (None, Some(streams)),
+                        };
+                        let body = Returning {
+                            body,
+                            sender,
+                            pool: self.pool.clone(),
+                            _stream: stream,
+                            _permit: permit,
+                        };
+                        body.map_err(BodyError::from).boxed()
+                    }
+                    Answer::Own(mut body) => {
+                        body.hold(permit);
+                        body.map_err(BodyError::from).boxed()
+                    }
                 };
                 (
-                    Response::from_parts(parts, body.boxed()),
+                    Response::from_parts(parts, body),
                     Outcome::Forwarded,
                     throttle,
                     upgrade,
@@ -492,12 +515,63 @@ impl Upstream {
 
     /// Send on a pooled connection, or a new one; a request a pooled
     /// connection never started to send (it was closing) goes once more on
-    /// a new connection.
-    async fn send(&self, req: Request<OutBody>) -> Result<(Response<Incoming>, Back), SendError> {
-        if self.protocol != UpstreamProtocol::Http1 {
-            return Box::pin(self.send_h2(req)).await;
+    /// a new connection. A request without a body to a plain HTTP/1.1
+    /// upstream goes through sluice's own client ([`client`]).
+    async fn send(
+        &self,
+        parts: Parts,
+        body: OutBody,
+    ) -> Result<(http::response::Parts, Answer), SendError> {
+        let sent = if self.protocol != UpstreamProtocol::Http1 {
+            Box::pin(self.send_h2(Request::from_parts(parts, body))).await
+        } else if self.tls.is_none() && client::takes(&parts, body.is_end_stream()) {
+            return self.send_own(&parts).await;
+        } else {
+            self.send_h1(Request::from_parts(parts, body), None).await
+        };
+        let (response, back) = sent?;
+        let (parts, body) = response.into_parts();
+        Ok((parts, Answer::Hyper(body, back)))
+    }
+
+    /// On sluice's own client: a pooled connection, else a new one. When
+    /// a pooled connection turns out closed (the upstream closed it as it
+    /// was taken), the request goes once more on a new connection: always
+    /// when its head could not be written, and when the connection closed
+    /// without a byte of answer only if sending it twice is safe.
+    async fn send_own(&self, parts: &Parts) -> Result<(http::response::Parts, Answer), SendError> {
+        if let Some(conn) = self.pool.own.take() {
+            match client::exchange(conn, parts, &self.pool.own).await {
+                Err(client::Error::Unsent(e)) => {
+                    debug!(upstream = %self.name, error = %e, "pooled connection closed; sending again");
+                }
+                Err(client::Error::Unanswered) if safe_to_repeat(parts) => {
+                    debug!(upstream = %self.name, "pooled connection closed unanswered; sending again");
+                }
+                other => {
+                    return other
+                        .map(|(p, b)| (p, Answer::Own(b)))
+                        .map_err(SendError::Own);
+                }
+            }
         }
-        self.send_h1(req, None).await
+        let conn = client::Conn::new(self.connect_tcp().await?);
+        client::exchange(conn, parts, &self.pool.own)
+            .await
+            .map(|(p, b)| (p, Answer::Own(b)))
+            .map_err(SendError::Own)
+    }
+
+    /// A new TCP connection to the upstream (`connect_timeout`).
+    async fn connect_tcp(&self) -> Result<TcpStream, ConnectError> {
+        let connect = async {
+            let tcp = TcpStream::connect((self.addr_host.as_str(), self.port)).await?;
+            tcp.set_nodelay(true)?;
+            Ok::<_, ConnectError>(tcp)
+        };
+        tokio::time::timeout(self.connect_timeout, connect)
+            .await
+            .map_err(|_| ConnectError::Timeout)?
     }
 
     async fn send_h1(
@@ -652,6 +726,8 @@ enum SendError {
     Connect(#[from] ConnectError),
     #[error("{0}")]
     Request(hyper::Error),
+    #[error("{0}")]
+    Own(client::Error),
     /// An HTTP/2 connection closed before it took the request.
     #[error("the connection closed before the request was sent")]
     Unsent(Box<Request<OutBody>>),
@@ -662,7 +738,9 @@ impl SendError {
     fn detail(&self) -> &'static str {
         match self {
             SendError::Connect(_) => "the upstream could not be reached",
-            SendError::Request(_) | SendError::Unsent(_) => "the upstream connection failed",
+            SendError::Request(_) | SendError::Unsent(_) | SendError::Own(_) => {
+                "the upstream connection failed"
+            }
         }
     }
 }

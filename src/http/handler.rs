@@ -678,7 +678,7 @@ impl Handler {
 
 /// Whether sending a request twice is safe: a method RFC 9110 (9.2.2)
 /// calls idempotent, or an `Idempotency-Key` the upstream deduplicates by.
-fn safe_to_repeat(parts: &Parts) -> bool {
+pub(super) fn safe_to_repeat(parts: &Parts) -> bool {
     matches!(
         parts.method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE

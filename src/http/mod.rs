@@ -15,6 +15,7 @@
 //! forward, answer) stays on one thread. Only a queued request crosses
 //! threads: the pacer thread wakes it at its departure.
 
+mod client;
 mod conn;
 mod forward;
 mod grpc;

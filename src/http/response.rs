@@ -14,7 +14,16 @@ use http_body_util::{BodyExt, Full};
 
 /// Body of every response sluice sends: proxied bodies stream through,
 /// local ones are complete buffers.
-pub type ProxyBody = BoxBody<Bytes, hyper::Error>;
+pub type ProxyBody = BoxBody<Bytes, BodyError>;
+
+/// What a response body's failure is: hyper's, or sluice's own client's.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error(transparent)]
+    Hyper(#[from] hyper::Error),
+    #[error(transparent)]
+    Upstream(#[from] super::client::Error),
+}
 
 /// A complete body.
 pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
