@@ -49,9 +49,12 @@ const MAX_HEAD: usize = 8192 + 4096 * 100;
 const MAX_TRAILERS: usize = 64;
 /// The longest chunk-size line (with its extensions).
 const MAX_CHUNK_LINE: usize = 4096;
-/// Read at a time: the head (and a small body with it), then the body.
+/// Read at a time: the head (and a small body with it), then the body:
+/// from `READ_BODY`, doubled after each read that filled it, up to
+/// `READ_MAX` (a large body in fewer, larger reads, as hyper does).
 const READ_HEAD: usize = 8 * 1024;
 const READ_BODY: usize = 16 * 1024;
+const READ_MAX: usize = 256 * 1024;
 /// Idle connections older than this are closed instead of used again.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// Most idle connections kept per upstream and worker.
@@ -186,6 +189,7 @@ pub async fn exchange(
                 reuse,
                 idle: idle.clone(),
                 permit: None,
+                read: READ_BODY,
             };
             return Ok((parts, body));
         }
@@ -410,6 +414,8 @@ pub struct Incoming {
     idle: Arc<Idle>,
     /// The call's `max_concurrency` slot, held until the body is done with.
     permit: Option<OwnedSemaphorePermit>,
+    /// The next read's size.
+    read: usize,
 }
 
 impl Incoming {
@@ -478,12 +484,16 @@ impl Body for Incoming {
                 }
                 Step::More => {}
             }
-            conn.buf.reserve(READ_BODY);
+            conn.buf.reserve(this.read);
+            let room = conn.buf.capacity() - conn.buf.len();
             let read = ready!(tokio_util::io::poll_read_buf(
                 Pin::new(&mut conn.io),
                 cx,
                 &mut conn.buf
             ));
+            if read.as_ref().is_ok_and(|&n| n == room) {
+                this.read = (this.read * 2).min(READ_MAX);
+            }
             match read {
                 Ok(0) => {
                     this.conn = None;
@@ -704,6 +714,23 @@ mod tests {
                 .starts_with("GET /2 HTTP/1.1\r\n")
         );
         assert_eq!(read(body).await.unwrap().0, "hello");
+    }
+
+    #[tokio::test]
+    async fn a_large_body_arrives_whole() {
+        let body: &'static [u8] = (0..4 << 20)
+            .map(|i: u32| (i % 251) as u8)
+            .collect::<Vec<_>>()
+            .leak();
+        let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+        let head: &'static [u8] = head.into_bytes().leak();
+        let (addr, _heads) = upstream(vec![vec![head, body]], false).await;
+        let idle = Arc::new(Idle::default());
+        let (_, incoming) = exchange(conn(addr).await, &request(Method::GET, "/"), &idle)
+            .await
+            .unwrap();
+        assert!(read(incoming).await.unwrap().0 == body);
+        assert!(idle.take().is_some());
     }
 
     #[tokio::test]
