@@ -985,6 +985,31 @@ mod tests {
     }
 
     proptest! {
+        /// Whatever an upstream sends, reading it never panics: random
+        /// bytes, and a valid answer with random bytes overwritten.
+        #[test]
+        fn any_answer_is_read_without_panic(
+            noise in prop::collection::vec(any::<u8>(), 0..600),
+            at in prop::collection::vec((any::<usize>(), any::<u8>()), 0..16),
+            head_request in any::<bool>(),
+        ) {
+            let valid = b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: x, chunked\r\n\
+                          connection: close\r\n\r\n3\r\nabc\r\n0\r\nt: 1\r\n\r\n";
+            let mut mutated = valid.to_vec();
+            for (i, b) in at {
+                let n = mutated.len();
+                mutated[i % n] = b;
+            }
+            for wire in [noise, mutated] {
+                let mut buf = BytesMut::from(&wire[..]);
+                if let Ok(Some(Head { framing: Framing::Chunked(mut state), .. })) =
+                    parse_head(&mut buf, head_request)
+                {
+                    while let Ok(Step::Frame(_)) = decode(&mut state, &mut buf) {}
+                }
+            }
+        }
+
         #[test]
         fn chunked_bodies_decode_however_they_are_cut(
             chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 1..300), 0..8),
