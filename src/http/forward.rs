@@ -351,21 +351,7 @@ impl Upstream {
     /// (RFC 9113 8.3.1: never both, never different) or, with none, the
     /// upstream's; the version says h2.
     fn to_h2(&self, req: &mut Request<OutBody>) {
-        *req.version_mut() = Version::HTTP_2;
-        let authority = req
-            .headers_mut()
-            .remove(HOST)
-            .and_then(|host| Authority::try_from(host.as_bytes()).ok())
-            .unwrap_or_else(|| self.authority.clone());
-        let mut target = http::uri::Parts::default();
-        target.scheme = Some(self.scheme.clone());
-        target.authority = Some(authority);
-        target.path_and_query = req.uri().path_and_query().cloned();
-        if let Ok(uri) = Uri::from_parts(target) {
-            *req.uri_mut() = uri;
-        }
-        req.headers_mut().remove(CONNECTION);
-        req.headers_mut().remove(UPGRADE);
+        to_h2(req, &self.scheme, &self.authority);
     }
 
     /// The path sent upstream: the upstream URL's path, then the request's
@@ -664,7 +650,10 @@ impl Upstream {
         match tx.try_send_request(req).await {
             Ok(response) => Ok((response, Back::H2(streams))),
             Err(mut e) => match e.take_message() {
-                Some(req) => Err(SendError::Unsent(Box::new(req))),
+                Some(mut req) => {
+                    to_h1(&mut req);
+                    Err(SendError::Unsent(Box::new(req)))
+                }
                 None => Err(SendError::Request(e.into_error())),
             },
         }
@@ -717,6 +706,46 @@ impl Upstream {
             .await
             .map_err(|_| ConnectError::Timeout)?
     }
+}
+
+/// [`Upstream::to_h2`], with the upstream's scheme and authority.
+fn to_h2<B>(req: &mut Request<B>, scheme: &Scheme, upstream: &Authority) {
+    *req.version_mut() = Version::HTTP_2;
+    let authority = req
+        .headers_mut()
+        .remove(HOST)
+        .and_then(|host| Authority::try_from(host.as_bytes()).ok())
+        .unwrap_or_else(|| upstream.clone());
+    let mut target = http::uri::Parts::default();
+    target.scheme = Some(scheme.clone());
+    target.authority = Some(authority);
+    target.path_and_query = req.uri().path_and_query().cloned();
+    if let Ok(uri) = Uri::from_parts(target) {
+        *req.uri_mut() = uri;
+    }
+    req.headers_mut().remove(CONNECTION);
+    req.headers_mut().remove(UPGRADE);
+}
+
+/// A request [`to_h2`] made, back in HTTP/1.1 form (origin form, its
+/// `:authority` as `Host`): for one an HTTP/2 connection closed before
+/// taking it, which goes next on another connection, HTTP/1.1 or HTTP/2
+/// (which converts it again, to the same `:authority`).
+fn to_h1<B>(req: &mut Request<B>) {
+    *req.version_mut() = Version::HTTP_11;
+    if let Some(host) = req
+        .uri()
+        .authority()
+        .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    {
+        req.headers_mut().insert(HOST, host);
+    }
+    let target = req
+        .uri()
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    *req.uri_mut() = Uri::from(target);
 }
 
 /// Why a request could not be sent.
@@ -853,6 +882,52 @@ impl Drop for Returning {
         // exchange; one dropped midway takes its connection with it.
         if self.body.is_end_stream() {
             self.give_back();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request as `retarget` and `rewrite` leave it.
+    fn h1_request(host: Option<&'static str>) -> Request<()> {
+        let mut req = Request::new(());
+        *req.uri_mut() = Uri::from_static("/a/b?c=d");
+        if let Some(host) = host {
+            req.headers_mut()
+                .insert(HOST, HeaderValue::from_static(host));
+        }
+        req.headers_mut()
+            .insert("x-forwarded-for", HeaderValue::from_static("127.0.0.1"));
+        req
+    }
+
+    #[test]
+    fn a_request_not_taken_by_http2_goes_on_in_the_form_it_had() {
+        let upstream = Authority::from_static("up.example:8443");
+        for host in [Some("client.example"), None] {
+            let mut req = h1_request(host);
+            to_h2(&mut req, &Scheme::HTTPS, &upstream);
+            let authority = host.unwrap_or("up.example:8443");
+            assert_eq!(req.version(), Version::HTTP_2);
+            assert_eq!(
+                req.uri().to_string(),
+                format!("https://{authority}/a/b?c=d")
+            );
+            assert!(req.headers().get(HOST).is_none());
+            to_h1(&mut req);
+            assert_eq!(req.version(), Version::HTTP_11);
+            assert_eq!(req.uri(), "/a/b?c=d");
+            assert_eq!(req.headers()[HOST], authority);
+            assert_eq!(req.headers()["x-forwarded-for"], "127.0.0.1");
+            // And to HTTP/2 again, on another connection: the same
+            // :authority.
+            to_h2(&mut req, &Scheme::HTTPS, &upstream);
+            assert_eq!(
+                req.uri().to_string(),
+                format!("https://{authority}/a/b?c=d")
+            );
         }
     }
 }
