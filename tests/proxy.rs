@@ -529,3 +529,92 @@ async fn a_request_a_pooled_connection_dropped_is_sent_again_only_when_safe() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(seen.try_recv().is_err(), "the POST was sent twice");
 }
+
+/// What an HTTP/1.1 upstream may answer, through sluice to a client:
+/// a body up to the connection's close, an HTTP/1.0 answer, a chunked one
+/// with trailers, interim 1xx answers, a body after `HEAD` that is not
+/// there; a malformed length is the upstream's failure (502), and the
+/// next request goes on as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_an_upstream_answers_reaches_the_client_framed_anew() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        let mut chunk = [0u8; 1024];
+                        match s.read(&mut chunk).await {
+                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                            _ => return,
+                        }
+                    }
+                    let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                    buf.drain(..end);
+                    let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
+                    let (answer, close): (&[u8], bool) = match path.as_str() {
+                        "/close" => (b"HTTP/1.1 200 OK\r\nx-up: 1\r\n\r\nread to the close", true),
+                        "/http10" => (b"HTTP/1.0 200 OK\r\ncontent-length: 6\r\n\r\nold ok", true),
+                        "/chunked" => (
+                            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n7\r\n, world\r\n0\r\nx-trailer: t\r\n\r\n",
+                            false,
+                        ),
+                        "/head" => (b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n", false),
+                        "/bad" => (
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok",
+                            true,
+                        ),
+                        _ => (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
+                    };
+                    if s.write_all(answer).await.is_err() || close {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let sluice = Sluice::start(&config(&upstream.to_string(), "1000/s", 100));
+    let c = client();
+    let h = [("x-client", "k")];
+    for round in 0..2 {
+        let close = get(&c, &sluice.url("/close"), &h).await;
+        assert_eq!(close.status, StatusCode::OK, "round {round}");
+        assert_eq!(close.body, "read to the close");
+        assert_eq!(close.headers["x-up"], "1");
+        let old = get(&c, &sluice.url("/http10"), &h).await;
+        assert_eq!(
+            (old.status, &old.body[..]),
+            (StatusCode::OK, &b"old ok"[..])
+        );
+        let chunked = get(&c, &sluice.url("/chunked"), &h).await;
+        assert_eq!(chunked.status, StatusCode::OK);
+        assert_eq!(chunked.body, "hello, world");
+        let head = send(&c, "HEAD", &sluice.url("/head"), &h, Bytes::new()).await;
+        assert_eq!(head.status, StatusCode::OK);
+        assert_eq!(head.headers["content-length"], "1000");
+        assert!(head.body.is_empty());
+        let bad = get(&c, &sluice.url("/bad"), &h).await;
+        assert_eq!(bad.status, StatusCode::BAD_GATEWAY);
+        let plain = get(&c, &sluice.url("/"), &h).await;
+        assert_eq!(
+            (plain.status, &plain.body[..]),
+            (StatusCode::OK, &b"ok"[..])
+        );
+    }
+    // An HTTP/2 client gets the upstream's trailers too.
+    let req = http::Request::get(sluice.url("/chunked"))
+        .header("x-client", "k")
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let response = h2_client().request(req).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let collected = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap();
+    assert_eq!(collected.trailers().unwrap()["x-trailer"], "t");
+    assert_eq!(collected.to_bytes(), "hello, world");
+}
