@@ -55,10 +55,11 @@ const MAX_CHUNK_LINE: usize = 4096;
 const READ_HEAD: usize = 8 * 1024;
 const READ_BODY: usize = 16 * 1024;
 const READ_MAX: usize = 256 * 1024;
-/// Idle connections older than this are closed instead of used again.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
-/// Most idle connections kept per upstream and worker.
-const MAX_IDLE: usize = 512;
+/// Idle connections older than this are closed instead of used again
+/// (hyper's pooled connections too).
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// Most idle connections kept per upstream and worker (each pool).
+pub const MAX_IDLE: usize = 512;
 
 /// A connection to the upstream and its read buffer (empty between
 /// exchanges; its allocation is used again).

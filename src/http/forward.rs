@@ -11,12 +11,12 @@
 //! back when its response body has been read to the end, and a request
 //! that a pooled connection never started to send is retried once on a
 //! fresh one (with sluice's own client, also one the connection closed
-//! without answering, when sending it twice is safe). HTTP/2 upstreams (`h2c`, `h2`, or `auto` when ALPN picks
-//! h2) get a few multiplexed connections per worker, each request on the
-//! least busy one; a new connection is opened (one at a time) only when
-//! every open one carries `H2_STREAMS` streams. HTTP/1.1 connections are
-//! driven with upgrades on, so a `101` hands back the raw connection for a
-//! tunnel.
+//! without answering, when sending it twice is safe). HTTP/2 upstreams
+//! (`h2c`, `h2`, or `auto` when ALPN picks h2) get a few multiplexed
+//! connections per worker, each request on the least busy one; a new
+//! connection is opened (one at a time) only when every open one carries
+//! `H2_STREAMS` streams. HTTP/1.1 connections are driven with upgrades on,
+//! so a `101` hands back the raw connection for a tunnel.
 
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -42,18 +42,13 @@ use tokio_util::either::Either;
 use tracing::debug;
 
 use super::ServeError;
-use super::client;
+use super::client::{self, IDLE_TIMEOUT, MAX_IDLE};
 use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
 use super::headers::{accepts_trailers, add_forwarded, append_via, strip_hop_by_hop, upgrade_to};
 use super::response::{BodyError, ProxyBody, problem};
 use crate::config::{self, HostMode, OnThrottle, UpstreamProtocol};
 use crate::metrics::{self as m, Outcome};
-
-/// Idle connections older than this are closed instead of reused.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
-/// Most idle connections kept per upstream and worker.
-const MAX_IDLE: usize = 512;
 
 type Sender = http1::SendRequest<OutBody>;
 type H2Sender = http2::SendRequest<OutBody>;
@@ -550,14 +545,17 @@ impl Upstream {
 
     /// A new TCP connection to the upstream (`connect_timeout`).
     async fn connect_tcp(&self) -> Result<TcpStream, ConnectError> {
-        let connect = async {
-            let tcp = TcpStream::connect((self.addr_host.as_str(), self.port)).await?;
-            tcp.set_nodelay(true)?;
-            Ok::<_, ConnectError>(tcp)
-        };
-        tokio::time::timeout(self.connect_timeout, connect)
+        tokio::time::timeout(self.connect_timeout, self.tcp())
             .await
             .map_err(|_| ConnectError::Timeout)?
+            .map_err(ConnectError::Io)
+    }
+
+    /// TCP to the upstream, without delay on small writes.
+    async fn tcp(&self) -> std::io::Result<TcpStream> {
+        let tcp = TcpStream::connect((self.addr_host.as_str(), self.port)).await?;
+        tcp.set_nodelay(true)?;
+        Ok(tcp)
     }
 
     async fn send_h1(
@@ -663,8 +661,7 @@ impl Upstream {
     /// handshake; the connection is driven by a task on this worker.
     async fn connect(&self) -> Result<Connected, ConnectError> {
         let connect = async {
-            let tcp = TcpStream::connect((self.addr_host.as_str(), self.port)).await?;
-            tcp.set_nodelay(true)?;
+            let tcp = self.tcp().await?;
             let (io, h2) = match &self.tls {
                 None => (Either::Left(tcp), self.protocol == UpstreamProtocol::H2c),
                 Some((connector, name)) => {
