@@ -78,6 +78,28 @@ async fn https_partner_gets_its_host_sni_and_mapped_path() {
     assert_eq!(seen[0].target, "/v3/send?b=2&a=%20x&&c");
 }
 
+/// Calls to an https partner one after another go on one TLS connection
+/// (kept alive in the pool, not taken for closed when it is idle), and
+/// one the partner closed while idle is not used again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_calls_share_one_kept_alive_connection() {
+    let ca = TestCa::new();
+    let ds = HttpsDownstream::start(&ca).await;
+    let ca_file = ca.write();
+    let toml = https_config(&ds, &ca_file, "", "");
+    let s = Sluice::start(&toml.replace("[server]\n", "[server]\nworkers = 1\n"));
+    let c = client();
+    for i in 0..6 {
+        let a = get(&c, &s.url(&format!("/mail/{i}")), &[]).await;
+        assert_eq!(a.status, StatusCode::OK, "call {i}");
+        assert_eq!(&a.body[..], b"tls ok");
+        // Idle between calls: anything the partner sends late (TLS 1.3
+        // session tickets) has arrived.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ds.connections(), 1, "calls did not share a connection");
+}
+
 /// `host = "client"` passes the client's Host; the TLS name stays the
 /// URL's (the certificate is still verified against it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,7 +1,7 @@
 //! HTTP/1.1 to the upstream, by sluice itself, for the exchange a proxy
-//! makes most: a request without a body, on a plain-TCP keep-alive
-//! connection, that asks for no protocol switch. Everything else (a body,
-//! TLS, HTTP/2, an upgrade) goes through hyper's client
+//! makes most: a request without a body, on a keep-alive connection (TCP,
+//! or TLS over it), that asks for no protocol switch. Everything else (a
+//! body, HTTP/2, an upgrade) goes through hyper's client
 //! ([`super::forward`]).
 //!
 //! Why: hyper's client drives each connection from a task of its own and
@@ -37,9 +37,10 @@ use http::header::{
 use http::request::Parts;
 use http::{HeaderMap, Method, StatusCode, Version, response};
 use hyper::body::{Body, Frame, SizeHint};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
+use tokio_rustls::client::TlsStream;
 
 /// At most this many fields in a response head (hyper's client default).
 const MAX_HEADERS: usize = 100;
@@ -61,15 +62,70 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// Most idle connections kept per upstream and worker (each pool).
 pub const MAX_IDLE: usize = 512;
 
+/// A connection to the upstream: plain TCP, or TLS over it.
+pub enum Io {
+    Tcp(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Io {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Io::Tcp(tcp) => tcp,
+            Io::Tls(tls) => tls.get_ref().0,
+        }
+    }
+}
+
+impl AsyncRead for Io {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Tcp(tcp) => Pin::new(tcp).poll_read(cx, buf),
+            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Io {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Tcp(tcp) => Pin::new(tcp).poll_write(cx, buf),
+            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Tcp(tcp) => Pin::new(tcp).poll_flush(cx),
+            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Tcp(tcp) => Pin::new(tcp).poll_shutdown(cx),
+            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
 /// A connection to the upstream and its read buffer (empty between
 /// exchanges; its allocation is used again).
 pub struct Conn {
-    io: TcpStream,
+    io: Io,
     buf: BytesMut,
 }
 
 impl Conn {
-    pub fn new(io: TcpStream) -> Conn {
+    pub fn new(io: Io) -> Conn {
         Conn {
             io,
             buf: BytesMut::new(),
@@ -78,16 +134,18 @@ impl Conn {
 
     /// Whether the upstream has sent something (most often its close)
     /// since the connection went idle: such a connection is not used
-    /// again. Read readiness is what the worker's I/O driver has seen (a
-    /// read that drained the socket cleared it), so this makes no system
-    /// call unless there is something to read.
+    /// again. The socket is peeked only when the worker's I/O driver has
+    /// seen it readable (a read that drained it, or a peek that found
+    /// nothing, cleared that), so an idle connection costs no system call.
+    /// Over TLS anything at all counts (a close_notify, most often; a
+    /// late session ticket would cost a good connection, not a request).
     fn stale(&self) -> bool {
         let mut cx = Context::from_waker(Waker::noop());
-        if self.io.poll_read_ready(&mut cx).is_pending() {
-            return false;
-        }
         let mut probe = [0u8; 1];
-        !matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        self.io
+            .tcp()
+            .poll_peek(&mut cx, &mut ReadBuf::new(&mut probe))
+            .is_ready()
     }
 }
 
@@ -175,6 +233,7 @@ pub async fn exchange(
     conn.buf.reserve(READ_HEAD);
     put_head(&mut conn.buf, parts);
     conn.io.write_all(&conn.buf).await.map_err(Error::Unsent)?;
+    conn.io.flush().await.map_err(Error::Unsent)?;
     conn.buf.clear();
     let head_request = parts.method == Method::HEAD;
     loop {
@@ -672,7 +731,7 @@ mod tests {
     }
 
     async fn conn(addr: std::net::SocketAddr) -> Conn {
-        Conn::new(TcpStream::connect(addr).await.unwrap())
+        Conn::new(Io::Tcp(TcpStream::connect(addr).await.unwrap()))
     }
 
     /// The body's bytes and trailers.

@@ -2,9 +2,9 @@
 //! worker (http, or https through rustls), so that a request never leaves
 //! the thread that accepted it; request rewriting, and the 502/504 mapping.
 //!
-//! A request without a body to a plain-TCP HTTP/1.1 upstream (most of
-//! what a proxy forwards) is sent by sluice's own client ([`client`]); the
-//! rest (bodies, TLS, HTTP/2, protocol switches) by hyper's.
+//! A request without a body to an HTTP/1.1 upstream (most of what a proxy
+//! forwards; plain or TLS) is sent by sluice's own client ([`client`]);
+//! the rest (bodies, HTTP/2, protocol switches) by hyper's.
 //!
 //! The pool is deliberately small: idle HTTP/1.1 connections in a stack
 //! (the most recently used first, so a few stay warm), a connection goes
@@ -496,8 +496,8 @@ impl Upstream {
 
     /// Send on a pooled connection, or a new one; a request a pooled
     /// connection never started to send (it was closing) goes once more on
-    /// a new connection. A request without a body to a plain HTTP/1.1
-    /// upstream goes through sluice's own client ([`client`]).
+    /// a new connection. A request without a body to an HTTP/1.1 upstream
+    /// goes through sluice's own client ([`client`]).
     async fn send(
         &self,
         parts: Parts,
@@ -505,7 +505,7 @@ impl Upstream {
     ) -> Result<(http::response::Parts, Answer), SendError> {
         let sent = if self.protocol != UpstreamProtocol::Http1 {
             Box::pin(self.send_h2(Request::from_parts(parts, body))).await
-        } else if self.tls.is_none() && client::takes(&parts, body.is_end_stream()) {
+        } else if client::takes(&parts, body.is_end_stream()) {
             return self.send_own(&parts).await;
         } else {
             self.send_h1(Request::from_parts(parts, body), None).await
@@ -536,16 +536,26 @@ impl Upstream {
                 }
             }
         }
-        let conn = client::Conn::new(self.connect_tcp().await?);
+        let conn = client::Conn::new(self.connect_own().await?);
         client::exchange(conn, parts, &self.pool.own)
             .await
             .map(|(p, b)| (p, Answer::Own(b)))
             .map_err(SendError::Own)
     }
 
-    /// A new TCP connection to the upstream (`connect_timeout`).
-    async fn connect_tcp(&self) -> Result<TcpStream, ConnectError> {
-        tokio::time::timeout(self.connect_timeout, self.tcp())
+    /// A new connection for sluice's own client: TCP, and TLS for https
+    /// (no ALPN: an HTTP/1.1 upstream), within `connect_timeout`.
+    async fn connect_own(&self) -> Result<client::Io, ConnectError> {
+        let connect = async {
+            let tcp = self.tcp().await?;
+            Ok::<_, std::io::Error>(match &self.tls {
+                None => client::Io::Tcp(tcp),
+                Some((connector, name)) => {
+                    client::Io::Tls(Box::new(connector.connect(name.clone(), tcp).await?))
+                }
+            })
+        };
+        tokio::time::timeout(self.connect_timeout, connect)
             .await
             .map_err(|_| ConnectError::Timeout)?
             .map_err(ConnectError::Io)

@@ -435,6 +435,8 @@ pub struct SeenTls {
 pub struct HttpsDownstream {
     pub addr: SocketAddr,
     seen: Arc<Mutex<Vec<SeenTls>>>,
+    /// TLS connections accepted.
+    connections: Arc<AtomicUsize>,
 }
 
 impl HttpsDownstream {
@@ -452,18 +454,21 @@ impl HttpsDownstream {
         let ds = HttpsDownstream {
             addr: listener.local_addr().unwrap(),
             seen: Arc::default(),
+            connections: Arc::default(),
         };
-        let seen = ds.seen.clone();
+        let (seen, connections) = (ds.seen.clone(), ds.connections.clone());
         tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     return;
                 };
                 let (acceptor, seen) = (acceptor.clone(), seen.clone());
+                let connections = connections.clone();
                 tokio::spawn(async move {
                     let Ok(tls) = acceptor.accept(stream).await else {
                         return;
                     };
+                    connections.fetch_add(1, Ordering::SeqCst);
                     let sni = tls.get_ref().1.server_name().map(str::to_owned);
                     let svc = service_fn(move |req: Request<Incoming>| {
                         let (seen, sni) = (seen.clone(), sni.clone());
@@ -496,6 +501,11 @@ impl HttpsDownstream {
 
     pub fn seen(&self) -> Vec<SeenTls> {
         self.seen.lock().unwrap().clone()
+    }
+
+    /// How many TLS connections it has accepted.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
     }
 }
 
