@@ -459,6 +459,23 @@ async fn a_held_request_departs_with_its_head_as_sent() {
     }
 }
 
+/// The next request head a raw upstream reads from `s` (`buf` keeps
+/// what it read past it); `None` when the connection ends first.
+async fn next_head(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head: Vec<u8> = buf.drain(..end + 4).collect();
+            return Some(String::from_utf8_lossy(&head).into_owned());
+        }
+        let mut chunk = [0u8; 1024];
+        match s.read(&mut chunk).await {
+            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return None,
+        }
+    }
+}
+
 /// An upstream that answers the first request on each connection and
 /// closes the connection, unanswered, at the second: what a keep-alive
 /// connection the upstream closes just as sluice takes it from its pool
@@ -467,7 +484,7 @@ async fn a_held_request_departs_with_its_head_as_sent() {
 /// 502 otherwise (POST); every request seen is reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_a_pooled_connection_dropped_is_sent_again_only_when_safe() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = listener.local_addr().unwrap();
     let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel::<String>();
@@ -477,20 +494,10 @@ async fn a_request_a_pooled_connection_dropped_is_sent_again_only_when_safe() {
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 for answered in [true, false] {
-                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                        let mut chunk = [0u8; 1024];
-                        match s.read(&mut chunk).await {
-                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                            _ => return,
-                        }
-                    }
-                    let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
-                    let head: Vec<u8> = buf.drain(..end).collect();
-                    let line = String::from_utf8_lossy(&head)
-                        .lines()
-                        .next()
-                        .unwrap_or("")
-                        .to_owned();
+                    let Some(head) = next_head(&mut s, &mut buf).await else {
+                        return;
+                    };
+                    let line = head.lines().next().unwrap_or("").to_owned();
                     let _ = seen.send(line);
                     if answered {
                         let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
@@ -537,7 +544,7 @@ async fn a_request_a_pooled_connection_dropped_is_sent_again_only_when_safe() {
 /// next request goes on as usual.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_an_upstream_answers_reaches_the_client_framed_anew() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -545,16 +552,9 @@ async fn what_an_upstream_answers_reaches_the_client_framed_anew() {
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 loop {
-                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                        let mut chunk = [0u8; 1024];
-                        match s.read(&mut chunk).await {
-                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                            _ => return,
-                        }
-                    }
-                    let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
-                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-                    buf.drain(..end);
+                    let Some(head) = next_head(&mut s, &mut buf).await else {
+                        return;
+                    };
                     let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
                     let (answer, close): (&[u8], bool) = match path.as_str() {
                         "/close" => (b"HTTP/1.1 200 OK\r\nx-up: 1\r\n\r\nread to the close", true),

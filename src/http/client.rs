@@ -37,10 +37,11 @@ use http::header::{
 use http::request::Parts;
 use http::{HeaderMap, Method, StatusCode, Version, response};
 use hyper::body::{Body, Frame, SizeHint};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_rustls::client::TlsStream;
+use tokio_util::either::Either;
 
 /// At most this many fields in a response head (hyper's client default).
 const MAX_HEADERS: usize = 100;
@@ -63,57 +64,13 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 pub const MAX_IDLE: usize = 512;
 
 /// A connection to the upstream: plain TCP, or TLS over it.
-pub enum Io {
-    Tcp(TcpStream),
-    Tls(Box<TlsStream<TcpStream>>),
-}
+pub type Io = Either<TcpStream, Box<TlsStream<TcpStream>>>;
 
-impl Io {
-    fn tcp(&self) -> &TcpStream {
-        match self {
-            Io::Tcp(tcp) => tcp,
-            Io::Tls(tls) => tls.get_ref().0,
-        }
-    }
-}
-
-impl AsyncRead for Io {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Io::Tcp(tcp) => Pin::new(tcp).poll_read(cx, buf),
-            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for Io {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Io::Tcp(tcp) => Pin::new(tcp).poll_write(cx, buf),
-            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Io::Tcp(tcp) => Pin::new(tcp).poll_flush(cx),
-            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Io::Tcp(tcp) => Pin::new(tcp).poll_shutdown(cx),
-            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
-        }
+/// The TCP socket under a connection.
+fn tcp(io: &Io) -> &TcpStream {
+    match io {
+        Either::Left(tcp) => tcp,
+        Either::Right(tls) => tls.get_ref().0,
     }
 }
 
@@ -142,8 +99,7 @@ impl Conn {
     fn stale(&self) -> bool {
         let mut cx = Context::from_waker(Waker::noop());
         let mut probe = [0u8; 1];
-        self.io
-            .tcp()
+        tcp(&self.io)
             .poll_peek(&mut cx, &mut ReadBuf::new(&mut probe))
             .is_ready()
     }
@@ -731,7 +687,7 @@ mod tests {
     }
 
     async fn conn(addr: std::net::SocketAddr) -> Conn {
-        Conn::new(Io::Tcp(TcpStream::connect(addr).await.unwrap()))
+        Conn::new(Either::Left(TcpStream::connect(addr).await.unwrap()))
     }
 
     /// The body's bytes and trailers.

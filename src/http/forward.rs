@@ -548,10 +548,10 @@ impl Upstream {
     async fn connect_own(&self) -> Result<client::Io, ConnectError> {
         let connect = async {
             let tcp = self.tcp().await?;
-            Ok::<_, std::io::Error>(match &self.tls {
-                None => client::Io::Tcp(tcp),
+            Ok::<client::Io, std::io::Error>(match &self.tls {
+                None => Either::Left(tcp),
                 Some((connector, name)) => {
-                    client::Io::Tls(Box::new(connector.connect(name.clone(), tcp).await?))
+                    Either::Right(Box::new(connector.connect(name.clone(), tcp).await?))
                 }
             })
         };
