@@ -230,14 +230,9 @@ pub async fn exchange(
 }
 
 /// `METHOD target HTTP/1.1`, the fields, the empty line.
+/// (`out` has room for a usual head already, and grows for a larger one.)
 fn put_head(out: &mut BytesMut, parts: &Parts) {
     let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let fields: usize = parts
-        .headers
-        .iter()
-        .map(|(n, v)| n.as_str().len() + v.len() + 4)
-        .sum();
-    out.reserve(parts.method.as_str().len() + target.len() + fields + 13);
     out.put_slice(parts.method.as_str().as_bytes());
     out.put_u8(b' ');
     out.put_slice(target.as_bytes());
