@@ -10,7 +10,9 @@ with a per-client limit that holds everything (sluice: 1/h with capacity
      anonymous part of it (RssAnon: heap and stacks; the rest is the
      binary's and libraries' file pages);
   2. HTTP/1.1: 8,000 requests, one connection each
-     (tests/clients/hold_http1.py), held; RSS once it stops growing; the
+     (tests/clients/hold_http1.py), held; RSS once it stops changing
+     (growing, then falling as the allocator purges what the burst
+     freed: within 0.5 % for 10 s); the
      clients close; RSS 20 s later;
   3. HTTP/2: 100,000 streams from h2load (800 connections x 125 streams,
      within nginx's 128 streams per connection), held; the same readings.
@@ -119,17 +121,26 @@ max_queued = 1000000
         started.remove(self.proc)
 
 
-def settled(proxy, within=120):
-    """RSS once it has stopped growing (less than 0.5 % in 2 s)."""
+def settled(proxy, within=120, steady=10):
+    """RSS once it has stopped changing: first growing (less than 0.5 % in
+    2 s), then falling too (within 0.5 % for `steady` seconds). jemalloc
+    gives back the pages its freed memory leaves over about 10 s
+    (dirty_decay_ms), so what a burst freed is gone from the figure."""
     end = time.time() + within
     last = proxy.rss()
     while time.time() < end:
         time.sleep(2)
         now = proxy.rss()
         if now <= last * 1.005:
-            return now
+            break
         last = now
-    return last
+    since, base = time.time(), proxy.rss()
+    while time.time() < end and time.time() - since < steady:
+        time.sleep(2)
+        now = proxy.rss()
+        if abs(now - base) > base * 0.005:
+            since, base = time.time(), now
+    return proxy.rss()
 
 
 def measure(proxy, what, n, load):
@@ -211,7 +222,7 @@ def main():
             cells = ", ".join(f"{k} {a[k][0] / 1024:.1f} / {a[k][1] / 1024:.1f}" for k in ("idle", "held", "after"))
             print(f"|   same: sluice's allocator, allocated / resident MiB | {cells} | n/a | | |")
     print()
-    print("Reproduce: `bash benches/memory/run.sh` (installs nginx and h2load if missing; about 2 minutes).")
+    print("Reproduce: `bash benches/memory/run.sh` (installs nginx and h2load if missing; about 5 minutes).")
 
 
 if __name__ == "__main__":

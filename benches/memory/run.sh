@@ -4,7 +4,7 @@
 # requests (one connection each) and then 100,000 HTTP/2 streams (h2load,
 # 800 connections x 125) are held in the queue, and 20 s after the clients
 # left. Prints a markdown table, writes it to benches/memory/results.md and
-# into BENCHMARKS.md (between its memory markers). About 2 minutes.
+# into BENCHMARKS.md (between its memory markers). About 5 minutes.
 #
 #   bash benches/memory/run.sh
 set -euo pipefail

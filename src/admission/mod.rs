@@ -523,12 +523,39 @@ impl Admission {
         let mut local = rule.local;
         if let Some(cluster) = &self.cluster {
             // Boxed: the shared store's round trip is a large future that
-            // a local admission (and a waiting request) need not carry.
+            // a local admission need not carry.
             match Box::pin(self.admit_shared(cluster, rule, &key, cost, arrival)).await {
                 Shared::Decided(v) => return v,
                 Shared::Local => local = rule.fallback.unwrap_or(rule.local),
             }
         }
+        self.admit_local(rule, local, key, cost, arrival)
+    }
+
+    /// [`Admission::admit`] with no future at all when no shared store is
+    /// asked: the verdict, or `None` in cluster mode (then use `admit`).
+    /// For a front end whose waiting state is what a held request costs.
+    pub fn admit_now(
+        &self,
+        rule: &Arc<Rule>,
+        key: Key,
+        cost: u32,
+        arrival: Instant,
+    ) -> Option<Verdict> {
+        self.cluster
+            .is_none()
+            .then(|| self.admit_local(rule, rule.local, key, cost, arrival))
+    }
+
+    /// The local engine's verdict, under the engine route `local`.
+    fn admit_local(
+        &self,
+        rule: &Arc<Rule>,
+        local: RouteId,
+        key: Key,
+        cost: u32,
+        arrival: Instant,
+    ) -> Verdict {
         let verdict = match self.shaper.admit_at(local, key, cost, arrival) {
             Ok(Admitted::Now) => Verdict::Go,
             Ok(Admitted::Wait(waiting)) => Verdict::Wait(Hold {

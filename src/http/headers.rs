@@ -4,10 +4,10 @@
 use std::io::Write as _;
 use std::net::IpAddr;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use http::request::Parts;
-use http::uri::PathAndQuery;
-use http::{Uri, Version};
+use http::uri::InvalidUri;
+use http::{Extensions, Method, Request, Uri, Version};
 
 use super::response::ceil_secs;
 use super::route::Route;
@@ -24,76 +24,103 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
-/// A waiting request's header fields, packed into one buffer of their
-/// own size (see [`pack`]).
+/// A waiting request's head, packed into memory of its own size: the
+/// target and the header fields in one buffer, the method, version and
+/// extensions beside it ([`pack`], [`Packed::unpack`]).
 ///
-/// `name:value\n` per field in order (`;` for a sensitive value): neither a
-/// name nor a value can hold `\n`, nor a name `:` or `;`.
-pub struct Packed(Bytes);
+/// After the target, `name:value\n` per field in order (`;` for a sensitive
+/// value): neither a name nor a value can hold `\n`, nor a name `:` or `;`.
+pub struct Packed {
+    buf: Bytes,
+    /// Where the fields start in `buf` (the target ends).
+    fields: usize,
+    method: Method,
+    version: Version,
+    extensions: Extensions,
+}
 
-/// Pack the head of a request that waits into memory of its own size: its
-/// path and query and its header fields into one buffer, which the target
-/// keeps and the fields are rebuilt from at its departure ([`unpack`]).
+/// Pack the head of a request that waits ([`Packed`]).
 ///
 /// A head as parsed is much larger than its text. hyper's HTTP/1.1 values
 /// are slices of the connection's 8 KiB read buffer and HTTP/2's of the
-/// frame's, which a held request would keep referenced; and a header
-/// table is 104 bytes per field with room for six at its first (656
-/// bytes for a request with two fields). A request that departs at once
-/// keeps its head as parsed: only requests that wait pay for the copy and
-/// the rebuild, and they leave at the configured rate.
-pub fn pack(parts: &mut Parts) -> Packed {
-    let target = parts
-        .uri
-        .path_and_query()
-        .map_or(&b""[..], |pq| pq.as_str().as_bytes());
-    let mut len = target.len();
-    for (name, value) in &parts.headers {
+/// frame's, which a held request would keep referenced; a header table is
+/// 104 bytes per field with room for six at its first (656 bytes for a
+/// request with two fields); and a target (`Uri`) is 88 bytes before its
+/// text. A request that departs at once keeps its head as parsed: only
+/// requests that wait pay for the copy and the rebuild, and they leave at
+/// the configured rate.
+pub fn pack(parts: Parts) -> Packed {
+    let Parts {
+        method,
+        uri,
+        version,
+        headers,
+        extensions,
+        ..
+    } = parts;
+    let mut len = uri.path_and_query().map_or(1, |pq| pq.as_str().len());
+    if let Some(a) = uri.authority() {
+        len += a.as_str().len() + uri.scheme_str().map_or(0, str::len) + 3;
+    }
+    for (name, value) in &headers {
         len += name.as_str().len() + value.len() + 2;
     }
     let mut buf = BytesMut::with_capacity(len);
-    buf.extend_from_slice(target);
-    let at = buf.len();
-    for (name, value) in &parts.headers {
+    // A target's text parses back to the same target.
+    let _ = write!((&mut buf).writer(), "{uri}");
+    let fields = buf.len();
+    for (name, value) in &headers {
         buf.extend_from_slice(name.as_str().as_bytes());
         buf.extend_from_slice(if value.is_sensitive() { b";" } else { b":" });
         buf.extend_from_slice(value.as_bytes());
         buf.extend_from_slice(b"\n");
     }
-    let mut buf = buf.freeze();
-    let fields = buf.split_off(at);
-    parts.headers = HeaderMap::new();
-    if parts.uri.path_and_query().is_some()
-        && let Ok(pq) = PathAndQuery::from_maybe_shared(buf)
-    {
-        let mut uri = parts.uri.clone().into_parts();
-        uri.path_and_query = Some(pq);
-        if let Ok(uri) = Uri::from_parts(uri) {
-            parts.uri = uri;
-        }
+    Packed {
+        buf: buf.freeze(),
+        fields,
+        method,
+        version,
+        extensions,
     }
-    Packed(fields)
 }
 
-/// Rebuild the header fields of a head [`pack`]ed while it waited (the
-/// values are slices of the packed buffer).
-pub fn unpack(parts: &mut Parts, packed: Packed) {
-    let buf = &packed.0;
-    let count = buf.iter().filter(|&&b| b == b'\n').count();
-    let mut headers = HeaderMap::try_with_capacity(count).unwrap_or_default();
-    let mut at = 0;
-    while let Some(end) = buf[at..].iter().position(|&b| b == b'\n').map(|n| at + n) {
-        let line = &buf[at..end];
-        if let Some(colon) = line.iter().position(|&b| b == b':' || b == b';')
-            && let Ok(name) = HeaderName::from_bytes(&line[..colon])
-            && let Ok(mut value) = HeaderValue::from_maybe_shared(buf.slice(at + colon + 1..end))
-        {
-            value.set_sensitive(line[colon] == b';');
-            headers.append(name, value);
+impl Packed {
+    /// The head as it was packed (its values and target are slices of
+    /// the packed buffer); `Err` only if its target did not parse back,
+    /// which a target's own text always does.
+    pub fn unpack(self) -> Result<Parts, InvalidUri> {
+        let Packed {
+            buf,
+            fields,
+            method,
+            version,
+            extensions,
+        } = self;
+        let uri = Uri::from_maybe_shared(buf.slice(..fields))?;
+        let text = &buf[fields..];
+        let count = text.iter().filter(|&&b| b == b'\n').count();
+        let mut headers = HeaderMap::try_with_capacity(count).unwrap_or_default();
+        let mut at = 0;
+        while let Some(end) = text[at..].iter().position(|&b| b == b'\n').map(|n| at + n) {
+            let line = &text[at..end];
+            if let Some(colon) = line.iter().position(|&b| b == b':' || b == b';')
+                && let Ok(name) = HeaderName::from_bytes(&line[..colon])
+                && let Ok(mut value) =
+                    HeaderValue::from_maybe_shared(buf.slice(fields + at + colon + 1..fields + end))
+            {
+                value.set_sensitive(line[colon] == b';');
+                headers.append(name, value);
+            }
+            at = end + 1;
         }
-        at = end + 1;
+        let (mut parts, ()) = Request::new(()).into_parts();
+        parts.method = method;
+        parts.uri = uri;
+        parts.version = version;
+        parts.headers = headers;
+        parts.extensions = extensions;
+        Ok(parts)
     }
-    parts.headers = headers;
 }
 
 /// Remove the hop-by-hop headers: `Connection` and every header it names,
@@ -242,7 +269,7 @@ mod tests {
             |r: std::ops::Range<usize>| HeaderValue::from_maybe_shared(read.slice(r)).unwrap();
         let mut secret = value(21..27);
         secret.set_sensitive(true);
-        let (mut parts, ()) = http::Request::builder()
+        let (parts, ()) = http::Request::builder()
             .uri(Uri::from_maybe_shared(read.slice(..6)).unwrap())
             .header("host", value(7..18))
             .header("x-client", value(19..20))
@@ -255,12 +282,9 @@ mod tests {
         let before = parts.headers.clone();
         assert!(within(parts.uri.path().as_bytes()));
 
-        let packed = pack(&mut parts);
-        assert!(parts.headers.is_empty());
+        let parts = pack(parts).unpack().unwrap();
         assert_eq!(parts.uri, "/a?b=1");
         assert!(!within(parts.uri.path().as_bytes()));
-
-        unpack(&mut parts, packed);
         assert_eq!(parts.headers, before);
         assert!(parts.headers.values().all(|v| !within(v.as_bytes())));
         let clients: Vec<_> = parts.headers.get_all("x-client").iter().collect();
@@ -303,11 +327,14 @@ mod tests {
                 None => path.clone(),
             };
             let mut parts = http::Request::builder()
+                .method("PATCH")
+                .version(Version::HTTP_2)
                 .uri(target.as_str())
                 .body(())
                 .unwrap()
                 .into_parts()
                 .0;
+            parts.extensions.insert(7u8);
             for (name, value, sensitive) in &fields {
                 let name = HeaderName::from_bytes(name).unwrap();
                 let mut value = HeaderValue::from_bytes(value).unwrap();
@@ -315,9 +342,11 @@ mod tests {
                 parts.headers.append(name, value);
             }
             let before = parts.headers.clone();
-            let packed = pack(&mut parts);
-            unpack(&mut parts, packed);
+            let parts = pack(parts).unpack().unwrap();
             proptest::prop_assert_eq!(&parts.headers, &before);
+            proptest::prop_assert_eq!(&parts.method, &Method::PATCH);
+            proptest::prop_assert_eq!(parts.version, Version::HTTP_2);
+            proptest::prop_assert_eq!(parts.extensions.get::<u8>(), Some(&7));
             for (name, _) in &before {
                 let a: Vec<_> = before.get_all(name).iter().map(HeaderValue::is_sensitive).collect();
                 let b: Vec<_> = parts.headers.get_all(name).iter().map(HeaderValue::is_sensitive).collect();
@@ -328,16 +357,23 @@ mod tests {
     }
 
     #[test]
-    fn a_head_without_fields_or_target_packs() {
-        let (mut parts, ()) = http::Request::builder()
-            .uri("http://example.org")
-            .body(())
-            .unwrap()
-            .into_parts();
-        let packed = pack(&mut parts);
-        unpack(&mut parts, packed);
-        assert!(parts.headers.is_empty());
-        assert_eq!(parts.uri, "http://example.org/");
+    fn a_head_without_fields_or_path_packs() {
+        for target in [
+            "http://example.org",
+            "https://example.org:8443/a?b",
+            "example.org:443",
+            "*",
+        ] {
+            let (parts, ()) = http::Request::builder()
+                .uri(target)
+                .body(())
+                .unwrap()
+                .into_parts();
+            let uri = parts.uri.clone();
+            let parts = pack(parts).unpack().unwrap();
+            assert!(parts.headers.is_empty());
+            assert_eq!(parts.uri, uri, "{target}");
+        }
     }
 
     #[test]
