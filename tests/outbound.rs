@@ -79,8 +79,7 @@ async fn https_partner_gets_its_host_sni_and_mapped_path() {
 }
 
 /// Calls to an https partner one after another go on one TLS connection
-/// (kept alive in the pool, not taken for closed when it is idle), and
-/// one the partner closed while idle is not used again.
+/// (kept alive in the pool, not taken for closed when it is idle).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_calls_share_one_kept_alive_connection() {
     let ca = TestCa::new();

@@ -279,7 +279,7 @@ impl Upstream {
     /// target in origin form (`/path?query`, RFC 9112 3.2.1, as nginx and
     /// HAProxy send it) with the upstream's path prefix (and the route's
     /// `strip_prefix` removed; the query byte for byte). HTTP/2 adds its
-    /// `:scheme` and `:authority` when it sends ([`Upstream::to_h2`]). `None`
+    /// `:scheme` and `:authority` when it sends ([`to_h2`]). `None`
     /// when the target cannot be forwarded (400). What the rest of the
     /// head needs from the client's target (its host) is returned for
     /// [`Upstream::rewrite`].
@@ -339,14 +339,6 @@ impl Upstream {
             None => parts.headers.remove(HOST),
         };
         parts.version = Version::HTTP_11;
-    }
-
-    /// A request prepared for HTTP/1.1 (origin form, `Host`), in HTTP/2
-    /// form: `:scheme` the upstream's, `:authority` the `Host` sluice chose
-    /// (RFC 9113 8.3.1: never both, never different) or, with none, the
-    /// upstream's; the version says h2.
-    fn to_h2(&self, req: &mut Request<OutBody>) {
-        to_h2(req, &self.scheme, &self.authority);
     }
 
     /// The path sent upstream: the upstream URL's path, then the request's
@@ -654,7 +646,7 @@ impl Upstream {
             Some(s) => s,
             None => self.pool.add_h2(tx.clone()),
         };
-        self.to_h2(&mut req);
+        to_h2(&mut req, &self.scheme, &self.authority);
         match tx.try_send_request(req).await {
             Ok(response) => Ok((response, Back::H2(streams))),
             Err(mut e) => match e.take_message() {
@@ -715,7 +707,10 @@ impl Upstream {
     }
 }
 
-/// [`Upstream::to_h2`], with the upstream's scheme and authority.
+/// A request prepared for HTTP/1.1 (origin form, `Host`), in HTTP/2 form:
+/// `:scheme` the upstream's, `:authority` the `Host` sluice chose (RFC
+/// 9113 8.3.1: never both, never different) or, with none, the upstream's;
+/// the version says h2.
 fn to_h2<B>(req: &mut Request<B>, scheme: &Scheme, upstream: &Authority) {
     *req.version_mut() = Version::HTTP_2;
     let authority = req
