@@ -270,6 +270,119 @@ async fn sigterm_drains_at_pace_then_answers_503_and_exits_0() {
     }
 }
 
+/// SIGTERM closes idle keep-alive connections at once, on sluice's own
+/// HTTP/1.1 server and on hyper's HTTP/2 alike (an idle one would
+/// otherwise hold the exit until the drain timeout, 30 s here, or its
+/// keep-alive timeout), and one busy with a held request still gets its
+/// answer, on the connection, before the connection closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_closes_idle_keep_alive_connections_at_once() {
+    use std::io::{Read, Write};
+    let ds = Downstream::start().await;
+    let mut sluice = Sluice::start(&config(ds.addr, "2/s", 5, "30s"));
+    let addr = sluice.addr;
+    // Each HTTP/1.1 connection serves one request and stays open; several,
+    // so that both workers hold some.
+    let idle: Vec<std::net::TcpStream> = tokio::task::spawn_blocking(move || {
+        (0..8)
+            .map(|i| {
+                let mut s = std::net::TcpStream::connect(addr).unwrap();
+                write!(
+                    s,
+                    "GET /idle HTTP/1.1\r\nHost: t\r\nX-Client: idle{i}\r\n\r\n"
+                )
+                .unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
+                    let n = s.read(&mut buf).unwrap();
+                    assert!(n > 0, "closed before answering");
+                    got.extend_from_slice(&buf[..n]);
+                }
+                assert!(
+                    got.starts_with(b"HTTP/1.1 200"),
+                    "{}",
+                    String::from_utf8_lossy(&got)
+                );
+                s
+            })
+            .collect()
+    })
+    .await
+    .unwrap();
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    let h2_driver = tokio::spawn(conn);
+    let req = http::Request::get(format!("http://{addr}/h2"))
+        .header("x-client", "h2")
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    assert_eq!(h2.send_request(req).await.unwrap().status(), StatusCode::OK);
+    // A held request: the second of one client at 2/s waits 500 ms.
+    let busy = tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(
+            s,
+            "GET /a HTTP/1.1\r\nHost: t\r\nX-Client: busy\r\n\r\nGET /b HTTP/1.1\r\nHost: t\r\nX-Client: busy\r\n\r\n"
+        )
+        .unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => return got,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    });
+    sluice.wait_queued(1).await;
+
+    let t = Instant::now();
+    sluice.signal("TERM");
+    let idle = tokio::task::spawn_blocking(move || {
+        for mut s in idle {
+            let mut buf = [0u8; 64];
+            assert!(
+                matches!(s.read(&mut buf), Ok(0)),
+                "an idle connection was not closed"
+            );
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(5), idle)
+        .await
+        .expect("idle HTTP/1.1 connections still open 5 s after SIGTERM")
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), h2_driver)
+        .await
+        .expect("an idle HTTP/2 connection still open 5 s after SIGTERM")
+        .unwrap()
+        .ok();
+    let got = tokio::time::timeout(Duration::from_secs(10), busy)
+        .await
+        .unwrap()
+        .unwrap();
+    let got = String::from_utf8_lossy(&got);
+    assert_eq!(got.matches("HTTP/1.1 200").count(), 2, "{got}");
+    let status = tokio::task::spawn_blocking(move || sluice.wait_exit(Duration::from_secs(10)))
+        .await
+        .unwrap()
+        .expect("sluice did not exit");
+    assert!(status.success(), "exit status {status:?}");
+    // Long before the 30 s drain timeout.
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "exit took {:?}",
+        t.elapsed()
+    );
+}
+
 /// /metrics counters match what was sent, and the output is valid
 /// Prometheus text; /healthz and /status answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,14 +9,24 @@
 //! When the worker is at its share of `max_connections`, a new connection
 //! closes the oldest idle one instead of waiting (nginx does the same with
 //! its "reusable" connections), so silent sockets cannot lock clients out.
+//!
+//! A connection is asked to close (shutdown, eviction) through its own
+//! [`Close`]: one flag and one waker, which its task checks between
+//! requests at the cost of two atomic operations. (A cancellation token
+//! per wait costs a mutex per check and the shared one's waiter list two
+//! more, on a line both workers write: about 7 % of the user time of a
+//! forwarded request, measured.) Shutdown reaches every connection
+//! through the worker's registry of open ones.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use futures_util::task::AtomicWaker;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
-use tokio_util::sync::CancellationToken;
 
 /// The state of one connection, shared by its task and its requests.
 pub struct ConnState {
@@ -28,8 +38,81 @@ pub struct ConnState {
     idle_since: AtomicU64,
     /// Whether it sits in the worker's idle queue.
     queued: AtomicBool,
-    /// Cancelled to make the connection close (eviction).
-    pub evict: CancellationToken,
+    /// Set to make the connection close.
+    pub close: Close,
+    /// Its place in the worker's registry.
+    id: u64,
+}
+
+/// Why a connection is asked to close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The proxy is shutting down.
+    Shutdown,
+    /// Its place is needed for a new connection (it was idle).
+    Evicted,
+}
+
+/// A connection's request to close: set once, seen by its task.
+#[derive(Default)]
+pub struct Close {
+    /// 0 while open, else a [`Reason`] (1 shutdown, 2 evicted).
+    reason: AtomicU8,
+    waker: AtomicWaker,
+}
+
+impl Close {
+    /// Ask the connection to close; `false` if it already was.
+    fn signal(&self, reason: Reason) -> bool {
+        let code = match reason {
+            Reason::Shutdown => 1,
+            Reason::Evicted => 2,
+        };
+        let set = self
+            .reason
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if set {
+            self.waker.wake();
+        }
+        set
+    }
+
+    /// Why the connection is to close, if it is.
+    pub fn reason(&self) -> Option<Reason> {
+        match self.reason.load(Ordering::Acquire) {
+            0 => None,
+            1 => Some(Reason::Shutdown),
+            _ => Some(Reason::Evicted),
+        }
+    }
+
+    fn poll(&self, cx: &mut Context<'_>) -> Poll<Reason> {
+        if let Some(r) = self.reason() {
+            return Poll::Ready(r);
+        }
+        // Registered before the second look: a signal in between is seen
+        // there, one after it wakes this waker.
+        self.waker.register(cx.waker());
+        match self.reason() {
+            Some(r) => Poll::Ready(r),
+            None => Poll::Pending,
+        }
+    }
+
+    /// Resolves when the connection is asked to close. One task waits at
+    /// a time (the connection's own).
+    pub fn wait(&self) -> impl Future<Output = Reason> + Send + '_ {
+        std::future::poll_fn(move |cx| self.poll(cx))
+    }
+}
+
+/// The connections open in a worker, for shutdown to reach them all.
+#[derive(Default)]
+struct Registry {
+    stopping: bool,
+    next: u64,
+    open: HashMap<u64, Weak<ConnState>>,
 }
 
 /// The connections of one worker.
@@ -38,6 +121,7 @@ pub struct Conns {
     limit: Arc<Semaphore>,
     /// Connections that became idle, oldest first (entries may be stale).
     idle: Mutex<VecDeque<Weak<ConnState>>>,
+    registry: Mutex<Registry>,
     open: AtomicUsize,
     pub header_read_timeout: Duration,
     pub keepalive_timeout: Duration,
@@ -53,6 +137,7 @@ impl Conns {
             epoch: Instant::now(),
             limit: Arc::new(Semaphore::new(limit.min(Semaphore::MAX_PERMITS))),
             idle: Mutex::new(VecDeque::new()),
+            registry: Mutex::new(Registry::default()),
             open: AtomicUsize::new(0),
             header_read_timeout,
             keepalive_timeout,
@@ -84,32 +169,60 @@ impl Conns {
                 continue;
             };
             state.queued.store(false, Ordering::Relaxed);
-            if state.in_flight.load(Ordering::Acquire) == 0 && !state.evict.is_cancelled() {
-                state.evict.cancel();
+            if state.in_flight.load(Ordering::Acquire) == 0 && state.close.signal(Reason::Evicted) {
                 return;
             }
         }
     }
 
-    /// A connection opened.
+    /// A connection opened (asked to close at once if the worker is
+    /// already shutting down).
     pub fn opened(&self) -> Arc<ConnState> {
         self.open.fetch_add(1, Ordering::Relaxed);
         OPEN.fetch_add(1, Ordering::Relaxed);
+        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let id = registry.next;
+        registry.next += 1;
         let state = Arc::new(ConnState {
             in_flight: AtomicU32::new(0),
             served: AtomicBool::new(false),
             idle_since: AtomicU64::new(self.now_ms()),
             queued: AtomicBool::new(false),
-            evict: CancellationToken::new(),
+            close: Close::default(),
+            id,
         });
+        if registry.stopping {
+            state.close.signal(Reason::Shutdown);
+        } else {
+            registry.open.insert(id, Arc::downgrade(&state));
+        }
+        drop(registry);
         self.became_idle(&state);
         state
     }
 
-    /// A connection closed.
-    pub fn closed(&self) {
+    /// `state`'s connection closed.
+    pub fn closed(&self, state: &ConnState) {
         self.open.fetch_sub(1, Ordering::Relaxed);
         OPEN.fetch_sub(1, Ordering::Relaxed);
+        self.registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .open
+            .remove(&state.id);
+    }
+
+    /// Shutdown: every open connection (and every one opened from now on)
+    /// is asked to close; each finishes the request it holds first.
+    pub fn shut_down(&self) {
+        let open = {
+            let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            registry.stopping = true;
+            std::mem::take(&mut registry.open)
+        };
+        for state in open.into_values().filter_map(|w| w.upgrade()) {
+            state.close.signal(Reason::Shutdown);
+        }
     }
 
     fn became_idle(&self, state: &Arc<ConnState>) {
@@ -185,14 +298,48 @@ mod tests {
             let conns = conns.clone();
             tokio::spawn(async move { conns.admit().await })
         };
-        tokio::time::timeout(Duration::from_secs(1), a.evict.cancelled())
+        let why = tokio::time::timeout(Duration::from_secs(1), a.close.wait())
             .await
             .unwrap();
-        assert!(!b.evict.is_cancelled());
+        assert_eq!(why, Reason::Evicted);
+        assert_eq!(b.close.reason(), None);
         drop(p1); // a closes
         let p3 = waiting.await.unwrap();
         assert!(p3.is_some());
         drop((p2, busy));
+    }
+
+    #[tokio::test]
+    async fn shutdown_reaches_every_open_connection_and_every_later_one() {
+        let conns = Arc::new(Conns::new(
+            10,
+            Duration::from_secs(1),
+            Duration::from_secs(5),
+        ));
+        let a = conns.opened();
+        let b = conns.opened();
+        let gone = conns.opened();
+        conns.closed(&gone);
+        drop(gone);
+        let waiting = {
+            let a = a.clone();
+            tokio::spawn(async move { a.close.wait().await })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(a.close.reason(), None);
+        conns.shut_down();
+        let why = tokio::time::timeout(Duration::from_secs(1), waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(why, Reason::Shutdown);
+        assert_eq!(b.close.reason(), Some(Reason::Shutdown));
+        // Opened after the shutdown (accepted just before it): closes too.
+        let late = conns.opened();
+        assert_eq!(late.close.reason(), Some(Reason::Shutdown));
+        // An evicted connection keeps its reason.
+        assert!(!late.close.signal(Reason::Evicted));
+        assert_eq!(late.close.reason(), Some(Reason::Shutdown));
     }
 
     #[test]

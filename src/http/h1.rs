@@ -44,10 +44,9 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
 use tokio::net::TcpStream;
-use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use super::conn::{ConnState, Conns};
+use super::conn::{ConnState, Conns, Reason};
 use super::handler::Handler;
 use super::response::ProxyBody;
 
@@ -175,7 +174,6 @@ pub struct Session<'a> {
     pub handler: &'a Arc<Handler>,
     pub conns: &'a Arc<Conns>,
     pub state: &'a Arc<ConnState>,
-    pub stop: &'a CancellationToken,
     pub peer: &'a SocketAddr,
     /// `server.max_header_size`.
     pub max_head: usize,
@@ -233,7 +231,6 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                 let mut started = None;
                 loop {
                     if !buf.is_empty() {
-                        started.get_or_insert_with(Instant::now);
                         if first && H2_PREFACE.starts_with(&buf[..buf.len().min(H2_PREFACE.len())])
                         {
                             if buf.len() >= H2_PREFACE.len() {
@@ -252,6 +249,10 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                                 return Next::Closed;
                             }
                         }
+                        // Part of a head: its header timeout runs from
+                        // now (a whole head, the usual case, never reads
+                        // the clock here).
+                        started.get_or_insert_with(Instant::now);
                     }
                     if !read_more(&s, &stream, &mut buf, started, timer.as_mut()).await {
                         return Next::Closed;
@@ -297,7 +298,7 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                 drop(guard);
                 response
             };
-            let close = !keep_alive || s.stop.is_cancelled() || s.state.evict.is_cancelled();
+            let close = !keep_alive || s.state.close.reason().is_some();
             if let Err(e) = write_response(&mut stream, response, head, close).await {
                 debug!(peer = %s.peer, error = %e, "connection ended with an error");
                 return Next::Closed;
@@ -359,9 +360,10 @@ fn read_more<'a>(
                         Err(_) => return false,
                     }
                 }
-                () = s.stop.cancelled() => return false,
-                () = s.state.evict.cancelled() => {
-                    debug!(peer = %s.peer, "idle connection closed for a new one");
+                why = s.state.close.wait() => {
+                    if why == Reason::Evicted {
+                        debug!(peer = %s.peer, "idle connection closed for a new one");
+                    }
                     return false;
                 }
                 () = timer.as_mut() => {

@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use super::conn::{Conns, OwnedPermit};
+use super::conn::{Conns, OwnedPermit, Reason};
 use super::h1::{self, RequestBody, Rewind};
 use super::handler::Handler;
 use super::route::{App, Concurrency};
@@ -330,6 +330,7 @@ impl Worker {
             }
         }
         me.stop.cancelled().await;
+        me.conns.shut_down();
         for l in loops {
             l.abort();
         }
@@ -392,13 +393,12 @@ impl Worker {
                 handler: &self.handler,
                 conns: &self.conns,
                 state: &state,
-                stop: &self.stop,
                 peer: &peer,
                 max_head: self.max_head,
             };
             let (io, h2) = match h1::serve(session, stream).await {
                 h1::Next::Closed => {
-                    self.conns.closed();
+                    self.conns.closed(&state);
                     drop(permit);
                     return;
                 }
@@ -429,12 +429,10 @@ impl Worker {
                         }
                         break;
                     }
-                    () = self.stop.cancelled(), if !closing => {
-                        conn.as_mut().graceful_shutdown();
-                        closing = true;
-                    }
-                    () = state.evict.cancelled(), if !closing => {
-                        debug!(%peer, "idle connection closed for a new one");
+                    why = state.close.wait(), if !closing => {
+                        if why == Reason::Evicted {
+                            debug!(%peer, "idle connection closed for a new one");
+                        }
                         conn.as_mut().graceful_shutdown();
                         closing = true;
                     }
@@ -447,7 +445,7 @@ impl Worker {
                     }
                 }
             }
-            self.conns.closed();
+            self.conns.closed(&state);
             drop(permit);
         }
     }
