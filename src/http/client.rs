@@ -25,6 +25,7 @@
 //! close`, its length was known and nothing followed it.
 
 use std::io;
+use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker, ready};
@@ -37,6 +38,7 @@ use http::header::{
 use http::request::Parts;
 use http::{HeaderMap, Method, StatusCode, Version, response};
 use hyper::body::{Body, Frame, SizeHint};
+use smallvec::SmallVec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
@@ -276,9 +278,14 @@ struct Head {
 /// share the head's bytes (no copy each).
 fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Error> {
     loop {
-        let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut parsed = httparse::Response::new(&mut fields);
-        let len = match parsed.parse(buf)? {
+        // Not initialized first: 3 kB of stores per response otherwise.
+        let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut parsed = httparse::Response::new(&mut []);
+        let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut parsed,
+            buf,
+            &mut fields,
+        )? {
             httparse::Status::Complete(len) => len,
             httparse::Status::Partial => return Ok(None),
         };
@@ -298,24 +305,23 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
         // Where each field lies in the head, so that the head can be split
         // off as one buffer the values then share.
         let base = buf.as_ptr() as usize;
-        let mut at = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
-        let count = parsed.headers.len();
-        for (at, field) in at.iter_mut().zip(parsed.headers.iter()) {
+        let mut at: SmallVec<[(usize, usize, usize, usize); 16]> = SmallVec::new();
+        for field in parsed.headers.iter() {
             let name = field.name.as_ptr() as usize - base;
             let value = match field.value.is_empty() {
                 true => 0,
                 false => field.value.as_ptr() as usize - base,
             };
-            *at = (
+            at.push((
                 name,
                 name + field.name.len(),
                 value,
                 value + field.value.len(),
-            );
+            ));
         }
         let head = buf.split_to(len).freeze();
-        let mut headers = HeaderMap::with_capacity(count);
-        for &(name, name_end, value, value_end) in &at[..count] {
+        let mut headers = HeaderMap::with_capacity(at.len());
+        for &(name, name_end, value, value_end) in &at {
             let name = HeaderName::from_bytes(&head[name..name_end])
                 .map_err(|_| Error::Head("invalid field name"))?;
             let value = HeaderValue::from_maybe_shared(head.slice(value..value_end))
