@@ -599,6 +599,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
     pub fn expire_shard(&self, shard: usize, now: Nanos) -> Option<Nanos> {
         let mut s = lock(self.shards.get(shard)?);
         s.expire(now, &self.budget);
+        s.compact();
         s.next_expiry()
     }
 

@@ -185,6 +185,9 @@ pub(super) struct Shard<K, P> {
     index: HashTable<(u32, u32)>,
     slots: Vec<Slot<K>>,
     free_slots: Vec<u32>,
+    /// A client or a queue entry was made since the last sweep: the load
+    /// has not passed, so [`Shard::compact`] keeps the memory.
+    busy: bool,
     entries: Vec<Entry<P>>,
     free_entries: Vec<u32>,
     /// The generation new entries start at (above every one used before
@@ -217,6 +220,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             index: HashTable::new(),
             slots: Vec::new(),
             free_slots: Vec::new(),
+            busy: false,
             entries: Vec::new(),
             free_entries: Vec::new(),
             entry_generations: 0,
@@ -262,6 +266,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
                 return None;
             }
         }
+        self.busy = true;
         let h32 = hash as u32;
         let client = Client {
             key,
@@ -534,6 +539,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
     }
 
     fn new_entry(&mut self, entry: Entry<P>) -> u32 {
+        self.busy = true;
         match self.free_entries.pop() {
             Some(i) => {
                 let generation = self.entries[i as usize].generation;
@@ -852,12 +858,19 @@ impl<K: Hash + Eq, P> Shard<K, P> {
                 break;
             }
         }
-        self.compact();
     }
 
     /// Give memory back once a load has passed: arenas and heaps that
-    /// hold nothing live are released (they grow again on demand).
-    fn compact(&mut self) {
+    /// hold nothing live are released (they grow again on demand). Called
+    /// at each sweep; the load has passed when no client or entry was made
+    /// since the one before. (Not at once when a shard empties: under a
+    /// churn of new clients, each released at once, every shard empties
+    /// at every sweep, and its table, arena and expiry lists were rebuilt
+    /// from nothing, doubling by doubling, after each one.)
+    pub(super) fn compact(&mut self) {
+        if std::mem::take(&mut self.busy) {
+            return;
+        }
         if !self.entries.is_empty() && self.free_entries.len() == self.entries.len() {
             // New entries start past every generation handed out, so an old
             // ticket or heap reference never matches one of them.
