@@ -320,7 +320,8 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
             ));
         }
         let head = buf.split_to(len).freeze();
-        let mut headers = HeaderMap::with_capacity(at.len());
+        // And room for the `Via` added on the way back.
+        let mut headers = HeaderMap::with_capacity(at.len() + 1);
         for &(name, name_end, value, value_end) in &at {
             let name = HeaderName::from_bytes(&head[name..name_end])
                 .map_err(|_| Error::Head("invalid field name"))?;

@@ -315,7 +315,8 @@ impl Upstream {
         strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(EXPECT);
         // Room for what is added below (X-Forwarded-For, -Proto, -Host,
-        // Via, Host) in one growth of the table, not one per doubling.
+        // Via, Host) in one growth of the table, not one per doubling (a
+        // head sluice's own HTTP/1.1 server parsed has the room already).
         let _ = parts.headers.try_reserve(5);
         // Passed on as such: a protocol switch (tunnelled after a 101),
         // and the client's acceptance of trailers (gRPC needs it).
