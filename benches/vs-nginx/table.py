@@ -14,11 +14,29 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 nginx_version, rustc_version = sys.argv[2], sys.argv[3]
 
 
+def median(values):
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
 def res(proxy, scenario):
-    for r in rows:
-        if r["proxy"] == proxy and r["result"].get("scenario") == scenario:
-            return r
-    return None
+    """The proxy's result for the scenario; for one run in rounds, each
+    number the median over its rounds (and `rounds`, how many)."""
+    found = [r for r in rows if r["proxy"] == proxy and r["result"].get("scenario") == scenario
+             and "error" not in r["result"]]
+    if len(found) <= 1:
+        for r in rows:
+            if r["proxy"] == proxy and r["result"].get("scenario") == scenario:
+                return r
+        return None
+    result = dict(found[0]["result"])
+    for k, v in found[0]["result"].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            vs = [r["result"].get(k) for r in found]
+            if all(isinstance(x, (int, float)) for x in vs):
+                result[k] = median(vs)
+    result["rounds"] = len(found)
+    return {"proxy": proxy, "rss_kib": median([r.get("rss_kib", 0) for r in found]), "result": result}
 
 
 def get(proxy, scenario, *path):
@@ -156,13 +174,36 @@ nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
 print(f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {nproc} cores ({cpu}), Linux {platform.release()}, "
       f"{nginx_version}, {rustc_version}, wrk 4.1; everything on loopback, proxy, load generator and downstream sharing the cores.")
 print()
-print("Targets, checked against this run:")
+rounds = get("sluice-2w", "passthrough-wrk", "rounds")
+print("Targets, checked against this run" + (
+    f" (the wrk pass-through and flood figures with 2 workers: each proxy's median of {rounds} interleaved rounds):"
+    if rounds else ":"))
 print()
 print(targets())
 print()
 print("Both proxies with 2 workers (nginx `worker_processes 2`, sluice `workers = 2`, the default on this machine):")
 print()
 print(table(2))
+if rounds:
+    def each(proxy, scenario, key, fmt):
+        found = [r["result"] for r in rows if r["proxy"] == proxy and r["result"].get("scenario") == scenario
+                 and "error" not in r["result"]]
+        if scenario == "flood-wrk" and key == "requests_per_s":
+            vals = [x.get("non_2xx", 0) / max(x.get("seconds", 1), 1) for x in found]
+        else:
+            vals = [x.get(key) for x in found]
+        return " / ".join(show(v, fmt) for v in vals)
+    print()
+    print("The rounds behind the medians (2 workers, wrk, in the order run):")
+    print()
+    print("| round values | sluice | nginx |")
+    print("|---|---|---|")
+    for label, sc, key, fmt in (("pass-through requests/s", "passthrough-wrk", "requests_per_s", "{:.0f}"),
+                                ("pass-through p99, µs", "passthrough-wrk", "p99_us", "{:.0f}"),
+                                ("pass-through CPU per request, µs", "passthrough-wrk", "cpu_us_per_request", "{:.1f}"),
+                                ("flood 429s per second", "flood-wrk", "requests_per_s", "{:.0f}"),
+                                ("flood CPU per refusal, µs", "flood-wrk", "cpu_us_per_request", "{:.1f}")):
+        print(f"| {label} | {each('sluice-2w', sc, key, fmt)} | {each('nginx-2w', sc, key, fmt)} |")
 print()
 print("Both with 1 worker:")
 print()
@@ -176,4 +217,4 @@ errors = [r for r in rows if "error" in r["result"]]
 for r in errors:
     print(f"\nScenario {r['result']['scenario']} failed for {r['proxy']}: {r['result']['error']}")
 print()
-print("Reproduce: `bash benches/vs-nginx/run.sh` (installs nginx, wrk and perf if missing; about 6 minutes).")
+print("Reproduce: `bash benches/vs-nginx/run.sh` (installs nginx, wrk and perf if missing; about 8 minutes).")
