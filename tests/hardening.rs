@@ -292,14 +292,7 @@ rate = "50/s"
 capacity = 20
 "#;
     let s = Sluice::start(&base(ds.addr, "", routes));
-    let stream = tokio::net::TcpStream::connect(s.addr).await.unwrap();
-    let (mut h2, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let (mut h2, _driver) = h2_connect(s.addr).await;
     // Queue every stream before any is written: one write carries them.
     let pending: Vec<_> = (0..10)
         .map(|i| {

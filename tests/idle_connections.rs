@@ -86,14 +86,7 @@ async fn silent_and_idle_connections_are_closed_and_never_lock_clients_out() {
     .unwrap();
     let mut idle_h2 = Vec::new();
     for _ in 0..2_000 {
-        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (mut h2, conn) = hyper::client::conn::http2::handshake(
-            hyper_util::rt::TokioExecutor::new(),
-            hyper_util::rt::TokioIo::new(stream),
-        )
-        .await
-        .unwrap();
-        let driver = tokio::spawn(conn);
+        let (mut h2, driver) = h2_connect(addr).await;
         let req = http::Request::get(format!("http://{addr}/h2"))
             .body(http_body_util::Empty::<Bytes>::new())
             .unwrap();

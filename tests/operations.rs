@@ -9,7 +9,7 @@ use std::os::unix::net::UnixDatagram;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
-use support::{Downstream, Sluice, assert_between, client, get};
+use support::{Downstream, Sluice, assert_between, client, get, h2_connect};
 
 fn config(upstream: std::net::SocketAddr, rate: &str, capacity: u32, drain: &str) -> String {
     format!(
@@ -33,6 +33,17 @@ rate = "{rate}"
 capacity = {capacity}
 "#
     )
+}
+
+/// Wait up to `within` for sluice to exit; it must exit with success.
+async fn exits_cleanly(mut sluice: Sluice, within: Duration) {
+    let status = tokio::task::spawn_blocking(move || sluice.wait_exit(within))
+        .await
+        .unwrap();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit status {status:?}"
+    );
 }
 
 async fn wait_for_log(s: &Sluice, needle: &str) {
@@ -213,7 +224,7 @@ async fn broken_reload_keeps_the_old_config_and_is_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_at_pace_then_answers_503_and_exits_0() {
     let ds = Downstream::start().await;
-    let mut sluice = Sluice::start(&config(ds.addr, "5/s", 20, "1s"));
+    let sluice = Sluice::start(&config(ds.addr, "5/s", 20, "1s"));
     let c = client();
     assert_eq!(
         get(&c, &sluice.admin_url("/readyz"), &[]).await.status,
@@ -250,11 +261,7 @@ async fn sigterm_drains_at_pace_then_answers_503_and_exits_0() {
     assert_eq!(ok + unavailable, 10);
     // 1 at once + ~1.1 s of 200 ms slots: 5 to 7 forwarded, the rest 503.
     assert!((5..=7).contains(&ok), "forwarded {ok}");
-    let status = tokio::task::spawn_blocking(move || sluice.wait_exit(Duration::from_secs(5)))
-        .await
-        .unwrap()
-        .expect("sluice did not exit");
-    assert!(status.success(), "exit status {status:?}");
+    exits_cleanly(sluice, Duration::from_secs(5)).await;
     assert!(
         t.elapsed() < Duration::from_secs(4),
         "exit took {:?}",
@@ -279,7 +286,7 @@ async fn sigterm_drains_at_pace_then_answers_503_and_exits_0() {
 async fn sigterm_closes_idle_keep_alive_connections_at_once() {
     use std::io::{Read, Write};
     let ds = Downstream::start().await;
-    let mut sluice = Sluice::start(&config(ds.addr, "2/s", 5, "30s"));
+    let sluice = Sluice::start(&config(ds.addr, "2/s", 5, "30s"));
     let addr = sluice.addr;
     // Each HTTP/1.1 connection serves one request and stays open; several,
     // so that both workers hold some.
@@ -311,14 +318,7 @@ async fn sigterm_closes_idle_keep_alive_connections_at_once() {
     })
     .await
     .unwrap();
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut h2, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    let h2_driver = tokio::spawn(conn);
+    let (mut h2, h2_driver) = h2_connect(addr).await;
     let req = http::Request::get(format!("http://{addr}/h2"))
         .header("x-client", "h2")
         .body(http_body_util::Empty::<bytes::Bytes>::new())
@@ -370,11 +370,7 @@ async fn sigterm_closes_idle_keep_alive_connections_at_once() {
         .unwrap();
     let got = String::from_utf8_lossy(&got);
     assert_eq!(got.matches("HTTP/1.1 200").count(), 2, "{got}");
-    let status = tokio::task::spawn_blocking(move || sluice.wait_exit(Duration::from_secs(10)))
-        .await
-        .unwrap()
-        .expect("sluice did not exit");
-    assert!(status.success(), "exit status {status:?}");
+    exits_cleanly(sluice, Duration::from_secs(10)).await;
     // Long before the 30 s drain timeout.
     assert!(
         t.elapsed() < Duration::from_secs(10),
@@ -475,7 +471,7 @@ async fn systemd_notifications_come_in_order() {
     let sock = UnixDatagram::bind(&path).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let mut sluice = Sluice::start_with_env(
+    let sluice = Sluice::start_with_env(
         &config(ds.addr, "5/s", 10, "1s"),
         &[("NOTIFY_SOCKET", path.to_str().unwrap())],
     );
@@ -492,9 +488,6 @@ async fn systemd_notifications_come_in_order() {
     assert_eq!(recv(&sock).trim(), "READY=1");
     sluice.signal("TERM");
     assert_eq!(recv(&sock).trim(), "STOPPING=1");
-    let status = tokio::task::spawn_blocking(move || sluice.wait_exit(Duration::from_secs(5)))
-        .await
-        .unwrap();
-    assert!(status.is_some_and(|s| s.success()));
+    exits_cleanly(sluice, Duration::from_secs(5)).await;
     let _ = std::fs::remove_file(&path);
 }

@@ -243,14 +243,7 @@ async fn clients_that_leave_while_queued_are_withdrawn_whatever_their_body() {
 async fn an_http2_stream_reset_while_queued_withdraws_the_request() {
     let ds = Downstream::start().await;
     let s = Sluice::start(&queue_config(ds.addr, ""));
-    let stream = tokio::net::TcpStream::connect(s.addr).await.unwrap();
-    let (mut h2, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let (mut h2, _driver) = h2_connect(s.addr).await;
     let req = |path: &str| {
         http::Request::builder()
             .uri(format!("http://{}{path}", s.addr))

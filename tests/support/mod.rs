@@ -358,6 +358,27 @@ impl Sluice {
     }
 }
 
+/// An HTTP/2 connection (prior knowledge, cleartext) to `addr`: its sender
+/// and the task driving it.
+pub async fn h2_connect<B>(
+    addr: SocketAddr,
+) -> (
+    hyper::client::conn::http2::SendRequest<B>,
+    tokio::task::JoinHandle<hyper::Result<()>>,
+)
+where
+    B: hyper::body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (h2, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    (h2, tokio::spawn(conn))
+}
+
 /// A CA made for one test (rcgen), and leaf certificates signed by it.
 pub struct TestCa {
     pub pem: String,
