@@ -116,10 +116,16 @@ async fn silent_and_idle_connections_are_closed_and_never_lock_clients_out() {
         "12,000 connections closed within {closed_after:?}; {} probes: p95 {p95:?}, slowest {worst:?}",
         took.len()
     );
-    // Locked out, a client would wait seconds (until timeouts) or forever;
-    // the tail tolerance is for a busy 2-core machine.
+    // Locked out, a client would wait for the 2 s header timeout to free
+    // a place (or forever), and so would most probes. The slowest may
+    // have lost one SYN while 10,000 connects filled the accept queue on
+    // a loaded machine: the kernel retransmits it after 1 s (seen once in
+    // CI, at 1.07 s, with three release builds running beside it).
     assert!(p95 < Duration::from_millis(100), "p95 of probes {p95:?}");
-    assert!(worst < Duration::from_secs(1), "a probe took {worst:?}");
+    assert!(
+        worst < Duration::from_millis(1500),
+        "a probe took {worst:?}"
+    );
     // The silent sockets see their close.
     for mut sock in silent.into_iter().step_by(997) {
         use std::io::Read;

@@ -99,7 +99,12 @@ fn reuseport_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener
     socket.set_reuse_port(true)?;
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
-    socket.listen(1024)?;
+    // The accept queue: past it the kernel drops a SYN, and its client
+    // waits a second for the retransmission. Long enough for a burst of
+    // connects while the workers are busy (the kernel caps it at
+    // net.core.somaxconn, 4096 by default; nginx asks for 511, Go and
+    // HAProxy for somaxconn).
+    socket.listen(4096)?;
     Ok(socket.into())
 }
 
