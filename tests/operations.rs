@@ -491,3 +491,42 @@ async fn systemd_notifications_come_in_order() {
     exits_cleanly(sluice, Duration::from_secs(5)).await;
     let _ = std::fs::remove_file(&path);
 }
+
+/// The kernel grows a process's descriptor table by doubling as
+/// descriptors open, and with several threads each growth waits for an
+/// RCU grace period while every accept and connect waits behind it (10 to
+/// 40 ms on the bench VM, held departures stalled). sluice grows the
+/// table once, at start, to what its connections can use: two descriptors
+/// per client connection (its own and its upstream's) and some room,
+/// within the open-file limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_descriptor_table_is_grown_at_start_for_the_configured_connections() {
+    let ds = Downstream::start().await;
+    let toml = config(ds.addr, "10/s", 10, "5s").replace(
+        "listen = [\"127.0.0.1:0\"]",
+        "listen = [\"127.0.0.1:0\"]\nmax_connections = 3000",
+    );
+    let sluice = Sluice::start(&toml);
+    wait_for_log(&sluice, "descriptor table reserved").await;
+    let pid = sluice.pid();
+    let field = |file: &str, name: &str, at: usize| -> u64 {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).unwrap();
+        let line = text.lines().find(|l| l.starts_with(name)).unwrap();
+        line[name.len()..]
+            .split_whitespace()
+            .nth(at)
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let table = field("status", "FDSize:", 0);
+    // sluice raised its soft limit to the hard one at start.
+    let limit = field("limits", "Max open files", 1);
+    let want = (2 * 3000 + 1024 + 1).min(limit);
+    assert!(
+        table >= want,
+        "descriptor table {table} entries, want at least {want} (open-file limit {limit})"
+    );
+    sluice.signal("TERM");
+    exits_cleanly(sluice, Duration::from_secs(10)).await;
+}
