@@ -20,6 +20,10 @@
 //!                         at its absolute deadline (sleep, then spin the
 //!                         last 100 µs), and prints the arrivals' interval
 //!                         statistics as `pacing` does.
+//!
+//! With `E2E_DUMP=FILE`, `pacing` also writes the downstream's arrival
+//! times (µs, one per line) to FILE (`benches/vs-nginx/burst.sh` reads
+//! them).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -343,6 +347,10 @@ async fn pacing(url: &str, ds_port: u16, rate: u64, n: u64) -> Result<(), Fail> 
         }
     }
     let times = arrivals(ds_port).await?;
+    if let Some(path) = std::env::var_os("E2E_DUMP") {
+        let text: Vec<String> = times.iter().map(|t| t.to_string()).collect();
+        std::fs::write(path, text.join("\n"))?;
+    }
     // Skip the first 10 intervals: connection set-up of the flood.
     let mut line = interval_stats(&times, rate, 10);
     line["scenario"] = json!("pacing");
