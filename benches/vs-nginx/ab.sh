@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
-# Two sluice builds side by side on the pass-through load (wrk -t2 -c16,
-# a new client key per request, 2 workers), one at a time, the order
-# alternating every round: requests per second, p99, and user and system
-# CPU per forwarded request from /proc/PID/stat. For a change whose
-# effect is smaller than this machine's run-to-run spread.
+# Two sluice builds side by side, one at a time, the order alternating
+# every round. For a change whose effect is smaller than this machine's
+# run-to-run spread.
 #
-#   bash benches/vs-nginx/ab.sh OLD_SLUICE NEW_SLUICE [ROUNDS]
+#   bash benches/vs-nginx/ab.sh OLD_SLUICE NEW_SLUICE [ROUNDS] [MODE]
+#
+# MODE `passthrough` (the default): the pass-through load (wrk -t2 -c16,
+# a new client key per request, 2 workers): requests per second, p99, and
+# user and system CPU per forwarded request from /proc/PID/stat.
+#
+# MODE `burst`: departures during a burst of new connections, the
+# vs-nginx `pacing` scenario at 1,000/s with N = 5,000 (one client key,
+# capacity N, 2 workers): the load tool opens one connection per request,
+# all at once, while the first requests already depart. Printed: the
+# largest deviation of a downstream interval from 1/r (after the first
+# 10, as `pacing` does), how many deviate by more than 5 and 10 ms, and
+# the p99.
 #
 # (Build the old one from a worktree: git worktree add /tmp/old REV &&
 #  CARGO_TARGET_DIR=/tmp/old-target cargo build --release in it.)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OLD=$1 NEW=$2 ROUNDS=${3:-8}
-command -v wrk >/dev/null 2>&1 || { echo "needs wrk" >&2; exit 1; }
+OLD=$1 NEW=$2 ROUNDS=${3:-8} MODE=${4:-passthrough}
+case $MODE in
+  passthrough) command -v wrk >/dev/null 2>&1 || { echo "needs wrk" >&2; exit 1; } ;;
+  burst) ;;
+  *) echo "MODE is passthrough or burst" >&2; exit 2 ;;
+esac
 
 cargo build --release --quiet --bench e2e
 E2E=$(ls -t target/release/deps/e2e-* | grep -v '\.d$' | head -1)
@@ -29,9 +43,18 @@ DS=$(port)
 LISTEN=$(port)
 "$E2E" downstream "$DS" >"$DIR/ds.log" 2>&1 &
 PIDS+=($!)
+if [ "$MODE" = burst ]; then
+  RATE=1000 N=5000
+  SHAPE="rate = \"$RATE/s\"
+capacity = $N"
+else
+  SHAPE='rate = "1000000/s"
+capacity = 1000000'
+fi
 cat >"$DIR/sluice.toml" <<EOF
 [server]
 listen = ["127.0.0.1:$LISTEN"]
+max_connections = 60000
 workers = 2
 [[upstream]]
 name = "ds"
@@ -40,14 +63,52 @@ url = "http://127.0.0.1:$DS"
 name = "r"
 upstream = "ds"
 key = "header:X-Client"
-rate = "1000000/s"
-capacity = 1000000
+$SHAPE
 [limits]
 max_queued = 1000000
 EOF
 LOAD=(-t2 -c16 -s benches/vs-nginx/keys.lua "http://127.0.0.1:$LISTEN/x")
 
-echo "build round requests/s p99 user_us sys_us"
+# One round of the pass-through load against the sluice at PID.
+passthrough() {
+  local which=$1 round=$2 pid=$3
+  timeout 10 wrk -d2 "${LOAD[@]}" >/dev/null
+  read -r u0 s0 < <(awk '{print $14, $15}' "/proc/$pid/stat")
+  timeout 15 wrk -d5 --latency "${LOAD[@]}" >"$DIR/wrk.txt"
+  read -r u1 s1 < <(awk '{print $14, $15}' "/proc/$pid/stat")
+  python3 - "$which" "$round" "$u0" "$s0" "$u1" "$s1" "$(getconf CLK_TCK)" "$DIR/wrk.txt" <<'EOF'
+import re, sys
+which, rnd, u0, s0, u1, s1, hz, path = sys.argv[1:]
+out = open(path).read()
+req = int(re.search(r"(\d+) requests in", out).group(1))
+rps = re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)
+p99 = re.search(r"\s99%\s+(\S+)", out).group(1)
+us = lambda a, b: (int(b) - int(a)) * 1e6 / int(hz) / req
+print(f"{which} {rnd} {float(rps):.0f} {p99} {us(u0, u1):.2f} {us(s0, s1):.2f}")
+EOF
+}
+
+# One round of the burst: the pacing scenario, its arrivals read back.
+burst() {
+  local which=$1 round=$2
+  rm -f "$DIR/times.txt"
+  E2E_DUMP="$DIR/times.txt" timeout 60 "$E2E" pacing "http://127.0.0.1:$LISTEN/x" "$DS" "$RATE" "$N" >/dev/null
+  python3 - "$which" "$round" "$RATE" "$DIR/times.txt" <<'EOF'
+import sys
+which, rnd, rate, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+t = [int(x) for x in open(path).read().split()]
+period = 1_000_000 / rate
+dev = sorted(abs((b - a) - period) for a, b in list(zip(t, t[1:]))[10:])
+over = lambda ms: sum(1 for d in dev if d > ms * 1000)
+print(f"{which} {rnd} {dev[-1] / 1000:.1f} {over(5)} {over(10)} {dev[int(len(dev) * 0.99)]:.0f}")
+EOF
+}
+
+if [ "$MODE" = burst ]; then
+  echo "build round max_ms over_5ms over_10ms p99_us"
+else
+  echo "build round requests/s p99 user_us sys_us"
+fi
 for round in $(seq 1 "$ROUNDS"); do
   if ((round % 2)); then order="old new"; else order="new old"; fi
   for which in $order; do
@@ -58,21 +119,12 @@ for round in $(seq 1 "$ROUNDS"); do
       (exec 3<>"/dev/tcp/127.0.0.1/$LISTEN") 2>/dev/null && break
       sleep 0.1
     done
-    timeout 10 wrk -d2 "${LOAD[@]}" >/dev/null
-    read -r u0 s0 < <(awk '{print $14, $15}' "/proc/$pid/stat")
-    timeout 15 wrk -d5 --latency "${LOAD[@]}" >"$DIR/wrk.txt"
-    read -r u1 s1 < <(awk '{print $14, $15}' "/proc/$pid/stat")
+    if [ "$MODE" = burst ]; then
+      burst "$which" "$round"
+    else
+      passthrough "$which" "$round" "$pid"
+    fi
     kill -TERM "$pid"
     wait "$pid" 2>/dev/null || true
-    python3 - "$which" "$round" "$u0" "$s0" "$u1" "$s1" "$(getconf CLK_TCK)" "$DIR/wrk.txt" <<'EOF'
-import re, sys
-which, rnd, u0, s0, u1, s1, hz, path = sys.argv[1:]
-out = open(path).read()
-req = int(re.search(r"(\d+) requests in", out).group(1))
-rps = re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)
-p99 = re.search(r"\s99%\s+(\S+)", out).group(1)
-us = lambda a, b: (int(b) - int(a)) * 1e6 / int(hz) / req
-print(f"{which} {rnd} {float(rps):.0f} {p99} {us(u0, u1):.2f} {us(s0, s1):.2f}")
-EOF
   done
 done

@@ -22,7 +22,7 @@
 //!                         statistics as `pacing` does.
 //!
 //! With `E2E_DUMP=FILE`, `pacing` also writes the downstream's arrival
-//! times (µs, one per line) to FILE (`benches/vs-nginx/burst.sh` reads
+//! times (µs, one per line) to FILE (`benches/vs-nginx/ab.sh ... burst` reads
 //! them).
 
 use std::sync::atomic::{AtomicU64, Ordering};
