@@ -22,13 +22,10 @@ def median(values):
 def res(proxy, scenario):
     """The proxy's result for the scenario; for one run in rounds, each
     number the median over its rounds (and `rounds`, how many)."""
-    found = [r for r in rows if r["proxy"] == proxy and r["result"].get("scenario") == scenario
-             and "error" not in r["result"]]
+    matching = [r for r in rows if r["proxy"] == proxy and r["result"].get("scenario") == scenario]
+    found = [r for r in matching if "error" not in r["result"]]
     if len(found) <= 1:
-        for r in rows:
-            if r["proxy"] == proxy and r["result"].get("scenario") == scenario:
-                return r
-        return None
+        return matching[0] if matching else None
     result = dict(found[0]["result"])
     for k, v in found[0]["result"].items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
