@@ -149,6 +149,7 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|");
     for (label, aggregate, clients, per_client) in [
+        ("1 client, r = 100/s", 100.0, 1, 300),
         ("1 client, r = 1,000/s", 1_000.0, 1, 3_000),
         ("1 client, r = 10,000/s", 10_000.0, 1, 30_000),
         ("1,000 clients, 1,000/s aggregate", 1_000.0, 1_000, 4),

@@ -34,22 +34,26 @@ use crate::shaper::{
 /// the sleep: on this project's 2-vCPU VM a 1 ms sleep ended 44 µs late at
 /// the median and 54 µs at p90, a 10 ms one 74 and 91 µs (a vCPU idle for
 /// longer wakes more slowly). So the lead is learned, not fixed: [`Lead`]
-/// tracks the p90 of the pacer's own oversleeps and adds a margin.
+/// tracks the p90 of the pacer's own oversleeps and adds a margin. Above
+/// [`Lead::MIN`] the pacer spins at most half the time between two
+/// departures, so at high rates (where short sleeps end early enough) its
+/// CPU stays what a fixed 50 µs lead costs.
 struct Lead {
     /// Running estimate of the p90 oversleep of a precise sleep.
     p90: Nanos,
 }
 
 impl Lead {
-    /// Where the estimate starts (a spin this long covers a wake-up on an
-    /// idle core that is not a VM's).
+    /// Where the estimate starts.
     const START: Nanos = 50_000;
+    /// The shortest lead: short sleeps (between departures 100 µs apart)
+    /// end within it.
+    const MIN: Nanos = 50_000;
     /// Added to the estimate: the spin also covers a wake-up a little
     /// later than the p90.
     const MARGIN: Nanos = 10_000;
     /// The longest lead: beyond it the machine is stalling, which spinning
-    /// longer does not fix; it bounds the pacer's CPU to 25 % of a core at
-    /// 1,000 departures a second.
+    /// longer does not fix.
     const MAX: Nanos = 250_000;
     /// One step of the quantile tracker: up 9 steps when a sleep ends later
     /// than the estimate, down 1 when it does not, so the estimate settles
@@ -60,8 +64,12 @@ impl Lead {
         Lead { p90: Lead::START }
     }
 
-    fn get(&self) -> Nanos {
-        (self.p90 + Lead::MARGIN).min(Lead::MAX)
+    /// The lead before a departure `gap` after the one released last.
+    fn before(&self, gap: Nanos) -> Nanos {
+        (self.p90 + Lead::MARGIN)
+            .min(Lead::MAX)
+            .min(gap / 2)
+            .max(Lead::MIN)
     }
 
     /// A precise sleep meant to end at some instant ended `late` after it.
@@ -476,6 +484,8 @@ struct Pacer<'a, K> {
     timer_seq: u64,
     next_sweep: Nanos,
     lead: Lead,
+    /// The departure the pacer last released.
+    released: Nanos,
     out: Vec<oneshot::Sender<()>>,
 }
 
@@ -490,6 +500,7 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
             timer_seq: 0,
             next_sweep: 0,
             lead: Lead::new(),
+            released: 0,
             out: Vec::new(),
         }
     }
@@ -558,17 +569,21 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
                     self.inbox
                         .recv_deadline(self.inner.origin + Duration::from_nanos(at))
                 }
-                Some(at) if at > now.saturating_add(self.lead.get()) => {
-                    let until = at - self.lead.get();
-                    let slept = self
-                        .inbox
-                        .recv_deadline(self.inner.origin + Duration::from_nanos(until));
-                    if let Err(RecvTimeoutError::Timeout) = slept {
-                        self.lead.observe(self.inner.now().saturating_sub(until));
+                Some(at) => {
+                    let lead = self.lead.before(at.saturating_sub(self.released));
+                    if at > now.saturating_add(lead) {
+                        let until = at - lead;
+                        let slept = self
+                            .inbox
+                            .recv_deadline(self.inner.origin + Duration::from_nanos(until));
+                        if let Err(RecvTimeoutError::Timeout) = slept {
+                            self.lead.observe(self.inner.now().saturating_sub(until));
+                        }
+                        slept
+                    } else {
+                        self.spin_until(at)
                     }
-                    slept
                 }
-                Some(at) => self.spin_until(at),
             };
             match msg {
                 Ok(m) => {
@@ -623,6 +638,7 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
                 continue;
             }
             self.planned.remove(&target);
+            self.released = at;
             let before = self.out.len();
             let next = self.inner.engine.release(target, now, &mut self.out);
             if self.out.len() > before
@@ -652,7 +668,7 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
 
 #[cfg(test)]
 mod tests {
-    use super::Lead;
+    use super::{Lead, Nanos};
 
     /// Oversleeps of 1..=100 µs, in a scrambled order that repeats.
     fn oversleeps(n: usize) -> impl Iterator<Item = u64> {
@@ -672,7 +688,11 @@ mod tests {
             "estimate {} ns",
             lead.p90
         );
-        assert_eq!(lead.get(), lead.p90 + Lead::MARGIN);
+        assert_eq!(lead.before(Nanos::MAX), lead.p90 + Lead::MARGIN);
+        // Departures 1 ms apart: at most half of it; 100 µs apart: the
+        // shortest lead.
+        assert_eq!(lead.before(1_000_000), lead.p90 + Lead::MARGIN);
+        assert_eq!(lead.before(100_000), Lead::MIN);
     }
 
     #[test]
@@ -681,17 +701,19 @@ mod tests {
         for late in oversleeps(2_000) {
             lead.observe(late);
         }
-        let before = lead.get();
+        let before = lead.before(Nanos::MAX);
         lead.observe(3_000_000);
-        assert_eq!(lead.get(), before + 9 * Lead::STEP);
+        assert_eq!(lead.before(Nanos::MAX), before + 9 * Lead::STEP);
         for _ in 0..1_000 {
             lead.observe(3_000_000);
         }
-        assert_eq!(lead.get(), Lead::MAX);
+        assert_eq!(lead.before(Nanos::MAX), Lead::MAX);
+        assert_eq!(lead.before(300_000), 150_000);
         // And it comes back down once the stalls end.
         for late in oversleeps(10_000) {
             lead.observe(late);
         }
-        assert!(lead.get() <= 100_000 + Lead::MARGIN, "lead {}", lead.get());
+        let after = lead.before(Nanos::MAX);
+        assert!(after <= 100_000 + Lead::MARGIN, "lead {after}");
     }
 }
