@@ -12,10 +12,14 @@
 # MODE `burst`: departures during a burst of new connections, the
 # vs-nginx `pacing` scenario at 1,000/s with N = 5,000 (one client key,
 # capacity N, 2 workers): the load tool opens one connection per request,
-# all at once, while the first requests already depart. Printed: the
-# largest deviation of a downstream interval from 1/r (after the first
-# 10, as `pacing` does), how many deviate by more than 5 and 10 ms, and
-# the p99.
+# all at once, while the first requests already depart.
+#
+# MODE `pacing`: the same scenario at RATE (default 100/s) with N requests
+# (default 500): bash ab.sh OLD NEW ROUNDS pacing RATE N.
+#
+# Both print, over the downstream's intervals after the first 10 (as
+# `pacing` does): the p50, p90 and p99 deviation from 1/r in µs, the
+# largest in ms, and how many deviate by more than 5 and 10 ms.
 #
 # (Build the old one from a worktree: git worktree add /tmp/old REV &&
 #  CARGO_TARGET_DIR=/tmp/old-target cargo build --release in it.)
@@ -24,8 +28,9 @@ cd "$(dirname "$0")/../.."
 OLD=$1 NEW=$2 ROUNDS=${3:-8} MODE=${4:-passthrough}
 case $MODE in
   passthrough) command -v wrk >/dev/null 2>&1 || { echo "needs wrk" >&2; exit 1; } ;;
-  burst) ;;
-  *) echo "MODE is passthrough or burst" >&2; exit 2 ;;
+  burst) RATE=1000 N=5000 ;;
+  pacing) RATE=${5:-100} N=${6:-500} ;;
+  *) echo "MODE is passthrough, burst or pacing" >&2; exit 2 ;;
 esac
 
 cargo build --release --quiet --bench e2e
@@ -43,8 +48,7 @@ DS=$(port)
 LISTEN=$(port)
 "$E2E" downstream "$DS" >"$DIR/ds.log" 2>&1 &
 PIDS+=($!)
-if [ "$MODE" = burst ]; then
-  RATE=1000 N=5000
+if [ "$MODE" != passthrough ]; then
   SHAPE="rate = \"$RATE/s\"
 capacity = $N"
 else
@@ -88,8 +92,8 @@ print(f"{which} {rnd} {float(rps):.0f} {p99} {us(u0, u1):.2f} {us(s0, s1):.2f}")
 EOF
 }
 
-# One round of the burst: the pacing scenario, its arrivals read back.
-burst() {
+# One round of the pacing scenario, its arrivals read back.
+paced() {
   local which=$1 round=$2
   rm -f "$DIR/times.txt"
   E2E_DUMP="$DIR/times.txt" timeout 60 "$E2E" pacing "http://127.0.0.1:$LISTEN/x" "$DS" "$RATE" "$N" >/dev/null
@@ -100,12 +104,13 @@ t = [int(x) for x in open(path).read().split()]
 period = 1_000_000 / rate
 dev = sorted(abs((b - a) - period) for a, b in list(zip(t, t[1:]))[10:])
 over = lambda ms: sum(1 for d in dev if d > ms * 1000)
-print(f"{which} {rnd} {dev[-1] / 1000:.1f} {over(5)} {over(10)} {dev[int(len(dev) * 0.99)]:.0f}")
+pct = lambda p: dev[int(len(dev) * p)]
+print(f"{which} {rnd} {pct(0.5):.0f} {pct(0.9):.0f} {pct(0.99):.0f} {dev[-1] / 1000:.1f} {over(5)} {over(10)}")
 EOF
 }
 
-if [ "$MODE" = burst ]; then
-  echo "build round max_ms over_5ms over_10ms p99_us"
+if [ "$MODE" != passthrough ]; then
+  echo "build round p50_us p90_us p99_us max_ms over_5ms over_10ms"
 else
   echo "build round requests/s p99 user_us sys_us"
 fi
@@ -119,8 +124,8 @@ for round in $(seq 1 "$ROUNDS"); do
       (exec 3<>"/dev/tcp/127.0.0.1/$LISTEN") 2>/dev/null && break
       sleep 0.1
     done
-    if [ "$MODE" = burst ]; then
-      burst "$which" "$round"
+    if [ "$MODE" != passthrough ]; then
+      paced "$which" "$round"
     else
       passthrough "$which" "$round" "$pid"
     fi
