@@ -484,7 +484,7 @@ struct Pacer<'a, K> {
     timer_seq: u64,
     next_sweep: Nanos,
     lead: Lead,
-    /// The departure the pacer last released.
+    /// The latest departure (or timer) the pacer has released.
     released: Nanos,
     out: Vec<oneshot::Sender<()>>,
 }
@@ -638,7 +638,7 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
                 continue;
             }
             self.planned.remove(&target);
-            self.released = at;
+            self.released = self.released.max(at);
             let before = self.out.len();
             let next = self.inner.engine.release(target, now, &mut self.out);
             if self.out.len() > before
@@ -652,6 +652,7 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
         }
         while self.timers.peek().is_some_and(|t| t.0.at <= now) {
             if let Some(Reverse(t)) = self.timers.pop() {
+                self.released = self.released.max(t.at);
                 self.out.push(t.tx);
             }
         }
