@@ -52,9 +52,11 @@ impl Lead {
     /// Added to the estimate: the spin also covers a wake-up a little
     /// later than the p90.
     const MARGIN: Nanos = 10_000;
-    /// The longest lead: beyond it the machine is stalling, which spinning
-    /// longer does not fix.
-    const MAX: Nanos = 250_000;
+    /// The longest lead: beyond it the machine is stalling or saturated,
+    /// and a longer spin (at the pacer's raised priority) would take more
+    /// of a core from the workers that carry the releases out. It bounds
+    /// the spin to 15 % of a core at 1,000 departures a second.
+    const MAX: Nanos = 150_000;
     /// One step of the quantile tracker: up 9 steps when a sleep ends later
     /// than the estimate, down 1 when it does not, so the estimate settles
     /// where 10 % of sleeps end later (a single stall moves it by 9 µs).
@@ -709,7 +711,7 @@ mod tests {
             lead.observe(3_000_000);
         }
         assert_eq!(lead.before(Nanos::MAX), Lead::MAX);
-        assert_eq!(lead.before(300_000), 150_000);
+        assert_eq!(lead.before(200_000), 100_000);
         // And it comes back down once the stalls end.
         for late in oversleeps(10_000) {
             lead.observe(late);
