@@ -32,6 +32,10 @@ case $MODE in
   pacing) RATE=${5:-100} N=${6:-500} ;;
   *) echo "MODE is passthrough, burst or pacing" >&2; exit 2 ;;
 esac
+if [ "$MODE" = pacing ] && ! { [ "$RATE" -gt 0 ] && [ "$N" -ge 20 ]; } 2>/dev/null; then
+  echo "pacing needs RATE > 0 and N >= 20 (the first 10 intervals are skipped)" >&2
+  exit 2
+fi
 
 cargo build --release --quiet --bench e2e
 E2E=$(ls -t target/release/deps/e2e-* | grep -v '\.d$' | head -1)

@@ -22,8 +22,8 @@
 //!                         statistics as `pacing` does.
 //!
 //! With `E2E_DUMP=FILE`, `pacing` also writes the downstream's arrival
-//! times (µs, one per line) to FILE (`benches/vs-nginx/ab.sh ... burst` reads
-//! them).
+//! times (µs, one per line) to FILE (`benches/vs-nginx/ab.sh` reads them in
+//! its `burst` and `pacing` modes).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
