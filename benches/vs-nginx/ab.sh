@@ -19,7 +19,9 @@
 #
 # Both print, over the downstream's intervals after the first 10 (as
 # `pacing` does): the p50, p90 and p99 deviation from 1/r in µs, the
-# largest in ms, and how many deviate by more than 5 and 10 ms.
+# largest in ms, and how many deviate by more than 5 and 10 ms; then the
+# p50 and p99 of the same intervals as the kernel stamped them on receipt
+# (the sender's departures, without the downstream's wake-up).
 #
 # (Build the old one from a worktree: git worktree add /tmp/old REV &&
 #  CARGO_TARGET_DIR=/tmp/old-target cargo build --release in it.)
@@ -104,17 +106,22 @@ paced() {
   python3 - "$which" "$round" "$RATE" "$DIR/times.txt" <<'EOF'
 import sys
 which, rnd, rate, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-t = [int(x) for x in open(path).read().split()]
+rows = [[int(x) for x in l.split()] for l in open(path) if l.strip()]
 period = 1_000_000 / rate
-dev = sorted(abs((b - a) - period) for a, b in list(zip(t, t[1:]))[10:])
+def devs(t):
+    return sorted(abs((b - a) - period) for a, b in list(zip(t, t[1:]))[10:])
+dev = devs(sorted(r[0] for r in rows))
 over = lambda ms: sum(1 for d in dev if d > ms * 1000)
-pct = lambda p: dev[int(len(dev) * p)]
-print(f"{which} {rnd} {pct(0.5):.0f} {pct(0.9):.0f} {pct(0.99):.0f} {dev[-1] / 1000:.1f} {over(5)} {over(10)}")
+pct = lambda d, p: d[int(len(d) * p)]
+kernel = sorted(r[1] for r in rows)
+k = devs(kernel) if kernel[0] > 0 else None
+ks = f"{pct(k, 0.5):.0f} {pct(k, 0.99):.0f}" if k else "n/a n/a"
+print(f"{which} {rnd} {pct(dev, 0.5):.0f} {pct(dev, 0.9):.0f} {pct(dev, 0.99):.0f} {dev[-1] / 1000:.1f} {over(5)} {over(10)} {ks}")
 EOF
 }
 
 if [ "$MODE" != passthrough ]; then
-  echo "build round p50_us p90_us p99_us max_ms over_5ms over_10ms"
+  echo "build round p50_us p90_us p99_us max_ms over_5ms over_10ms kernel_p50_us kernel_p99_us"
 else
   echo "build round requests/s p99 user_us sys_us"
 fi

@@ -3,8 +3,13 @@
 //! bounded in count and time.
 //!
 //! `e2e downstream PORT`   a fast HTTP/1.1 downstream that records arrival
-//!                         times; `GET /__arrivals` returns them (µs, one
-//!                         per line) and clears the record.
+//!                         times twice: when its handler runs, and when
+//!                         the kernel received the request's last bytes
+//!                         (`SO_TIMESTAMPNS`; on loopback that is inside the
+//!                         sender's `send`, so it is the departure without
+//!                         the downstream's own wake-up); `GET /__arrivals`
+//!                         returns them (µs, `handler kernel` per line) and
+//!                         clears the record.
 //! `e2e grpc-downstream PORT` a fast gRPC downstream (HTTP/2 prior
 //!                         knowledge) for `benches/grpc/run.sh`: every call
 //!                         gets a unary reply, one message and
@@ -22,12 +27,16 @@
 //!                         statistics as `pacing` does.
 //!
 //! With `E2E_DUMP=FILE`, `pacing` also writes the downstream's arrival
-//! times (µs, one per line) to FILE (`benches/vs-nginx/ab.sh` reads them in
+//! times (µs, `handler kernel` per line) to FILE (`benches/vs-nginx/ab.sh` reads them in
 //! its `burst` and `pacing` modes).
 
+use std::io::IoSliceMut;
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -36,7 +45,9 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg, setsockopt, sockopt};
 use serde_json::json;
+use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 
 type Fail = Box<dyn std::error::Error + Send + Sync>;
@@ -92,8 +103,12 @@ async fn dispatch(args: Vec<String>) -> Result<(), Fail> {
 
 async fn downstream(port: u16) -> Result<(), Fail> {
     let listener = TcpListener::bind(("127.0.0.1", port)).await?;
+    // Accepted sockets inherit the flag, so even a request whose bytes
+    // came before the accept is stamped.
+    setsockopt(&listener, sockopt::ReceiveTimestampns, &true)?;
     let start = Instant::now();
-    let log: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let start_real = SystemTime::now().duration_since(UNIX_EPOCH)?;
+    let log: Arc<Mutex<Vec<(u64, u64)>>> = Arc::default();
     // Bounded: a downstream left running ends by itself after 30 minutes.
     let deadline = tokio::time::sleep(Duration::from_secs(1_800));
     tokio::pin!(deadline);
@@ -104,27 +119,116 @@ async fn downstream(port: u16) -> Result<(), Fail> {
         };
         let _ = stream.set_nodelay(true);
         let log = log.clone();
+        let stamp = Arc::new(AtomicU64::new(0));
+        let io = Stamped {
+            io: stream,
+            last: stamp.clone(),
+            cmsg: nix::cmsg_space!(nix::sys::time::TimeSpec),
+        };
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let log = log.clone();
+                let (log, stamp) = (log.clone(), stamp.clone());
                 async move {
                     let body = if req.uri().path() == "/__arrivals" {
                         let mut l = log.lock().map_err(|_| "poisoned")?;
-                        let text: String = l.iter().map(|t| format!("{t}\n")).collect();
+                        let text: String = l.iter().map(|(h, k)| format!("{h} {k}\n")).collect();
                         l.clear();
                         Bytes::from(text)
                     } else {
                         let at = start.elapsed().as_micros() as u64;
-                        log.lock().map_err(|_| "poisoned")?.push(at);
+                        // No stamp (0) stays 0; the reader then drops the
+                        // kernel's column.
+                        let kernel = match stamp.swap(0, Ordering::Relaxed) {
+                            0 => 0,
+                            ns => (ns / 1_000)
+                                .saturating_sub(start_real.as_micros() as u64)
+                                .max(1),
+                        };
+                        log.lock().map_err(|_| "poisoned")?.push((at, kernel));
                         Bytes::from_static(b"ok")
                     };
                     Ok::<_, &'static str>(Response::new(Full::new(body)))
                 }
             });
             let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
+                .serve_connection(TokioIo::new(io), svc)
                 .await;
         });
+    }
+}
+
+/// A downstream connection that keeps the kernel's receive time of the
+/// last bytes it read (`SO_TIMESTAMPNS`, ns since the Unix epoch).
+struct Stamped {
+    io: TcpStream,
+    last: Arc<AtomicU64>,
+    cmsg: Vec<u8>,
+}
+
+impl tokio::io::AsyncRead for Stamped {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        loop {
+            std::task::ready!(this.io.poll_read_ready(cx))?;
+            let fd = this.io.as_raw_fd();
+            let (cmsg, last) = (&mut this.cmsg, &this.last);
+            let dst = buf.initialize_unfilled();
+            let read = this.io.try_io(Interest::READABLE, || {
+                let mut iov = [IoSliceMut::new(dst)];
+                let msg = recvmsg::<()>(fd, &mut iov, Some(cmsg), MsgFlags::empty())
+                    .map_err(std::io::Error::from)?;
+                for c in msg.cmsgs().into_iter().flatten() {
+                    if let ControlMessageOwned::ScmTimestampns(ts) = c {
+                        let ns = u64::try_from(ts.tv_sec()).unwrap_or(0) * 1_000_000_000
+                            + u64::try_from(ts.tv_nsec()).unwrap_or(0);
+                        last.store(ns, Ordering::Relaxed);
+                    }
+                }
+                Ok(msg.bytes)
+            });
+            match read {
+                Ok(n) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for Stamped {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
 
@@ -174,17 +278,34 @@ async fn grpc_reply(
     Ok(resp)
 }
 
-async fn arrivals(ds_port: u16) -> Result<Vec<u64>, Fail> {
+/// The downstream's record since it was last read: each arrival as its
+/// handler saw it and as the kernel stamped it (µs, each list sorted).
+struct Arrivals {
+    handler: Vec<u64>,
+    /// `None` when any arrival lacks a stamp.
+    kernel: Option<Vec<u64>>,
+}
+
+async fn arrivals(ds_port: u16) -> Result<Arrivals, Fail> {
     let c = client();
     let url = format!("http://127.0.0.1:{ds_port}/__arrivals");
     let resp = c.request(Request::get(url).body(Empty::new())?).await?;
     let body = resp.into_body().collect().await?.to_bytes();
-    let mut v: Vec<u64> = String::from_utf8_lossy(&body)
-        .lines()
-        .filter_map(|l| l.parse().ok())
-        .collect();
-    v.sort_unstable();
-    Ok(v)
+    let (mut handler, mut kernel) = (Vec::new(), Vec::new());
+    for line in String::from_utf8_lossy(&body).lines() {
+        let mut cols = line.split(' ').map(|c| c.parse::<u64>().ok());
+        if let Some(Some(h)) = cols.next() {
+            handler.push(h);
+            kernel.push(cols.next().flatten().unwrap_or(0));
+        }
+    }
+    handler.sort_unstable();
+    kernel.sort_unstable();
+    let stamped = kernel.first().is_some_and(|&k| k > 0);
+    Ok(Arrivals {
+        handler,
+        kernel: stamped.then_some(kernel),
+    })
 }
 
 // === clients ===
@@ -238,7 +359,7 @@ async fn seed(url: &str, ds_port: u16) -> Result<(), Fail> {
             s => return Err(format!("seed request {}: {s}", i + 1).into()),
         }
     }
-    let times = arrivals(ds_port).await?;
+    let times = arrivals(ds_port).await?.handler;
     let gaps: Vec<u64> = times.windows(2).map(|w| w[1] - w[0]).collect();
     println!(
         "{}",
@@ -270,11 +391,21 @@ fn interval_stats(times: &[u64], rate: u64, skip: usize) -> serde_json::Value {
            "mean_interval_us": mean, "mean_error_pct": (mean - t as f64) / t as f64 * 100.0})
 }
 
+/// [`interval_stats`] of the arrivals as the handler saw them, and under
+/// `kernel` the same of the kernel's stamps (the departures from the
+/// sender, without the downstream's own wake-up).
+fn arrival_stats(a: &Arrivals, rate: u64, skip: usize) -> serde_json::Value {
+    let mut line = interval_stats(&a.handler, rate, skip);
+    if let Some(k) = &a.kernel {
+        line["kernel"] = interval_stats(k, rate, skip);
+    }
+    line
+}
+
 /// The downstream's arrivals since the last call, as interval statistics
 /// (after an external load such as wrk drove a backlog through a proxy).
 async fn intervals(ds_port: u16, rate: u64) -> Result<(), Fail> {
-    let times = arrivals(ds_port).await?;
-    let mut line = interval_stats(&times, rate, 10);
+    let mut line = arrival_stats(&arrivals(ds_port).await?, rate, 10);
     line["scenario"] = json!("intervals");
     println!("{line}");
     Ok(())
@@ -288,8 +419,7 @@ async fn intervals(ds_port: u16, rate: u64) -> Result<(), Fail> {
 async fn direct(ds_port: u16, rate: u64, n: u64) -> Result<(), Fail> {
     let _ = arrivals(ds_port).await?;
     tokio::task::spawn_blocking(move || direct_send(ds_port, rate, n)).await??;
-    let times = arrivals(ds_port).await?;
-    let mut line = interval_stats(&times, rate, 10);
+    let mut line = arrival_stats(&arrivals(ds_port).await?, rate, 10);
     line["scenario"] = json!("direct");
     println!("{line}");
     Ok(())
@@ -348,11 +478,14 @@ async fn pacing(url: &str, ds_port: u16, rate: u64, n: u64) -> Result<(), Fail> 
     }
     let times = arrivals(ds_port).await?;
     if let Some(path) = std::env::var_os("E2E_DUMP") {
-        let text: Vec<String> = times.iter().map(|t| t.to_string()).collect();
+        let kernel = times.kernel.as_deref().unwrap_or_default();
+        let text: Vec<String> = (times.handler.iter().enumerate())
+            .map(|(i, h)| format!("{h} {}", kernel.get(i).copied().unwrap_or(0)))
+            .collect();
         std::fs::write(path, text.join("\n"))?;
     }
     // Skip the first 10 intervals: connection set-up of the flood.
-    let mut line = interval_stats(&times, rate, 10);
+    let mut line = arrival_stats(&times, rate, 10);
     line["scenario"] = json!("pacing");
     line["forwarded"] = json!(ok);
     println!("{line}");

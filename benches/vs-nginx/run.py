@@ -9,6 +9,10 @@ each pacing scenario runs, beside it (the same load, the same moment).
 Just before each pacing scenario, `e2e direct` measures the end-to-end
 floor: no proxy, one thread pacing requests straight to the same
 downstream at the same rate, sleeping and spinning to each deadline.
+The downstream records each arrival twice: when its handler runs, and as
+the kernel stamped the request's bytes on receipt (SO_TIMESTAMPNS; on
+loopback that is inside the sender's send), so the tables also give the
+departures' precision without the downstream's own wake-up.
 CPU per request comes from `perf stat` task-clock over the wrk run, split
 into user and system time from /proc.
 

@@ -70,15 +70,19 @@ for rate in (100, 1000):
         (f"pacing {rate}/s, full queue (e2e): p99, µs", sc, ("p99_us",), "{}", "lower"),
         (f"pacing {rate}/s, full queue (e2e): max, µs", sc, ("max_us",), "{}", "lower"),
         (f"pacing {rate}/s, full queue (e2e): mean interval error, %", sc, ("mean_error_pct",), "{:+.3f}", "closer to 0"),
+        (f"  same, stamped by the kernel on receipt (the departures, without the downstream's wake-up): p50 / p99, µs", sc, ("kernel_p",), "{}", "lower"),
         (f"  floor (C spinner, beside it): p50 / p99 lateness, µs", sc, ("floor_p",), "{}", ""),
         (f"  end-to-end floor (no proxy, a spinning sender, just before): p50 / p99, µs", sc, ("direct_p",), "{}", ""),
+        (f"  end-to-end floor, stamped by the kernel: p50 / p99, µs", sc, ("direct_kernel_p",), "{}", ""),
     ]
 METRICS += [
     ("pacing 1000/s, backlog b=50 under wrk -c32 (10 s): p50 abs(interval - 1/r), µs", "backlog-1000", ("p50_us",), "{}", "lower"),
     ("  same: p99, µs", "backlog-1000", ("p99_us",), "{}", "lower"),
     ("  same: mean interval error, %", "backlog-1000", ("mean_error_pct",), "{:+.3f}", "closer to 0"),
+    ("  same, stamped by the kernel on receipt: p50 / p99, µs", "backlog-1000", ("kernel_p",), "{}", "lower"),
     ("  floor (C spinner, beside it): p50 / p99 lateness, µs", "backlog-1000", ("floor_p",), "{}", ""),
     ("  end-to-end floor (no proxy, a spinning sender, just before): p50 / p99, µs", "backlog-1000", ("direct_p",), "{}", ""),
+    ("  end-to-end floor, stamped by the kernel: p50 / p99, µs", "backlog-1000", ("direct_kernel_p",), "{}", ""),
     ("idle pass-through, wrk -c16, requests/s", "passthrough-wrk", ("requests_per_s",), "{:.0f}", "higher"),
     ("  same: p50 latency, µs", "passthrough-wrk", ("p50_us",), "{:.0f}", "lower"),
     ("  same: p99 latency, µs", "passthrough-wrk", ("p99_us",), "{:.0f}", "lower"),
@@ -110,6 +114,12 @@ def derived(proxy, scenario, key):
     if key == "direct_p":
         f = x.get("direct") or {}
         return None if not f else f"{f['p50_us']} / {f['p99_us']}"
+    if key == "kernel_p":
+        k = x.get("kernel") or {}
+        return None if not k else f"{k['p50_us']} / {k['p99_us']}"
+    if key == "direct_kernel_p":
+        k = (x.get("direct") or {}).get("kernel") or {}
+        return None if not k else f"{k['p50_us']} / {k['p99_us']}"
     if key == "user_sys":
         u, s = x.get("user_us_per_request"), x.get("sys_us_per_request")
         return None if u is None else f"{u:.1f} / {s:.1f}"
@@ -157,6 +167,10 @@ def targets():
         ok = None if None in (p99, p99n, f) else (p99 <= p99n and p99 <= 1.5 * max(f, 1.0))
         out.append(check(f"pacing {label}: p99 <= nginx's and <= 1.5 x floor p99", ok,
                          f"{show(p99, '{}')} µs; nginx {show(p99n, '{}')} µs; floor p99 {show(f, '{:.1f}')} µs"))
+        k, kn = (get(s, sc, "kernel") or {}).get("p99_us"), (get(n, sc, "kernel") or {}).get("p99_us")
+        ok = None if None in (k, kn, f) else (k <= kn and k <= 1.5 * max(f, 1.0))
+        out.append(check(f"  the same p99 as the kernel stamped the arrivals (for reference)", ok,
+                         f"{show(k, '{}')} µs; nginx {show(kn, '{}')} µs"))
         me = d(s, sc, "mean_error_pct")
         out.append(check(f"pacing {label}: mean interval within 0.5 % of 1/r", None if me is None else abs(me) <= 0.5, show(me, "{:+.3f} %")))
     return "\n".join(out)
