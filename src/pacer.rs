@@ -475,6 +475,21 @@ impl Ord for Timer {
     }
 }
 
+/// Timers below this many are never pruned.
+const PRUNE_MIN: usize = 64;
+
+/// Add a timer. A timer whose waiter has gone (a shared hold withdrawn)
+/// would stay until its instant: each time the heap has doubled since the
+/// last look, those are dropped, so it never holds more than twice the
+/// live timers (or 64).
+fn push_timer(timers: &mut BinaryHeap<Reverse<Timer>>, prune_at: &mut usize, timer: Timer) {
+    if timers.len() >= *prune_at {
+        timers.retain(|t| !t.0.tx.is_closed());
+        *prune_at = timers.len().saturating_mul(2).max(PRUNE_MIN);
+    }
+    timers.push(Reverse(timer));
+}
+
 struct Pacer<'a, K> {
     inner: &'a Inner<K>,
     inbox: Receiver<Msg>,
@@ -484,6 +499,8 @@ struct Pacer<'a, K> {
     planned: HashMap<Target, Nanos>,
     timers: BinaryHeap<Reverse<Timer>>,
     timer_seq: u64,
+    /// The heap size at which withdrawn timers are next pruned.
+    prune_at: usize,
     next_sweep: Nanos,
     lead: Lead,
     /// The latest departure (or timer) the pacer has released.
@@ -500,6 +517,7 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
             planned: HashMap::new(),
             timers: BinaryHeap::new(),
             timer_seq: 0,
+            prune_at: PRUNE_MIN,
             next_sweep: 0,
             lead: Lead::new(),
             released: 0,
@@ -540,11 +558,12 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
             }
             Msg::Timer(at, tx) => {
                 self.timer_seq += 1;
-                self.timers.push(Reverse(Timer {
+                let timer = Timer {
                     at,
                     seq: self.timer_seq,
                     tx,
-                }));
+                };
+                push_timer(&mut self.timers, &mut self.prune_at, timer);
             }
             Msg::Stop => return false,
         }
@@ -671,7 +690,31 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Lead, Nanos};
+    use super::{BinaryHeap, Lead, Nanos, PRUNE_MIN, Timer, oneshot, push_timer};
+
+    #[test]
+    fn timers_of_waiters_that_left_do_not_pile_up() {
+        let (mut timers, mut prune_at) = (BinaryHeap::new(), PRUNE_MIN);
+        let mut live = Vec::new();
+        for seq in 0..10_000u64 {
+            let (tx, rx) = oneshot::channel();
+            // One waiter in 100 stays; the others left (their receiver is
+            // dropped) before their instant.
+            if seq % 100 == 0 {
+                live.push(rx);
+            }
+            let at = 1_000_000_000 + seq;
+            push_timer(&mut timers, &mut prune_at, Timer { at, seq, tx });
+        }
+        assert!(
+            timers.len() <= (2 * live.len()).max(PRUNE_MIN) + 1,
+            "{} timers for {} live waiters",
+            timers.len(),
+            live.len()
+        );
+        let open = timers.iter().filter(|t| !t.0.tx.is_closed()).count();
+        assert_eq!(open, live.len(), "every live waiter keeps its timer");
+    }
 
     /// Oversleeps of 1..=100 µs, in a scrambled order that repeats.
     fn oversleeps(n: usize) -> impl Iterator<Item = u64> {

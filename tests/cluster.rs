@@ -182,3 +182,88 @@ async fn a_backlogged_client_does_not_hold_the_cap_for_everyone() {
         .collect();
     assert_gaps(&a_times, 150, 260);
 }
+
+/// dry_run in cluster mode: a request the shared schedule would hold is
+/// forwarded at once and keeps no room in `max_queued` (so it can never
+/// crowd out requests that really wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dry_run_holds_no_queue_room_in_cluster_mode() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[admin]
+listen = "127.0.0.1:0"
+
+[limits]
+max_queued = 2
+
+[cluster]
+redis = "{}"
+timeout = "500ms"
+on_failure = "reject"
+
+[[upstream]]
+name = "api"
+url = "http://{}"
+
+[[route]]
+name = "dry"
+upstream = "api"
+key = "header:X-Client"
+rate = "1/s"
+capacity = 10
+dry_run = true
+"#,
+        redis.url(),
+        ds.addr
+    );
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let t = Instant::now();
+    // The first departs at once; the next four would each wait a second
+    // more than the one before.
+    for i in 0..5 {
+        let a = get(&c, &s.url(&format!("/d/{i}")), &[("x-client", "k")]).await;
+        assert_eq!(a.status, StatusCode::OK, "request {i}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let metrics =
+        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
+    let queued = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("sluice_queued_requests "))
+        .and_then(|v| v.parse::<f64>().ok());
+    assert_eq!(queued, Some(0.0), "{metrics}");
+}
+
+/// With the store unreachable and `on_failure = "local"`, each instance
+/// shapes at r / instances; where that is slower than the slowest rate
+/// sluice schedules (one per 30 days), it shapes at that, never at r.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_fallback_never_runs_faster_than_r_over_instances() {
+    let ds = Downstream::start().await;
+    // Nothing listens on port 1: every call fails at once.
+    let mut cfg = config(ds.addr, "redis://127.0.0.1:1", "local", 721, "200ms");
+    cfg = cfg.replace(
+        "rate = \"5/s\"\ncapacity = 10",
+        "rate = \"1/h\"\ncapacity = 0",
+    );
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let first = get(&c, &s.url("/1"), &[("x-client", "k")]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let second = get(&c, &s.url("/2"), &[("x-client", "k")]).await;
+    assert_eq!(second.status, StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = second
+        .headers
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    // 721 h / 721 would be 1 h; the fallback's own rate is 30 days.
+    assert!(retry > 29 * 86_400, "Retry-After {retry} s");
+}

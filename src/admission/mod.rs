@@ -347,10 +347,12 @@ impl Hold {
     /// Stop waiting without withdrawing (dry run): the request keeps its
     /// place in the schedule and is forwarded at once.
     pub fn detach(mut self) {
-        if let Some(HoldKind::Local(w)) = self.kind.take() {
-            w.detach();
-        } else {
-            self.settle();
+        match self.kind.take() {
+            Some(HoldKind::Local(w)) => w.detach(),
+            // The shared schedule keeps the reservation; the room taken in
+            // max_queued is given back, since nothing waits here.
+            Some(HoldKind::Shared(s)) => s.shaper.budget().give_queued(),
+            None => {}
         }
     }
 
@@ -483,8 +485,10 @@ impl Admission {
                 .rate
                 .interval_nanos()
                 .saturating_mul(u64::from(c.instances));
+            // Slower than the slowest rate: the slowest, never r itself
+            // (that would let the fleet send instances x r).
             let policy = Policy {
-                rate: Rate::from_interval_nanos(interval).unwrap_or(spec.policy.rate),
+                rate: Rate::from_interval_nanos(interval).unwrap_or(Rate::SLOWEST),
                 ..spec.policy
             };
             route(format!("{}\0local", spec.name), policy)

@@ -39,6 +39,11 @@ pub enum RateError {
 }
 
 impl Rate {
+    /// The slowest rate accepted: one unit per 30 days.
+    pub const SLOWEST: Rate = Rate {
+        interval: MAX_INTERVAL,
+    };
+
     /// A rate of one cost unit every `interval`.
     pub fn from_interval(interval: Duration) -> Result<Rate, RateError> {
         let nanos = u64::try_from(interval.as_nanos()).map_err(|_| RateError::TooSlow)?;
