@@ -321,7 +321,7 @@ impl Session {
                 self.caps = Caps::from_ehlo(&e);
                 Ok(())
             }
-            Err(_) => Err(RelayError::Setup(parse_reply(&raw)?)),
+            Err(_) => Err(RelayError::Setup(parse_reply(&raw, false)?)),
         }
     }
 
@@ -408,7 +408,7 @@ impl Session {
 
     async fn reply(&mut self, deadline: Instant, after_dot: bool) -> Result<Reply, RelayError> {
         let raw = self.raw_reply(deadline, after_dot).await?;
-        let reply = parse_reply(&raw).inspect_err(|_| self.broken = true)?;
+        let reply = parse_reply(&raw, after_dot).inspect_err(|_| self.broken = true)?;
         if reply.code == 421 {
             // The upstream closes the session (RFC 5321 3.8).
             self.broken = true;
@@ -417,8 +417,23 @@ impl Session {
     }
 
     /// Relay one message; the upstream's reply to its end of data, or why
-    /// there is none.
+    /// there is none. A session that lost its place in the exchange (a
+    /// write or read that failed or timed out) is never used again: the
+    /// upstream may still be reading the last message's data.
     pub async fn send(
+        &mut self,
+        env: &Envelope,
+        body: &[u8],
+        deadline: Instant,
+    ) -> Result<Reply, RelayError> {
+        let result = self.transaction(env, body, deadline).await;
+        if let Err(RelayError::Lost { .. }) = result {
+            self.broken = true;
+        }
+        result
+    }
+
+    async fn transaction(
         &mut self,
         env: &Envelope,
         body: &[u8],
@@ -556,12 +571,15 @@ impl Session {
     }
 }
 
-fn parse_reply(raw: &[u8]) -> Result<Reply, RelayError> {
+/// A reply's bytes parsed; one that cannot be is a lost session, after
+/// the end of data when it answers it (the message may have been taken,
+/// so it is never sent again).
+fn parse_reply(raw: &[u8], after_dot: bool) -> Result<Reply, RelayError> {
     smtp_proto::response::parser::ResponseReceiver::default()
         .parse(&mut raw.iter())
         .map(Reply::from_parsed)
         .map_err(|e| RelayError::Lost {
-            after_dot: false,
+            after_dot,
             why: format!("the upstream's reply cannot be parsed: {e:?}"),
         })
 }
@@ -588,6 +606,22 @@ mod tests {
         assert_eq!(path(".a@x.org"), "<\".a\"@x.org>");
         assert_eq!(path("postmaster"), "<postmaster>");
         assert_eq!(path("ü@x.org"), "<ü@x.org>");
+    }
+
+    #[test]
+    fn an_unreadable_answer_to_the_end_of_data_is_not_retried() {
+        let after = parse_reply(b"250OK\r\n", true);
+        assert!(matches!(
+            after,
+            Err(RelayError::Lost {
+                after_dot: true,
+                ..
+            })
+        ));
+        assert!(after.is_err_and(|e| !e.stale_session()));
+        let before = parse_reply(b"250OK\r\n", false);
+        assert!(before.is_err_and(|e| e.stale_session()));
+        assert!(parse_reply(b"250 Ok\r\n", true).is_ok());
     }
 
     #[test]

@@ -238,6 +238,20 @@ pub fn client_reply(e: &RelayError) -> Reply {
             reply.esc = [4, 4, 2];
         }
     }
+    if reply.code < 400 {
+        // A positive reply where the relay needed another (250 to DATA,
+        // say): the message was not taken, and the client must not read
+        // it as taken.
+        warn!(code = reply.code, text = %reply.text, "the upstream answered out of turn");
+        reply = Reply::owned(
+            451,
+            [4, 4, 0],
+            format!(
+                "The upstream answered out of turn: {} {}",
+                reply.code, reply.text
+            ),
+        );
+    }
     reply
 }
 
@@ -247,6 +261,21 @@ mod tests {
 
     fn r(code: u16, esc: [u16; 3], text: &'static str) -> Reply {
         Reply::new(code, esc, text)
+    }
+
+    #[test]
+    fn a_failed_relay_is_never_told_as_a_positive_reply() {
+        for e in [
+            RelayError::Refused(r(250, [2, 0, 0], "Ok")),
+            RelayError::Setup(r(220, [0, 0, 0], "again")),
+            RelayError::Refused(r(354, [0, 0, 0], "go on")),
+        ] {
+            let reply = client_reply(&e);
+            assert_eq!(reply.code, 451, "{e}");
+        }
+        // Refusals pass through as they are.
+        let refused = client_reply(&RelayError::Refused(r(550, [5, 1, 1], "no such user")));
+        assert_eq!(refused.code, 550);
     }
 
     #[test]
