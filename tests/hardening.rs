@@ -77,7 +77,15 @@ capacity = 10
         let a = get(&c, &s.url(p), &[]).await;
         assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS, "{p}: {:?}", a.body);
     }
-    for p in ["/x/%2Fadmin", "/a%5Cb", "/../admin/y", "/a%zz"] {
+    for p in [
+        "/x/%2Fadmin",
+        "/a%5Cb",
+        "/../admin/y",
+        "/a%zz",
+        "/x/..;/admin/y",
+        "/x/%2e%2e;v=1/admin/y",
+        "/x/.;/admin/y",
+    ] {
         let a = get(&c, &s.url(p), &[]).await;
         assert_eq!(a.status, StatusCode::BAD_REQUEST, "{p}");
     }

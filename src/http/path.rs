@@ -6,7 +6,9 @@
 //! The rule, applied to the path (the query is never touched):
 //! 1. a path that cannot be normalized safely is refused (400): an encoded
 //!    `/` (`%2F`) or `\` (`%5C`), a `\` or NUL (`%00`), a malformed
-//!    percent-escape, or a `..` that would climb above the root;
+//!    percent-escape, a `..` that would climb above the root, or a `.` or
+//!    `..` segment with `;` parameters (`/x/..;/admin`: servlet containers
+//!    drop the parameters, then resolve the dots);
 //! 2. percent-escapes of unreserved characters (RFC 3986 2.3: letters,
 //!    digits, `-`, `.`, `_`, `~`) are decoded, other escapes upper-cased
 //!    (6.2.2.1, 6.2.2.2);
@@ -29,6 +31,17 @@ pub enum PathError {
     BadEscape,
     #[error("the path climbs above the root with '..'")]
     AboveRoot,
+    #[error(
+        "the path has a '.' or '..' segment with ';' parameters, which upstreams resolve differently"
+    )]
+    DotParameters,
+}
+
+/// A `.` or `..` segment with `;` parameters (`..;jsessionid=1`).
+fn dot_with_parameters(segment: &str) -> bool {
+    segment
+        .split_once(';')
+        .is_some_and(|(dots, _)| dots == "." || dots == "..")
 }
 
 fn hex(b: u8) -> Option<u8> {
@@ -49,7 +62,9 @@ fn unreserved(b: u8) -> bool {
 fn is_normal(path: &str) -> bool {
     !path.contains(['%', '\\'])
         && !path.contains("//")
-        && !path[1..].split('/').any(|s| s == "." || s == "..")
+        && !path[1..]
+            .split('/')
+            .any(|s| s == "." || s == ".." || dot_with_parameters(s))
 }
 
 /// The normal form of `path`, or why it has none.
@@ -108,6 +123,7 @@ pub fn normalize(path: &str) -> Result<Cow<'_, str>, PathError> {
                 }
                 trailing_slash = n == last;
             }
+            s if dot_with_parameters(s) => return Err(PathError::DotParameters),
             s => {
                 out.push(s);
                 trailing_slash = false;
@@ -146,6 +162,18 @@ mod tests {
             "/admin//y",
         ] {
             assert_eq!(n(p).as_deref(), Ok("/admin/y"), "{p}");
+        }
+    }
+
+    #[test]
+    fn dot_segments_with_parameters_are_refused() {
+        for p in ["/x/..;/admin", "/x/%2e%2e;v=1/admin", "/x/.;/a", "/..;"] {
+            assert_eq!(n(p), Err(PathError::DotParameters), "{p}");
+        }
+        // Parameters on an ordinary segment, or dots that are not a whole
+        // segment, are just text.
+        for p in ["/a;b/c", "/a/..b;c", "/a/b..;"] {
+            assert_eq!(n(p).as_deref(), Ok(p), "{p}");
         }
     }
 
