@@ -106,6 +106,7 @@ async fn a_config_with_every_number_at_its_maximum_runs() {
 [server]
 listen = ["127.0.0.1:0"]
 header_read_timeout = "1day"
+body_read_timeout = "1day"
 keepalive_timeout = "1day"
 max_header_size = 1048576
 max_connections = 1000000
@@ -374,4 +375,44 @@ capacity = 10
         1,
         "the waiting one never reached the upstream"
     );
+}
+
+/// A queued request whose body stops arriving is answered 408 after
+/// `server.body_read_timeout` with no new part, and gives its room in the
+/// staging budget back (nginx's `client_body_timeout`): a client cannot
+/// keep a declared length reserved by sending nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_body_that_stops_arriving_gets_408() {
+    use std::io::{Read, Write};
+    let ds = Downstream::start().await;
+    let routes = r#"
+[[route]]
+name = "default"
+upstream = "api"
+key = "ip"
+rate = "1/s"
+capacity = 5
+"#;
+    let s = Sluice::start(&base(ds.addr, "body_read_timeout = \"1s\"", routes));
+    let c = client();
+    // Takes the client's slot: the next request waits about 1 s.
+    assert_eq!(get(&c, &s.url("/first"), &[]).await.status, StatusCode::OK);
+    let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
+    let t = Instant::now();
+    sock.write_all(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n0123456789")
+        .unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let mut buf = vec![0u8; 1024];
+    let n = sock.read(&mut buf).unwrap_or(0);
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(
+        head.starts_with("HTTP/1.1 408"),
+        "{head:?} after {:?}",
+        t.elapsed()
+    );
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert_eq!(s.status().await["staged_bytes"], 0);
+    let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
+    assert_eq!(paths, vec!["/first"]);
 }

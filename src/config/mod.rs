@@ -45,6 +45,9 @@ pub struct Config {
 pub struct Server {
     pub listen: Vec<SocketAddr>,
     pub header_read_timeout: Duration,
+    /// The longest pause between two reads of a request body that is
+    /// staged while its request waits (nginx's `client_body_timeout`).
+    pub body_read_timeout: Duration,
     /// How long a connection may stay idle after a request (HTTP/1.1
     /// keep-alive and HTTP/2 alike).
     pub keepalive_timeout: Duration,
@@ -372,6 +375,7 @@ fn element_path(kind: &str, index: usize, name: Option<&str>) -> String {
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
 const DEFAULT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(75);
 const DEFAULT_MAX_HEADER_SIZE: usize = 16 * 1024;
 const MIN_HEADER_SIZE: usize = 8 * 1024;
@@ -790,6 +794,11 @@ impl Validator {
             raw.header_read_timeout.as_deref(),
             DEFAULT_HEADER_READ_TIMEOUT,
         );
+        let body_read_timeout = self.duration(
+            "server.body_read_timeout",
+            raw.body_read_timeout.as_deref(),
+            DEFAULT_BODY_READ_TIMEOUT,
+        );
         let keepalive_timeout = self.duration(
             "server.keepalive_timeout",
             raw.keepalive_timeout.as_deref(),
@@ -848,6 +857,7 @@ impl Validator {
         ok.then_some(Server {
             listen,
             header_read_timeout: header_read_timeout?,
+            body_read_timeout: body_read_timeout?,
             keepalive_timeout: keepalive_timeout?,
             max_header_size,
             max_connections,

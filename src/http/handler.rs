@@ -489,7 +489,7 @@ impl Handler {
         body: RequestBody,
     ) -> impl Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a {
         async move {
-            let staging = stage(body, &self.shared.staging);
+            let staging = stage(body, &self.shared.staging, self.shared.body_read_timeout);
             tokio::pin!(staging);
             let mut staged = None;
             loop {
@@ -525,7 +525,7 @@ impl Handler {
     /// Stage the body of a request that departs at once (an upstream that
     /// may need it twice).
     async fn stage(&self, route: &Route, body: RequestBody) -> Result<Body, Response<ProxyBody>> {
-        stage(body, &self.shared.staging)
+        stage(body, &self.shared.staging, self.shared.body_read_timeout)
             .await
             .map(Body::Staged)
             .map_err(|e| self.stage_failed(route, e, true))
@@ -573,7 +573,9 @@ impl Handler {
             linger(rest);
         }
         let outcome = match e {
-            StageError::TooLarge(_) | StageError::Malformed(_) => Outcome::Invalid,
+            StageError::TooLarge(_) | StageError::Malformed(_) | StageError::TimedOut => {
+                Outcome::Invalid
+            }
             StageError::Full => Outcome::Overloaded,
             StageError::Gone => Outcome::Cancelled,
         };
@@ -590,6 +592,11 @@ impl Handler {
             StageError::Malformed(_) => problem(
                 StatusCode::BAD_REQUEST,
                 "the request body is malformed",
+                None,
+            ),
+            StageError::TimedOut => problem(
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body stopped arriving",
                 None,
             ),
             // Nobody reads this answer: the client is gone.

@@ -73,6 +73,8 @@ pub(crate) struct Shared {
     apps: Vec<ArcSwap<App>>,
     concurrency: Mutex<Concurrency>,
     staging: Arc<stage::StageBudget>,
+    /// `server.body_read_timeout` (fixed at start, like `[server]`).
+    body_read_timeout: Duration,
     tls: Arc<rustls::ClientConfig>,
     draining: AtomicBool,
     drain_timeout: Mutex<Duration>,

@@ -194,6 +194,7 @@ impl Server {
                 tls,
                 draining: AtomicBool::new(false),
                 drain_timeout: Mutex::new(config.server.drain_timeout),
+                body_read_timeout: config.server.body_read_timeout,
                 version: AtomicU64::new(1),
                 loaded_at: AtomicU64::new(unix_now()),
                 unrouted: unrouted_counter(),

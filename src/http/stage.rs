@@ -7,6 +7,7 @@
 //! of large queued bodies cannot grow memory.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
@@ -41,6 +42,9 @@ pub enum StageError {
     /// The body was malformed (an invalid chunk): the client's error (400).
     #[error("the request body is malformed: {0}")]
     Malformed(hyper::Error),
+    /// No part of the body came for `server.body_read_timeout` (408).
+    #[error("the request body stopped arriving")]
+    TimedOut,
 }
 
 /// A body read error: the client gone (the message cut short), or a
@@ -99,28 +103,34 @@ pub fn linger(mut rest: RequestBody) {
     });
 }
 
-/// Read `body` in full within the budget. (An `async` block, not an
-/// `async fn`, so that the future holds one copy of the body, not two: a
-/// held request carries it.)
+/// Read `body` in full within the budget, each part within `idle` of
+/// the one before (a client that stops sending would keep its room in the
+/// budget for as long as it keeps the connection). (An `async` block, not
+/// an `async fn`, so that the future holds one copy of the body, not two:
+/// a held request carries it.)
 pub fn stage(
     body: RequestBody,
     budget: &Arc<StageBudget>,
+    idle: Duration,
 ) -> impl Future<Output = Result<Staged, Refused>> + Send + '_ {
     let mut body = Some(body);
     async move {
-        read(&mut body, budget).await.map_err(|error| Refused {
-            rest: match error {
-                StageError::TooLarge(_) | StageError::Full => body,
-                StageError::Gone | StageError::Malformed(_) => None,
-            },
-            error,
-        })
+        read(&mut body, budget, idle)
+            .await
+            .map_err(|error| Refused {
+                rest: match error {
+                    StageError::TooLarge(_) | StageError::Full => body,
+                    StageError::Gone | StageError::Malformed(_) | StageError::TimedOut => None,
+                },
+                error,
+            })
     }
 }
 
 async fn read(
     slot: &mut Option<RequestBody>,
     budget: &Arc<StageBudget>,
+    idle: Duration,
 ) -> Result<Staged, StageError> {
     let Some(body) = slot.as_mut() else {
         return Err(StageError::Gone);
@@ -144,7 +154,10 @@ async fn read(
     let mut chunks: Vec<Bytes> = Vec::new();
     let mut len = 0usize;
     let mut trailers = None;
-    while let Some(frame) = body.frame().await {
+    while let Some(frame) = tokio::time::timeout(idle, body.frame())
+        .await
+        .map_err(|_| StageError::TimedOut)?
+    {
         let frame = frame.map_err(body_error)?;
         match frame.into_data() {
             Ok(data) => {
