@@ -606,7 +606,10 @@ fn response_head(
                 && status != StatusCode::NO_CONTENT
                 && status != StatusCode::NOT_MODIFIED =>
         {
-            if let Some(n) = body.size_hint().exact() {
+            // A body of its own (a refusal's text) says its length; an
+            // upstream's answer without one says nothing, and an empty
+            // body is no evidence of 0 (a GET may have been chunked).
+            if let Some(n) = body.size_hint().exact().filter(|&n| n > 0) {
                 put_length(&mut out, n);
             }
         }
@@ -699,6 +702,7 @@ async fn write_body(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::response::full;
 
     fn parsed(bytes: &[u8]) -> (Parsed, BytesMut) {
         let mut buf = BytesMut::from(bytes);
@@ -720,6 +724,25 @@ mod tests {
         let clients: Vec<_> = head.req.headers().get_all("x-client").iter().collect();
         assert_eq!(clients, ["k", "j"]);
         assert_eq!(&rest[..], b"GET /next");
+    }
+
+    #[test]
+    fn a_head_answer_never_invents_a_length() {
+        let head = |body: ProxyBody, declared: Option<&str>| {
+            let mut r = Response::new(body);
+            if let Some(n) = declared {
+                r.headers_mut()
+                    .insert(CONTENT_LENGTH, http::HeaderValue::from_str(n).unwrap());
+            }
+            let (parts, body) = r.into_parts();
+            String::from_utf8(response_head(&parts, &body, true, false).0).unwrap()
+        };
+        // The upstream sent no length (its GET would be chunked): none.
+        let h = head(full(Bytes::new()), None);
+        assert!(!h.contains("content-length"), "{h}");
+        // Its own length passes through; a body of ours says its size.
+        assert!(head(full(Bytes::new()), Some("1234")).contains("content-length: 1234"));
+        assert!(head(full(Bytes::from_static(b"refused")), None).contains("content-length: 7"));
     }
 
     #[test]
