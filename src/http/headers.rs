@@ -201,15 +201,24 @@ pub fn add_forwarded(headers: &mut HeaderMap, peer: IpAddr, host: Option<&Header
     let mut buf = [0u8; 48];
     let n = ip_text(peer, &mut buf);
     let peer = &buf[..n];
-    let value = match headers.get(&X_FORWARDED_FOR).map(HeaderValue::as_bytes) {
-        Some(prior) if !prior.trim_ascii().is_empty() => {
-            let mut v = Vec::with_capacity(prior.len() + 2 + n);
-            v.extend_from_slice(prior);
+    // Every prior line, in order, as one list (RFC 9110 5.3: a proxy
+    // before us may have added its hop on a line of its own).
+    let mut prior = headers
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .map(|v| v.as_bytes().trim_ascii())
+        .filter(|v| !v.is_empty())
+        .peekable();
+    let value = if prior.peek().is_some() {
+        let mut v = Vec::with_capacity(64);
+        for line in prior {
+            v.extend_from_slice(line);
             v.extend_from_slice(b", ");
-            v.extend_from_slice(peer);
-            HeaderValue::from_bytes(&v)
         }
-        _ => HeaderValue::from_bytes(peer),
+        v.extend_from_slice(peer);
+        HeaderValue::from_bytes(&v)
+    } else {
+        HeaderValue::from_bytes(peer)
     };
     if let Ok(v) = value {
         headers.insert(X_FORWARDED_FOR, v);
@@ -287,6 +296,24 @@ pub fn add_ratelimit_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_forwarded_for_line_is_kept_in_order_before_the_peer() {
+        let peer: IpAddr = "10.0.0.9".parse().unwrap();
+        let mut h = HeaderMap::new();
+        add_forwarded(&mut h, peer, None);
+        assert_eq!(h.get(X_FORWARDED_FOR).unwrap(), "10.0.0.9");
+        let mut h = HeaderMap::new();
+        h.append(X_FORWARDED_FOR, HeaderValue::from_static("6.6.6.6"));
+        h.append(X_FORWARDED_FOR, HeaderValue::from_static(" "));
+        h.append(
+            X_FORWARDED_FOR,
+            HeaderValue::from_static("203.0.113.5, 10.0.0.1"),
+        );
+        add_forwarded(&mut h, peer, None);
+        let all: Vec<_> = h.get_all(X_FORWARDED_FOR).iter().collect();
+        assert_eq!(all, ["6.6.6.6, 203.0.113.5, 10.0.0.1, 10.0.0.9"]);
+    }
 
     #[test]
     fn addresses_are_written_as_their_display_writes_them() {

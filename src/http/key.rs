@@ -41,11 +41,10 @@ pub fn forwarded_client(headers: &HeaderMap, peer: IpAddr, trusted: &[IpNet]) ->
     }
     let mut client = peer;
     for value in headers.get_all(X_FORWARDED_FOR).iter().rev() {
-        let Ok(value) = value.to_str() else {
-            return client;
-        };
-        for entry in value.rsplit(',') {
-            let Some(ip) = parse_hop(entry) else {
+        // By entry, not by line: bytes that are not text left of the
+        // client (which the client may have written) are never read.
+        for entry in value.as_bytes().rsplit(|&b| b == b',') {
+            let Some(ip) = std::str::from_utf8(entry).ok().and_then(parse_hop) else {
                 return client;
             };
             client = ip;
@@ -192,6 +191,15 @@ mod tests {
         h.insert(
             X_FORWARDED_FOR,
             HeaderValue::from_static("1.1.1.1, 9.9.9.9, 203.0.113.5, 10.1.2.3"),
+        );
+        assert_eq!(
+            forwarded_client(&h, PEER, &trusted).to_string(),
+            "203.0.113.5"
+        );
+        // Bytes that are not text left of the client do not hide it.
+        h.insert(
+            X_FORWARDED_FOR,
+            HeaderValue::from_bytes(b"\xff\xfe, 203.0.113.5, 10.1.2.3").unwrap(),
         );
         assert_eq!(
             forwarded_client(&h, PEER, &trusted).to_string(),
