@@ -267,3 +267,62 @@ async fn the_local_fallback_never_runs_faster_than_r_over_instances() {
     // 721 h / 721 would be 1 h; the fallback's own rate is 30 days.
     assert!(retry > 29 * 86_400, "Retry-After {retry} s");
 }
+
+/// With `on_failure = "local"` an instance whose store cannot be reached
+/// serves (shaping locally), so it stays ready; `/status` says what is
+/// wrong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_store_leaves_a_local_fallback_instance_ready() {
+    let ds = Downstream::start().await;
+    // Nothing listens on port 1.
+    let s = Sluice::start(&config(ds.addr, "redis://127.0.0.1:1", "local", 2, "200ms"));
+    let c = client();
+    assert_eq!(
+        get(&c, &s.url("/a"), &[("x-client", "k")]).await.status,
+        StatusCode::OK
+    );
+    let ready = get(&c, &s.admin_url("/readyz"), &[]).await;
+    assert_eq!(
+        ready.status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&ready.body)
+    );
+    let status = s.status().await;
+    let problem = status["cluster"]["problem"].as_str().unwrap_or_default();
+    assert!(problem.contains("cannot reach"), "{status}");
+}
+
+/// With `on_failure = "reject"`, an instance made unready by a failed call
+/// is ready again once the store answers, with no traffic to tell it (a
+/// load balancer sends none to an unready instance).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_comes_back_with_the_store_without_traffic() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&config(ds.addr, &redis.url(), "reject", 1, "150ms"));
+    let c = client();
+    redis.signal("STOP");
+    let a = get(&c, &s.url("/stopped"), &[("x-client", "k")]).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        get(&c, &s.admin_url("/readyz"), &[]).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    redis.signal("CONT");
+    // The background check runs every 5 s.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let ready = get(&c, &s.admin_url("/readyz"), &[]).await;
+        if ready.status == StatusCode::OK {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still not ready: {}",
+            String::from_utf8_lossy(&ready.body)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(ds.seen().is_empty(), "no request was forwarded meanwhile");
+}

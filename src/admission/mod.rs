@@ -805,15 +805,25 @@ impl Admission {
 
     /// Why the instance should not get traffic because of the shared
     /// schedule: it is not usable as configured (a standalone client
-    /// pointed at a cluster node, a cluster not covering every slot), or it
-    /// fails while `on_failure = "reject"`.
+    /// pointed at a cluster node), or it is down (or part of it is) while
+    /// `on_failure = "reject"`. With `local` or `allow` an instance whose
+    /// store is down still serves, as configured.
     pub fn backend_not_ready(&self) -> Option<String> {
         let cluster = self.cluster.as_ref()?;
         if let Some(why) = cluster.misconfigured() {
             return Some(why);
         }
-        (!cluster.is_healthy() && cluster.on_failure == OnFailure::Reject)
-            .then(|| "the shared schedule is unavailable".to_owned())
+        if cluster.on_failure != OnFailure::Reject {
+            return None;
+        }
+        cluster.unavailable().or_else(|| {
+            (!cluster.is_healthy()).then(|| "the shared schedule is unavailable".to_owned())
+        })
+    }
+
+    /// Whatever the shared schedule's background check last found wrong.
+    pub fn backend_problem(&self) -> Option<String> {
+        self.cluster.as_ref()?.problem()
     }
 
     /// Check the shared schedule's store now (at start), and keep checking

@@ -17,7 +17,7 @@ pub mod postgres;
 mod redis;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tracing::warn;
@@ -42,25 +42,56 @@ pub enum ClusterError {
 
 /// Why a store cannot be used as configured, while it cannot; logged
 /// when it changes.
+/// What is wrong with the store, while something is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Trouble {
+    /// Not usable as configured (a standalone client pointed at a cluster
+    /// node): `/readyz` is 503 whatever `on_failure` says.
+    Misconfigured(String),
+    /// Down, unreachable, or part of it down (a master without a replica):
+    /// `on_failure` decides, and only `reject` makes the instance unready.
+    Unavailable(String),
+}
+
+impl Trouble {
+    fn text(&self) -> &str {
+        match self {
+            Trouble::Misconfigured(t) | Trouble::Unavailable(t) => t,
+        }
+    }
+}
+
+/// The background check's last finding, and how many checks found the
+/// store usable.
 #[derive(Default)]
-struct Problem(std::sync::Mutex<Option<String>>);
+struct Problem {
+    now: std::sync::Mutex<Option<Trouble>>,
+    checks_ok: AtomicU64,
+}
 
 impl Problem {
-    fn set(&self, problem: Option<String>) -> Result<(), String> {
-        let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
+    fn set(&self, problem: Option<Trouble>) -> Result<(), String> {
+        let mut p = self.now.lock().unwrap_or_else(|e| e.into_inner());
         if problem != *p {
             match &problem {
-                Some(why) => tracing::error!("cluster mode: {why}"),
+                Some(why) => tracing::error!("cluster mode: {}", why.text()),
                 None if p.is_some() => tracing::info!("cluster mode: the store is usable again"),
                 None => {}
             }
         }
+        if problem.is_none() {
+            self.checks_ok.fetch_add(1, Ordering::Relaxed);
+        }
         *p = problem.clone();
-        problem.map_or(Ok(()), Err)
+        problem.map_or(Ok(()), |t| Err(t.text().to_owned()))
     }
 
-    fn get(&self) -> Option<String> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    fn get(&self) -> Option<Trouble> {
+        self.now.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn checks_ok(&self) -> u64 {
+        self.checks_ok.load(Ordering::Relaxed)
     }
 }
 
@@ -150,7 +181,7 @@ impl Backend {
         }
     }
 
-    fn problem(&self) -> Option<String> {
+    fn problem(&self) -> &Problem {
         match self {
             Backend::Redis(s) => s.problem(),
             Backend::Postgres(s) => s.problem(),
@@ -180,7 +211,10 @@ pub struct Cluster {
     timeout: Duration,
     pub on_failure: OnFailure,
     pub instances: u32,
+    /// Whether the last call succeeded (see [`Cluster::is_healthy`]).
     healthy: AtomicBool,
+    /// The store's count of good checks when a call last failed.
+    failed_at: AtomicU64,
     duration: Arc<m::Histogram>,
 }
 
@@ -219,6 +253,7 @@ impl Cluster {
             on_failure: cfg.on_failure,
             instances: cfg.instances,
             healthy: AtomicBool::new(true),
+            failed_at: AtomicU64::new(0),
             duration: m::histogram(m::CLUSTER_DURATION_SECONDS, &[("backend", backend)]),
         })
     }
@@ -238,7 +273,24 @@ impl Cluster {
     /// Why the store cannot be used as configured, while it cannot
     /// (`/readyz` is 503 meanwhile).
     pub fn misconfigured(&self) -> Option<String> {
-        self.store.problem()
+        match self.store.problem().get()? {
+            Trouble::Misconfigured(why) => Some(why),
+            Trouble::Unavailable(_) => None,
+        }
+    }
+
+    /// Why the store is down or partly down, as the background check
+    /// last found it.
+    pub fn unavailable(&self) -> Option<String> {
+        match self.store.problem().get()? {
+            Trouble::Unavailable(why) => Some(why),
+            Trouble::Misconfigured(_) => None,
+        }
+    }
+
+    /// Whatever the background check last found wrong (for `/status`).
+    pub fn problem(&self) -> Option<String> {
+        self.store.problem().get().map(|t| t.text().to_owned())
     }
 
     /// The `backend` metric label.
@@ -246,9 +298,12 @@ impl Cluster {
         self.backend
     }
 
-    /// Whether the last call succeeded.
+    /// Whether the store answers: the last call succeeded, or a
+    /// background check did since the last call failed (so an instance
+    /// that no traffic reaches, being unready, sees the store come back).
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
+            || self.store.problem().checks_ok() > self.failed_at.load(Ordering::Relaxed)
     }
 
     /// Store keys for a client of `route` (and its capped upstream). With
@@ -273,17 +328,14 @@ impl Cluster {
     }
 
     fn record(&self, started: Instant, ok: bool, result: &'static str) {
+        if !ok {
+            let checks = self.store.problem().checks_ok();
+            self.failed_at.store(checks, Ordering::Relaxed);
+        }
         self.healthy.store(ok, Ordering::Relaxed);
         self.duration.record(started.elapsed());
         metrics::counter!(m::CLUSTER_CALLS_TOTAL, "backend" => self.backend, "result" => result)
             .increment(1);
-        metrics::gauge!(m::CLUSTER_HEALTHY, "backend" => self.backend).set(
-            if ok && self.misconfigured().is_none() {
-                1.0
-            } else {
-                0.0
-            },
-        );
     }
 
     /// One admission round trip, bounded by the configured timeout.

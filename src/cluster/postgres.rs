@@ -29,7 +29,7 @@ use tokio_postgres::config::Host;
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tracing::{info, warn};
 
-use super::{Ask, ClusterError, Reservation};
+use super::{Ask, ClusterError, Reservation, Trouble};
 use crate::config::PostgresConfig;
 use crate::config::postgres::SslMode;
 
@@ -377,7 +377,7 @@ impl Postgres {
         let shown = self.shown.clone();
         let result = match self.migrate().await {
             Ok(_) => None,
-            Err(e) => Some(format!("postgres {shown}: {e}")),
+            Err(e) => Some(Trouble::Unavailable(format!("postgres {shown}: {e}"))),
         };
         if result.is_none() {
             self.warm().await;
@@ -400,12 +400,12 @@ impl Postgres {
         }
     }
 
-    fn set_problem(&self, problem: Option<String>) -> Result<(), String> {
+    fn set_problem(&self, problem: Option<Trouble>) -> Result<(), String> {
         self.problem.set(problem)
     }
 
-    pub fn problem(&self) -> Option<String> {
-        self.problem.get()
+    pub(super) fn problem(&self) -> &super::Problem {
+        &self.problem
     }
 
     /// Every few seconds, on one upkeep connection (made again when it
@@ -427,7 +427,7 @@ impl Postgres {
             }
             let problem = result
                 .err()
-                .map(|e| format!("postgres {}: {e}", self.shown));
+                .map(|e| Trouble::Unavailable(format!("postgres {}: {e}", self.shown)));
             let _ = self.set_problem(problem);
         }
     }

@@ -27,7 +27,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, Pipeline, RedisFuture, ServerErrorKind, Value};
 use tracing::info;
 
-use super::{Ask, ClusterError, Reservation};
+use super::{Ask, ClusterError, Reservation, Trouble};
 use crate::config::RedisMode;
 
 /// Admission: KEYS = client key, [slot calendar]; ARGV = step, capacity,
@@ -302,19 +302,21 @@ impl Redis {
                         self.conn.store(Arc::new(Some(conn)));
                     }
                 }
-                return self.set_problem(Some(format!("cannot reach {first}: {e}")));
+                return self.set_problem(Some(Trouble::Unavailable(format!(
+                    "cannot reach {first}: {e}"
+                ))));
             }
         };
         let cluster = match (self.mode, cluster_node) {
             (RedisMode::Standalone, Some(true)) => {
-                return self.set_problem(Some(format!(
+                return self.set_problem(Some(Trouble::Misconfigured(format!(
                     "{first} is a Redis Cluster node but cluster.mode = \"standalone\": set mode = \"cluster\" (or \"auto\")"
-                )));
+                ))));
             }
             (RedisMode::Cluster, Some(false)) => {
-                return self.set_problem(Some(format!(
+                return self.set_problem(Some(Trouble::Misconfigured(format!(
                     "{first} is not a cluster node but cluster.mode = \"cluster\": set mode = \"standalone\" (or \"auto\")"
-                )));
+                ))));
             }
             (_, c) => c == Some(true),
         };
@@ -337,16 +339,18 @@ impl Redis {
                     );
                     self.conn.store(Arc::new(Some(conn)));
                 }
-                Err(e) => return self.set_problem(Some(e.to_string())),
+                Err(e) => return self.set_problem(Some(Trouble::Misconfigured(e.to_string()))),
             }
         }
         if cluster && let Err(why) = self.cluster_state(&first).await {
-            return self.set_problem(Some(why));
+            // A master down without a replica: its clients follow
+            // on_failure, the others are shaped as before.
+            return self.set_problem(Some(Trouble::Unavailable(why)));
         }
         self.set_problem(None)
     }
 
-    fn set_problem(&self, problem: Option<String>) -> Result<(), String> {
+    fn set_problem(&self, problem: Option<Trouble>) -> Result<(), String> {
         self.problem.set(problem)
     }
 
@@ -360,8 +364,8 @@ impl Redis {
         }
     }
 
-    pub fn problem(&self) -> Option<String> {
-        self.problem.get()
+    pub(super) fn problem(&self) -> &super::Problem {
+        &self.problem
     }
 
     /// Run a script: `EVALSHA`, then `EVAL` once on `NOSCRIPT` (routed by

@@ -196,6 +196,14 @@ impl Handle {
 
     /// Set the queue gauges from the engine (before a scrape).
     pub fn refresh_gauges(&self) {
+        if let (Some(backend), Some(healthy)) = (self.backend(), self.backend_healthy()) {
+            let up = healthy && self.backend_problem().is_none();
+            metrics::gauge!(m::CLUSTER_HEALTHY, "backend" => backend).set(if up {
+                1.0
+            } else {
+                0.0
+            });
+        }
         let (clients, queued) = self.0.admission.stats();
         metrics::gauge!(m::ACTIVE_CLIENTS).set(clients as f64);
         metrics::gauge!(m::QUEUED_REQUESTS).set(queued as f64);
@@ -284,9 +292,9 @@ impl Handle {
         self.0.admission.backend()
     }
 
-    /// Why the shared schedule is not usable as configured, while it is not.
+    /// What is wrong with the shared schedule's store, while something is.
     pub fn backend_problem(&self) -> Option<String> {
-        self.0.admission.backend_not_ready()
+        self.0.admission.backend_problem()
     }
 
     /// The routes of the running config: HTTP routes, then SMTP
