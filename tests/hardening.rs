@@ -107,6 +107,7 @@ async fn a_config_with_every_number_at_its_maximum_runs() {
 listen = ["127.0.0.1:0"]
 header_read_timeout = "1day"
 body_read_timeout = "1day"
+send_timeout = "1day"
 keepalive_timeout = "1day"
 max_header_size = 1048576
 max_connections = 1000000

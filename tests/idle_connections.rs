@@ -137,3 +137,42 @@ async fn silent_and_idle_connections_are_closed_and_never_lock_clients_out() {
         assert!(driver.is_finished(), "an idle h2 connection is still open");
     }
 }
+
+/// A client that asks for a large answer and never reads it: the write
+/// waits at most `server.send_timeout` for it, then the connection is
+/// closed (nginx's `send_timeout`). It never counts as idle meanwhile.
+/// Both on sluice's own HTTP/1.1 path and on hyper's (HTTP/1.0 here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_read_its_answer_is_closed_after_send_timeout() {
+    use std::io::Write;
+    let ds = Downstream::start().await;
+    let config = CONFIG.replace("DOWNSTREAM", &ds.addr.to_string()).replace(
+        "keepalive_timeout = \"3s\"",
+        "keepalive_timeout = \"60s\"\nsend_timeout = \"1s\"",
+    );
+    let s = Sluice::start(&config);
+    for (i, version) in ["HTTP/1.1", "HTTP/1.0"].into_iter().enumerate() {
+        let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
+        sock.write_all(format!("GET /big {version}\r\nHost: t\r\n\r\n").as_bytes())
+            .unwrap();
+        let t = Instant::now();
+        // Answered (the downstream saw it), then stuck writing.
+        while ds.seen().len() <= i {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "{version}: never forwarded"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(connections(&s).await, 1, "{version}");
+        while connections(&s).await != 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(15),
+                "{version}: still open after {:?}",
+                t.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        drop(sock);
+    }
+}

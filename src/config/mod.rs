@@ -48,6 +48,9 @@ pub struct Server {
     /// The longest pause between two reads of a request body that is
     /// staged while its request waits (nginx's `client_body_timeout`).
     pub body_read_timeout: Duration,
+    /// The longest a write of a response to a client may wait for the
+    /// client to read (nginx's `send_timeout`).
+    pub send_timeout: Duration,
     /// How long a connection may stay idle after a request (HTTP/1.1
     /// keep-alive and HTTP/2 alike).
     pub keepalive_timeout: Duration,
@@ -376,6 +379,7 @@ fn element_path(kind: &str, index: usize, name: Option<&str>) -> String {
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
+const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(60);
 const DEFAULT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(75);
 const DEFAULT_MAX_HEADER_SIZE: usize = 16 * 1024;
 const MIN_HEADER_SIZE: usize = 8 * 1024;
@@ -799,6 +803,11 @@ impl Validator {
             raw.body_read_timeout.as_deref(),
             DEFAULT_BODY_READ_TIMEOUT,
         );
+        let send_timeout = self.duration(
+            "server.send_timeout",
+            raw.send_timeout.as_deref(),
+            DEFAULT_SEND_TIMEOUT,
+        );
         let keepalive_timeout = self.duration(
             "server.keepalive_timeout",
             raw.keepalive_timeout.as_deref(),
@@ -858,6 +867,7 @@ impl Validator {
             listen,
             header_read_timeout: header_read_timeout?,
             body_read_timeout: body_read_timeout?,
+            send_timeout: send_timeout?,
             keepalive_timeout: keepalive_timeout?,
             max_header_size,
             max_connections,

@@ -133,6 +133,8 @@ pub struct RawServer {
     #[serde(default, deserialize_with = "duration")]
     pub body_read_timeout: Option<String>,
     #[serde(default, deserialize_with = "duration")]
+    pub send_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
     pub keepalive_timeout: Option<String>,
     #[serde(default, deserialize_with = "whole")]
     pub max_header_size: Option<i64>,

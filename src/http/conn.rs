@@ -125,6 +125,8 @@ pub struct Conns {
     open: AtomicUsize,
     pub header_read_timeout: Duration,
     pub keepalive_timeout: Duration,
+    /// How long one write to a client may wait for it to read.
+    pub send_timeout: Duration,
 }
 
 /// Counted connections open in every worker (the `sluice_connections`
@@ -132,7 +134,12 @@ pub struct Conns {
 pub static OPEN: AtomicUsize = AtomicUsize::new(0);
 
 impl Conns {
-    pub fn new(limit: usize, header_read_timeout: Duration, keepalive_timeout: Duration) -> Conns {
+    pub fn new(
+        limit: usize,
+        header_read_timeout: Duration,
+        keepalive_timeout: Duration,
+        send_timeout: Duration,
+    ) -> Conns {
         Conns {
             epoch: Instant::now(),
             limit: Arc::new(Semaphore::new(limit.min(Semaphore::MAX_PERMITS))),
@@ -141,6 +148,7 @@ impl Conns {
             open: AtomicUsize::new(0),
             header_read_timeout,
             keepalive_timeout,
+            send_timeout,
         }
     }
 
@@ -287,6 +295,7 @@ mod tests {
             2,
             Duration::from_secs(1),
             Duration::from_secs(5),
+            Duration::from_secs(5),
         ));
         let p1 = conns.admit().await.unwrap();
         let a = conns.opened();
@@ -314,6 +323,7 @@ mod tests {
         let conns = Arc::new(Conns::new(
             10,
             Duration::from_secs(1),
+            Duration::from_secs(5),
             Duration::from_secs(5),
         ));
         let a = conns.opened();
@@ -347,6 +357,7 @@ mod tests {
         let conns = Arc::new(Conns::new(
             10,
             Duration::from_secs(2),
+            Duration::from_secs(7),
             Duration::from_secs(7),
         ));
         let s = conns.opened();

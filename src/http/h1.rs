@@ -31,7 +31,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::FutureExt;
@@ -108,9 +108,40 @@ impl Body for RequestBody {
 }
 
 /// A connection handed to hyper: the bytes already read, then the socket.
+/// A write that waits `send_timeout` for the client to read fails (hyper
+/// has no such limit of its own), which ends the connection.
 pub struct Rewind {
     prefix: Bytes,
     io: TcpStream,
+    send_timeout: Duration,
+    /// Armed while a write waits for the client.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Rewind {
+    /// `result` of a write; a write still waiting fails once it has waited
+    /// `send_timeout` since the last one that made progress.
+    fn limit<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        result: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if result.is_ready() {
+            self.stalled = None;
+            return result;
+        }
+        let limit = self.send_timeout;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match stalled.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.stalled = None;
+                Poll::Ready(Err(io::ErrorKind::TimedOut.into()))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 impl AsyncRead for Rewind {
@@ -136,7 +167,9 @@ impl AsyncWrite for Rewind {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.limit(cx, result)
     }
 
     fn poll_write_vectored(
@@ -144,7 +177,9 @@ impl AsyncWrite for Rewind {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.limit(cx, result)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -235,17 +270,20 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                         if first && H2_PREFACE.starts_with(&buf[..buf.len().min(H2_PREFACE.len())])
                         {
                             if buf.len() >= H2_PREFACE.len() {
-                                return hand_over(buf, stream, true);
+                                return hand_over(buf, stream, true, s.conns.send_timeout);
                             }
                         } else {
                             let bad = match parse(&mut buf, s.max_head) {
                                 Parsed::Request(head) => break head,
-                                Parsed::Hyper => return hand_over(buf, stream, false),
+                                Parsed::Hyper => {
+                                    return hand_over(buf, stream, false, s.conns.send_timeout);
+                                }
                                 Parsed::Bad => true,
                                 Parsed::Partial => false,
                             };
                             if bad {
-                                let _ = stream.write_all(&bad_request()).await;
+                                let _ =
+                                    send(&mut stream, &bad_request(), s.conns.send_timeout).await;
                                 let _ = stream.shutdown().await;
                                 return Next::Closed;
                             }
@@ -271,13 +309,16 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
             // what it sends meanwhile (pipelined) is kept, up to a head's
             // limit. (In a block of its own: the answer's future then
             // shares its place in the connection's task with the response
-            // being written, instead of being kept beside it.)
+            // being written, instead of being kept beside it.) The request
+            // counts as in flight until its answer is written: a
+            // connection whose client does not read is not idle (never
+            // evicted as one); `send_timeout` ends it.
+            let guard = s.conns.request(s.state);
             let response = {
-                let guard = s.conns.request(s.state);
                 let answer = s.handler.handle(req, *s.peer);
                 tokio::pin!(answer);
                 let mut watching = true;
-                let response = loop {
+                loop {
                     tokio::select! {
                         // The answer first: a refusal is ready at once, and
                         // then the socket is not even looked at.
@@ -295,15 +336,15 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                             }
                         }
                     }
-                };
-                drop(guard);
-                response
+                }
             };
             let close = !keep_alive || s.state.close.reason().is_some();
-            if let Err(e) = write_response(&mut stream, response, head, close).await {
+            let written = write_response(&mut stream, response, head, close, s.conns.send_timeout);
+            if let Err(e) = written.await {
                 debug!(peer = %s.peer, error = %e, "connection ended with an error");
                 return Next::Closed;
             }
+            drop(guard);
             if close {
                 let _ = stream.shutdown().await;
                 return Next::Closed;
@@ -312,11 +353,13 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
     }
 }
 
-fn hand_over(buf: BytesMut, io: TcpStream, h2: bool) -> Next {
+fn hand_over(buf: BytesMut, io: TcpStream, h2: bool, send_timeout: Duration) -> Next {
     Next::Hyper {
         io: Rewind {
             prefix: buf.freeze(),
             io,
+            send_timeout,
+            stalled: None,
         },
         h2,
     }
@@ -550,10 +593,25 @@ fn write_response(
     response: Response<ProxyBody>,
     head_request: bool,
     close: bool,
+    limit: Duration,
 ) -> impl Future<Output = io::Result<()>> + Send + '_ {
     let (parts, body) = response.into_parts();
     let (out, framing) = response_head(&parts, &body, head_request, close);
-    write_body(stream, body, out, framing)
+    write_body(stream, body, out, framing, limit)
+}
+
+/// Write all of `bytes`, each wait for the client to read at most `limit`
+/// (nginx's `send_timeout`). A write the socket takes at once, the usual
+/// case, arms no timer.
+async fn send(stream: &mut TcpStream, bytes: &[u8], limit: Duration) -> io::Result<()> {
+    let write = stream.write_all(bytes);
+    tokio::pin!(write);
+    if let Some(done) = write.as_mut().now_or_never() {
+        return done;
+    }
+    tokio::time::timeout(limit, write)
+        .await
+        .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))
 }
 
 /// A response's head, as bytes, and how its body is delimited.
@@ -632,9 +690,10 @@ async fn write_body(
     mut body: ProxyBody,
     mut out: Vec<u8>,
     framing: Framing,
+    limit: Duration,
 ) -> io::Result<()> {
     if framing == Framing::None {
-        return stream.write_all(&out).await;
+        return send(stream, &out, limit).await;
     }
     let mut sent = 0u64;
     loop {
@@ -645,7 +704,7 @@ async fn write_body(
             Some(frame) => frame,
             None => {
                 if !out.is_empty() {
-                    stream.write_all(&out).await?;
+                    send(stream, &out, limit).await?;
                     out.clear();
                 }
                 body.frame().await
@@ -673,28 +732,28 @@ async fn write_body(
         if data.len() <= COPY_MAX {
             out.extend_from_slice(&data);
         } else {
-            stream.write_all(&out).await?;
+            send(stream, &out, limit).await?;
             out.clear();
-            stream.write_all(&data).await?;
+            send(stream, &data, limit).await?;
         }
         if framing == Framing::Chunked {
             out.extend_from_slice(b"\r\n");
         }
         if out.len() >= COPY_MAX {
-            stream.write_all(&out).await?;
+            send(stream, &out, limit).await?;
             out.clear();
         }
     }
     match framing {
         Framing::Chunked => out.extend_from_slice(b"0\r\n\r\n"),
         Framing::Length(n) if sent < n => {
-            stream.write_all(&out).await?;
+            send(stream, &out, limit).await?;
             return Err(io::Error::other("the body ended before its length"));
         }
         _ => {}
     }
     if !out.is_empty() {
-        stream.write_all(&out).await?;
+        send(stream, &out, limit).await?;
     }
     Ok(())
 }

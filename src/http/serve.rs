@@ -85,6 +85,7 @@ pub struct Server {
     max_head: usize,
     header_read_timeout: Duration,
     keepalive_timeout: Duration,
+    send_timeout: Duration,
 }
 
 /// Workers for this machine: one per core, at most `configured` when set.
@@ -207,6 +208,7 @@ impl Server {
             max_head: config.server.max_header_size,
             header_read_timeout: config.server.header_read_timeout,
             keepalive_timeout: config.server.keepalive_timeout,
+            send_timeout: config.server.send_timeout,
         })
     }
 
@@ -245,6 +247,7 @@ impl Server {
                     share,
                     self.header_read_timeout,
                     self.keepalive_timeout,
+                    self.send_timeout,
                 )),
                 stop: stop.clone(),
             };

@@ -115,6 +115,9 @@ impl Downstream {
         }
         let reply = if path.starts_with("/echo") {
             body
+        } else if path.starts_with("/big") {
+            // More than loopback's socket buffers hold on both sides.
+            Bytes::from(vec![b'x'; 32 << 20])
         } else {
             Bytes::from_static(b"ok")
         };
