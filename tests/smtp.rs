@@ -420,6 +420,11 @@ fn the_protocol_pipelining_limits_and_smuggling() {
     assert!(raw.cmd("NOOP").starts_with("250 2.0.0"));
     assert!(raw.cmd("FROB").starts_with("500 5.5.1"));
     assert!(raw.cmd("RCPT TO:<a@b.c>").starts_with("503 5.5.1"));
+    // A null recipient is refused, never taken for <postmaster>.
+    assert!(raw.cmd("MAIL FROM:<n@example.com>").starts_with("250"));
+    assert!(raw.cmd("RCPT TO:<>").starts_with("501 5.1.3"));
+    assert!(raw.cmd("RCPT TO:<Postmaster>").starts_with("250"));
+    assert!(raw.cmd("RSET").starts_with("250"));
     assert!(
         raw.cmd("MAIL FROM:<a@example.com> SIZE=99999")
             .starts_with("552 5.3.4")

@@ -258,7 +258,14 @@ impl Session {
                 Ok(l) => l,
                 Err(end) => return end,
             };
-            let parsed = Request::parse(&mut line.iter()).map(Request::into_owned);
+            let parsed = match Request::parse(&mut line.iter()).map(Request::into_owned) {
+                // The parser gives `<>` and `<postmaster>` alike; only the
+                // second is a recipient (RFC 5321 4.1.1.3).
+                Ok(Request::Rcpt { to }) if to.address.is_empty() && !names_postmaster(&line) => {
+                    Err(smtp_proto::Error::InvalidRecipientAddress)
+                }
+                other => other,
+            };
             let step = match parsed {
                 Ok(request) => self.command(request).await,
                 Err(e) => self.parse_error(e),
@@ -867,4 +874,9 @@ async fn watch(inbuf: &mut InBuf, stream: &mut Stream) {
             Ok(_) => {}
         }
     }
+}
+/// Whether a command line names `<postmaster>` (any case).
+fn names_postmaster(line: &[u8]) -> bool {
+    line.windows(12)
+        .any(|w| w.eq_ignore_ascii_case(b"<postmaster>"))
 }
