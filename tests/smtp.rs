@@ -392,6 +392,38 @@ fn an_upstream_that_goes_away_gives_a_4xx_never_a_250() {
     );
 }
 
+/// A client that leaves once its end of data was sent: the relay has
+/// begun sending the message's end upstream, so it finishes and counts as
+/// forwarded (the upstream took the message), never as cancelled.
+#[test]
+fn a_client_that_leaves_after_its_end_of_data_does_not_cancel_the_relay() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&plain(up.port));
+    up.set_mode("slow-reply");
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    start_message(&mut raw, "left");
+    raw.send(".\r\n");
+    // Taken upstream (its reply still 1 s away), then the client goes.
+    assert_eq!(up.wait_arrivals(1, Duration::from_secs(10)).len(), 1);
+    drop(raw);
+    let forwarded = r#"sluice_requests_total{route="mail",protocol="smtp",outcome="forwarded"} 1"#;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = metrics(&sluice);
+        if m.contains(forwarded) {
+            assert!(
+                m.contains(
+                    r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 0"#
+                ),
+                "{m}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "{m}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn the_protocol_pipelining_limits_and_smuggling() {
     let up = SmtpUpstream::start(UpstreamOpts::default());

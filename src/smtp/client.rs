@@ -84,6 +84,9 @@ pub struct Envelope {
     pub eightbit: bool,
     pub smtputf8: bool,
     pub rcpts: Vec<String>,
+    /// Set once the end of data starts going upstream: from then on the
+    /// upstream may take the message whatever happens to the relay.
+    pub committed: std::sync::atomic::AtomicBool,
 }
 
 /// What an upstream said it supports.
@@ -534,6 +537,8 @@ impl Session {
             return Err(RelayError::Refused(refusal));
         }
         let wire = stuffed(body);
+        env.committed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         within(deadline, true, self.stream.write_all(&wire)).await?;
         let reply = self.reply(deadline, true).await?;
         if reply.is_positive() {

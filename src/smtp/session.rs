@@ -10,7 +10,8 @@
 //! sluice never says 250 for a message the upstream has not taken. A
 //! client that goes away while held is withdrawn (its slot goes to the
 //! next message) and nothing is relayed; one that goes away mid-relay,
-//! before the end of data is sent, aborts the relay.
+//! before the end of data is sent, aborts the relay; after it, the relay
+//! finishes and counts as what it was (the upstream may have taken it).
 //!
 //! Commands are parsed by smtp-proto (Stalwart's parser): line by line from
 //! one input buffer that is never flushed, so pipelined commands are
@@ -19,7 +20,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
@@ -36,10 +37,10 @@ use tracing::{debug, info, warn};
 
 use super::client::Envelope;
 use super::io::{InBuf, Stream};
-use super::pool::{client_reply, throttled_error};
+use super::pool::{Pool, client_reply, throttled_error};
 use super::reply::{self, Reply};
 use super::{Front, Listener};
-use crate::admission::{Hold, HoldError, Key, Room, Verdict, compose};
+use crate::admission::{Hold, HoldError, Key, Room, Rule, Verdict, compose};
 use crate::config::{SmtpCost, SmtpKeyPart};
 use crate::metrics::Outcome;
 
@@ -685,19 +686,43 @@ impl Session {
             eightbit,
             smtputf8,
             rcpts,
+            committed: AtomicBool::new(false),
         };
         let pool = listener.pool.clone();
         let deadline = Instant::now() + pool.config().relay_timeout;
+        let relay = pool.send(&env, &message, deadline);
+        tokio::pin!(relay);
         let relayed = tokio::select! {
-            r = pool.send(&env, &message, deadline) => r,
-            () = watch(&mut self.inbuf, &mut self.stream) => {
-                // Dropping the relay closes its upstream session: a
-                // message whose end of data was not sent is not taken.
+            r = &mut relay => Some(r),
+            () = watch(&mut self.inbuf, &mut self.stream) => None,
+        };
+        let gone = relayed.is_none();
+        let relayed = match relayed {
+            Some(r) => r,
+            // Dropping the relay closes its upstream session: a message
+            // whose end of data was not sent is not taken.
+            None if !env.committed.load(Ordering::Relaxed) => {
                 rule.count(Outcome::Cancelled);
                 return Err(End::Gone);
             }
+            // The end of data is on its way: the upstream may take the
+            // message whatever happens now, so the relay finishes (within
+            // its deadline) and counts as what it was.
+            None => relay.await,
         };
         drop(room);
+        let reply = self.outcome(&rule, &listener, &pool, relayed);
+        if gone { Err(End::Gone) } else { Ok(reply) }
+    }
+
+    /// Count, log and answer a relay's result.
+    fn outcome(
+        &self,
+        rule: &Rule,
+        listener: &Listener,
+        pool: &Pool,
+        relayed: Result<Reply, super::client::RelayError>,
+    ) -> Reply {
         match relayed {
             Ok(r) => {
                 rule.count(Outcome::Forwarded);
@@ -708,7 +733,7 @@ impl Session {
                     reply = %r.text,
                     "relayed"
                 );
-                Ok(r)
+                r
             }
             Err(e) => {
                 let answered = matches!(
@@ -722,7 +747,7 @@ impl Session {
                 });
                 if throttled_error(&e) {
                     let pause = pool.config().throttle_pause;
-                    self.front.admission.pause(&rule, Instant::now() + pause);
+                    self.front.admission.pause(rule, Instant::now() + pause);
                     warn!(
                         upstream = %pool.config().name,
                         pause = %humantime::format_duration(pause),
@@ -734,7 +759,7 @@ impl Session {
                 } else {
                     warn!(upstream = %pool.config().name, error = %e, "relay failed");
                 }
-                Ok(client_reply(&e))
+                client_reply(&e)
             }
         }
     }

@@ -10,7 +10,8 @@ Prints `PORT <n>` first, then one JSON line per message taken:
 --mode-file F    read before each MAIL: "ok", "throttle-once" (one
                  `454 Throttling failure` then ok), "451" (always),
                  "drop-at-dot" (close at the end of data, no reply),
-                 "421-close"
+                 "421-close", "slow-reply" (takes the message, answers
+                 its end of data 1 s later)
 """
 import argparse
 import asyncio
@@ -86,6 +87,8 @@ class Upstream:
             "subject": subject, "received": received,
             "body": content.decode("utf-8", "replace"),
         }), flush=True)
+        if self.mode() == "slow-reply":
+            await asyncio.sleep(1)
         return f"250 2.0.0 Ok: queued as {qid}"
 
 
