@@ -242,3 +242,51 @@ async fn connection_close_ends_the_connection_after_its_answer() {
     })
     .await;
 }
+
+/// Host as RFC 9112 3.2 has it: an HTTP/1.1 request without a Host, or
+/// with two, gets 400; an absolute-form target's authority comes before
+/// Host; an HTTP/1.0 request without one reaches the upstream with the
+/// upstream's own (sluice speaks HTTP/1.1 to it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_is_required_once_and_the_targets_authority_comes_first() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(ds.addr));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        for bad in [
+            &b"GET /none HTTP/1.1\r\nX-Client: h\r\n\r\n"[..],
+            b"GET /two HTTP/1.1\r\nHost: a\r\nHost: b\r\nX-Client: h\r\n\r\n",
+        ] {
+            let c = &mut connect(addr);
+            send(c, bad);
+            let a = read_answer(c, false);
+            assert_eq!(a.status, 400, "{a:?}");
+        }
+        let c = &mut connect(addr);
+        send(
+            c,
+            b"GET http://a.example/abs HTTP/1.1\r\nHost: b.example\r\nX-Client: h\r\n\r\n",
+        );
+        assert_eq!(read_answer(c, false).status, 200);
+        let c = &mut connect(addr);
+        send(c, b"GET /old HTTP/1.0\r\nX-Client: h\r\n\r\n");
+        let mut line = String::new();
+        c.read_line(&mut line).unwrap();
+        assert_eq!(line, "HTTP/1.0 200 OK\r\n");
+    })
+    .await
+    .unwrap();
+    let seen = ds.seen();
+    let paths: Vec<&str> = seen.iter().map(|s| s.path.as_str()).collect();
+    assert_eq!(paths, ["/abs", "/old"]);
+    let host = |i: usize| seen[i].headers.get("host").and_then(|h| h.to_str().ok());
+    assert_eq!(host(0), Some("a.example"));
+    assert_eq!(
+        seen[0]
+            .headers
+            .get("x-forwarded-host")
+            .and_then(|h| h.to_str().ok()),
+        Some("a.example")
+    );
+    assert_eq!(host(1), Some(ds.addr.to_string().as_str()));
+}

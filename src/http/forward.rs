@@ -289,12 +289,12 @@ impl Upstream {
         peer: SocketAddr,
         strip: Option<&str>,
     ) -> Option<Origin> {
-        let host = parts.headers.get(HOST).cloned().or_else(|| {
-            parts
-                .uri
-                .authority()
-                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        });
+        // The target's authority first (RFC 9112 3.2.2), as routing does.
+        let host = parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+            .or_else(|| parts.headers.get(HOST).cloned());
         parts.uri = Uri::from(self.map_path(parts.uri.path_and_query(), strip)?);
         Some(Origin {
             peer: peer.ip(),
@@ -335,7 +335,11 @@ impl Upstream {
         append_via(&mut parts.headers, parts.version);
         let host = match &self.host {
             HostMode::Upstream => HeaderValue::from_str(self.authority.as_str()).ok(),
-            HostMode::Client => host,
+            // A client that sent none (HTTP/1.0): the upstream's own, so
+            // that the upstream always gets one.
+            HostMode::Client => {
+                host.or_else(|| HeaderValue::from_str(self.authority.as_str()).ok())
+            }
             HostMode::Fixed(v) => Some(v.clone()),
         };
         match host {

@@ -231,6 +231,18 @@ impl Handler {
         peer: SocketAddr,
         grpc: Option<Option<Duration>>,
     ) -> Result<Admit, Response<ProxyBody>> {
+        // RFC 9112 3.2: an HTTP/1.1 request carries exactly one Host.
+        if req.version() == http::Version::HTTP_11 {
+            let mut hosts = req.headers().get_all(http::header::HOST).iter();
+            if hosts.next().is_none() || hosts.next().is_some() {
+                self.shared.count_unrouted();
+                return Err(problem(
+                    StatusCode::BAD_REQUEST,
+                    "an HTTP/1.1 request needs exactly one Host header",
+                    None,
+                ));
+            }
+        }
         // A protocol switch (HTTP/1.1 only) holds a tunnel's place from
         // its arrival: past max_tunnels, 503 at once.
         let switch =

@@ -111,14 +111,15 @@ impl Route {
     }
 }
 
-/// The host a request is for, without port: `Host`, or the URI authority
-/// (HTTP/2).
+/// The host a request is for, without port: the target's authority (an
+/// absolute-form target, which RFC 9112 3.2.2 puts before `Host`, or
+/// HTTP/2's `:authority`), else `Host`.
 pub fn request_host<B>(req: &Request<B>) -> Option<&str> {
-    let raw = req
-        .headers()
-        .get(http::header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .or_else(|| req.uri().authority().map(|a| a.as_str()))?;
+    let raw = req.uri().authority().map(|a| a.as_str()).or_else(|| {
+        req.headers()
+            .get(http::header::HOST)
+            .and_then(|h| h.to_str().ok())
+    })?;
     let host = match raw.strip_prefix('[') {
         Some(v6) => v6.split(']').next().unwrap_or(v6),
         None => match raw.rsplit_once(':') {
