@@ -231,6 +231,14 @@ fn auth_inbound_and_outbound() {
             .contains("with ESMTPA")
     );
 
+    // A response too long ends the AUTH exchange: what follows is a
+    // command again, never read as the response.
+    let mut raw = Raw::connect(addr);
+    assert!(raw.cmd("EHLO raw.test").starts_with("250"));
+    assert!(raw.cmd("AUTH LOGIN").starts_with("334"));
+    assert!(raw.cmd(&"A".repeat(20_000)).starts_with("500 5.5.6"));
+    assert!(raw.cmd("NOOP").starts_with("250"));
+
     let wrong = smtp::send(addr, &["--auth", "app:wrong"]);
     assert_eq!(wrong[0]["error_code"].as_u64(), Some(535), "{wrong:?}");
     let anonymous = smtp::send(addr, &[]);

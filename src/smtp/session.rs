@@ -218,6 +218,16 @@ impl Session {
     /// one is answered `500 5.5.2` and skipped.
     async fn line(&mut self, max: usize, too_long: &Reply) -> Result<Vec<u8>, End> {
         loop {
+            if let Some(line) = self.line_within(max, too_long).await? {
+                return Ok(line);
+            }
+        }
+    }
+
+    /// The next line, or `None` once a line longer than `max` was
+    /// answered `too_long` (the rest of it is skipped before the next).
+    async fn line_within(&mut self, max: usize, too_long: &Reply) -> Result<Option<Vec<u8>>, End> {
+        loop {
             let unread = self.inbuf.unread();
             let lf = unread.iter().position(|&b| b == b'\n');
             if self.skipping {
@@ -237,16 +247,18 @@ impl Session {
                 Some(i) if i < max => {
                     let line = unread[..=i].to_vec();
                     self.inbuf.consume(i + 1);
-                    return Ok(line);
+                    return Ok(Some(line));
                 }
                 Some(i) => {
                     self.inbuf.consume(i + 1);
                     self.error(too_long)?;
+                    return Ok(None);
                 }
                 None if unread.len() >= max => {
                     self.inbuf.discard();
                     self.skipping = true;
                     self.error(too_long)?;
+                    return Ok(None);
                 }
                 None => self.read_more().await?,
             }
@@ -860,7 +872,14 @@ impl Session {
     /// `None` when it was cancelled or undecodable (answered).
     async fn challenge(&mut self, text: &'static str) -> Result<Option<Vec<u8>>, End> {
         self.say(&Reply::new(334, [0, 0, 0], text));
-        let line = self.line(MAX_AUTH_LINE, &reply::AUTH_LINE_TOO_LONG).await?;
+        // A response too long ends the exchange (RFC 4954 4): the next
+        // line is a command again.
+        let Some(line) = self
+            .line_within(MAX_AUTH_LINE, &reply::AUTH_LINE_TOO_LONG)
+            .await?
+        else {
+            return Ok(None);
+        };
         let answer = String::from_utf8_lossy(&line);
         let answer = answer.trim_end_matches(['\r', '\n']);
         if answer == "*" {
