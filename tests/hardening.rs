@@ -29,6 +29,13 @@ url = "http://{ds}"
     )
 }
 
+/// The route `default` to `api` with this key, rate and capacity.
+fn default_route(key: &str, rate: &str, capacity: u32) -> String {
+    format!(
+        "\n[[route]]\nname = \"default\"\nupstream = \"api\"\nkey = \"{key}\"\nrate = \"{rate}\"\ncapacity = {capacity}\n"
+    )
+}
+
 const ONE_ROUTE: &str = r#"
 [[route]]
 name = "default"
@@ -246,15 +253,8 @@ async fn an_invalid_chunked_body_is_the_clients_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bucket_query_knows_which_keys_exist() {
     let ds = Downstream::start().await;
-    let routes = r#"
-[[route]]
-name = "default"
-upstream = "api"
-key = "header:X-Client"
-rate = "1/h"
-capacity = 5
-"#;
-    let s = Sluice::start(&base(ds.addr, "", routes));
+    let routes = default_route("header:X-Client", "1/h", 5);
+    let s = Sluice::start(&base(ds.addr, "", &routes));
     let c = client();
     let long = "a".repeat(257);
     for key in ["", long.as_str()] {
@@ -386,15 +386,8 @@ capacity = 10
 async fn a_staged_body_that_stops_arriving_gets_408() {
     use std::io::{Read, Write};
     let ds = Downstream::start().await;
-    let routes = r#"
-[[route]]
-name = "default"
-upstream = "api"
-key = "ip"
-rate = "1/s"
-capacity = 5
-"#;
-    let s = Sluice::start(&base(ds.addr, "body_read_timeout = \"1s\"", routes));
+    let routes = default_route("ip", "1/s", 5);
+    let s = Sluice::start(&base(ds.addr, "body_read_timeout = \"1s\"", &routes));
     let c = client();
     // Takes the client's slot: the next request waits about 1 s.
     assert_eq!(get(&c, &s.url("/first"), &[]).await.status, StatusCode::OK);
