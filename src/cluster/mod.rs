@@ -40,8 +40,6 @@ pub enum ClusterError {
     Setup(String),
 }
 
-/// Why a store cannot be used as configured, while it cannot; logged
-/// when it changes.
 /// What is wrong with the store, while something is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Trouble {
@@ -61,8 +59,8 @@ impl Trouble {
     }
 }
 
-/// The background check's last finding, and how many checks found the
-/// store usable.
+/// The background check's last finding (logged when it changes), and how
+/// many checks found the store usable.
 #[derive(Default)]
 struct Problem {
     now: std::sync::Mutex<Option<Trouble>>,
