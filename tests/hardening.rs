@@ -136,6 +136,7 @@ url = "http://{ds}"
 rate = "1000000000/s"
 connect_timeout = "1day"
 request_timeout = "1day"
+read_timeout = "1day"
 max_concurrency = 1000000
 on_throttle = "pause"
 max_pause = "1day"

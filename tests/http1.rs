@@ -7,7 +7,7 @@ mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use support::{Downstream, Sluice};
 
@@ -289,4 +289,42 @@ async fn host_is_required_once_and_the_targets_authority_comes_first() {
         Some("a.example")
     );
     assert_eq!(host(1), Some(ds.addr.to_string().as_str()));
+}
+
+/// An upstream that stops in the middle of its answer: after
+/// `read_timeout` with nothing more, the client's connection ends with
+/// the answer cut short (as the upstream cut it), instead of staying open
+/// with the call's resources held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_stalls_mid_answer_is_cut_after_read_timeout() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        if let Ok((mut conn, _)) = listener.accept() {
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789");
+            // Then nothing, for longer than the test waits.
+            std::thread::sleep(Duration::from_secs(20));
+        }
+    });
+    let config = config(upstream).replace(
+        "request_timeout = \"5s\"",
+        "request_timeout = \"5s\"\nread_timeout = \"1s\"",
+    );
+    let sluice = Sluice::start(&config);
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        let c = &mut connect(addr);
+        let t = Instant::now();
+        send(c, b"GET /stall HTTP/1.1\r\nHost: t\r\nX-Client: s\r\n\r\n");
+        let mut got = Vec::new();
+        let read = c.read_to_end(&mut got);
+        assert!(read.is_ok(), "still open after {:?}: {read:?}", t.elapsed());
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        assert!(text.ends_with("0123456789"), "{text}");
+    })
+    .await
+    .unwrap();
 }

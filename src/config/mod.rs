@@ -80,6 +80,9 @@ pub struct Upstream {
     pub rate: Option<Rate>,
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
+    /// The longest pause between two parts of an answer's body (nginx's
+    /// `proxy_read_timeout`).
+    pub read_timeout: Duration,
     /// Most upstream calls in flight at once; `None`: no cap.
     pub max_concurrency: Option<usize>,
     /// Which `Host` the upstream is sent.
@@ -407,6 +410,7 @@ const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
 const DEFAULT_MAX_PAUSE: Duration = Duration::from_secs(60);
 const DEFAULT_MAX_CLIENTS: usize = 1_000_000;
 const DEFAULT_MAX_QUEUED: usize = 100_000;
@@ -1039,6 +1043,11 @@ impl Validator {
             raw.request_timeout.as_deref(),
             DEFAULT_REQUEST_TIMEOUT,
         );
+        let read_timeout = self.duration(
+            &format!("{path}: read_timeout"),
+            raw.read_timeout.as_deref(),
+            DEFAULT_READ_TIMEOUT,
+        );
         let https = url
             .as_ref()
             .is_some_and(|(u, _)| u.scheme() == Some(&http::uri::Scheme::HTTPS));
@@ -1076,6 +1085,7 @@ impl Validator {
             rate: rate?,
             connect_timeout: connect_timeout?,
             request_timeout: request_timeout?,
+            read_timeout: read_timeout?,
             max_concurrency: raw.max_concurrency.map(|n| {
                 self.positive(
                     &format!("{path}: max_concurrency"),

@@ -161,6 +161,8 @@ pub struct RawUpstream {
     pub connect_timeout: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     pub request_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub read_timeout: Option<String>,
     #[serde(default, deserialize_with = "whole")]
     pub max_concurrency: Option<i64>,
     pub host: Option<String>,

@@ -46,7 +46,7 @@ use super::client::{self, IDLE_TIMEOUT, MAX_IDLE};
 use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
 use super::headers::{accepts_trailers, add_forwarded, append_via, strip_hop_by_hop, upgrade_to};
-use super::response::{BodyError, ProxyBody, problem};
+use super::response::{ProxyBody, Stalls, problem};
 use crate::config::{self, HostMode, OnThrottle, UpstreamProtocol};
 use crate::metrics::{self as m, Outcome};
 
@@ -185,6 +185,8 @@ pub struct Upstream {
     protocol: UpstreamProtocol,
     connect_timeout: Duration,
     request_timeout: Duration,
+    /// `read_timeout`: the longest pause within an answer's body.
+    read_timeout: Duration,
     /// This worker's idle connections.
     pool: Arc<Pool>,
     duration: Arc<m::Histogram>,
@@ -254,6 +256,7 @@ impl Upstream {
             },
             connect_timeout: cfg.connect_timeout,
             request_timeout: cfg.request_timeout,
+            read_timeout: cfg.read_timeout,
             pool: Arc::default(),
             duration: m::histogram(m::UPSTREAM_DURATION_SECONDS, &[("upstream", &cfg.name)]),
             concurrency,
@@ -477,11 +480,11 @@ impl Upstream {
                             _stream: stream,
                             _permit: permit,
                         };
-                        body.map_err(BodyError::from).boxed()
+                        Stalls::new(body, self.read_timeout).boxed()
                     }
                     Answer::Own(mut body) => {
                         body.hold(permit);
-                        body.map_err(BodyError::from).boxed()
+                        Stalls::new(body, self.read_timeout).boxed()
                     }
                 };
                 (
