@@ -50,6 +50,7 @@ use tracing::debug;
 use super::conn::{ConnState, Conns, Reason};
 use super::handler::Handler;
 use super::response::ProxyBody;
+use super::stall::Stall;
 
 /// At most this many header fields (hyper's limit: a head with more goes
 /// to hyper, which answers 431).
@@ -113,34 +114,21 @@ impl Body for RequestBody {
 pub struct Rewind {
     prefix: Bytes,
     io: TcpStream,
-    send_timeout: Duration,
-    /// Armed while a write waits for the client.
-    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// `send_timeout`, for writes.
+    stall: Stall,
 }
 
 impl Rewind {
-    /// `result` of a write; a write still waiting fails once it has waited
-    /// `send_timeout` since the last one that made progress.
+    /// `result` of a write, failed once it has waited `send_timeout` since
+    /// the last write that made progress.
     fn limit<T>(
         &mut self,
         cx: &mut Context<'_>,
         result: Poll<io::Result<T>>,
     ) -> Poll<io::Result<T>> {
-        if result.is_ready() {
-            self.stalled = None;
-            return result;
-        }
-        let limit = self.send_timeout;
-        let stalled = self
-            .stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        match stalled.as_mut().poll(cx) {
-            Poll::Ready(()) => {
-                self.stalled = None;
-                Poll::Ready(Err(io::ErrorKind::TimedOut.into()))
-            }
-            Poll::Pending => Poll::Pending,
-        }
+        self.stall
+            .check(cx, result)
+            .map(|r| r.unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())))
     }
 }
 
@@ -358,8 +346,7 @@ fn hand_over(buf: BytesMut, io: TcpStream, h2: bool, send_timeout: Duration) -> 
         io: Rewind {
             prefix: buf.freeze(),
             io,
-            send_timeout,
-            stalled: None,
+            stall: Stall::new(send_timeout),
         },
         h2,
     }

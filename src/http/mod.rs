@@ -28,6 +28,7 @@ pub mod response;
 mod route;
 mod serve;
 mod stage;
+mod stall;
 mod throttle;
 mod tunnel;
 

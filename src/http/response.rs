@@ -3,10 +3,7 @@
 //! Bodies that are answered often (refusals) are rendered once per route.
 
 use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,7 +11,6 @@ use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
-use hyper::body::{Body, Frame, SizeHint};
 
 /// Body of every response sluice sends: proxied bodies stream through,
 /// local ones are complete buffers.
@@ -30,65 +26,6 @@ pub enum BodyError {
     Upstream(#[from] super::client::Error),
     #[error("the upstream sent nothing of its answer for {0:?}")]
     Stalled(Duration),
-}
-
-/// An upstream's answer body that may stall: no part of it for `limit`
-/// ends it with an error (nginx's `proxy_read_timeout`), so an upstream
-/// that stops mid-answer does not hold the client's connection and its
-/// call's slot for good. No timer unless a read has to wait.
-pub struct Stalls<B> {
-    body: B,
-    limit: Duration,
-    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl<B> Stalls<B> {
-    pub fn new(body: B, limit: Duration) -> Stalls<B> {
-        Stalls {
-            body,
-            limit,
-            stalled: None,
-        }
-    }
-}
-
-impl<B> Body for Stalls<B>
-where
-    B: Body<Data = Bytes> + Unpin,
-    BodyError: From<B::Error>,
-{
-    type Data = Bytes;
-    type Error = BodyError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        let this = self.get_mut();
-        if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
-            this.stalled = None;
-            return Poll::Ready(frame.map(|f| f.map_err(BodyError::from)));
-        }
-        let limit = this.limit;
-        let stalled = this
-            .stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        match stalled.as_mut().poll(cx) {
-            Poll::Ready(()) => {
-                this.stalled = None;
-                Poll::Ready(Some(Err(BodyError::Stalled(limit))))
-            }
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
 }
 
 /// A complete body.
