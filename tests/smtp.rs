@@ -400,6 +400,30 @@ fn an_upstream_that_goes_away_gives_a_4xx_never_a_250() {
     );
 }
 
+/// An upstream that takes the connection and never greets: the session
+/// setup is part of the relay, so the client has its 4xx by
+/// `relay_timeout` (2 s), not by the far longer `connect_timeout`.
+#[test]
+fn an_upstream_that_never_greets_is_given_up_at_the_relay_deadline() {
+    // The kernel completes the handshake; nothing ever answers.
+    let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = mute.local_addr().unwrap().port();
+    let sluice = Sluice::start(&config(
+        port,
+        "tls = \"none\"\nconnect_timeout = \"2m\"\nrelay_timeout = \"2s\"",
+        "key = \"global\"\nrate = \"5/s\"\ncapacity = 10",
+    ));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    start_message(&mut raw, "mute");
+    let sent = Instant::now();
+    raw.send(".\r\n");
+    let reply = raw.reply();
+    let took = sent.elapsed();
+    assert!(reply.starts_with("451"), "{reply}");
+    assert!(took < Duration::from_secs(20), "answered after {took:?}");
+    drop(mute);
+}
+
 /// A client that leaves once its end of data was sent: the relay has
 /// begun sending the message's end upstream, so it finishes and counts as
 /// forwarded (the upstream took the message), never as cancelled.

@@ -228,10 +228,11 @@ pub fn stuffed(body: &[u8]) -> Vec<u8> {
 
 impl Session {
     /// Open a session: connect, greeting, EHLO, STARTTLS (then EHLO
-    /// again), AUTH; all within the upstream's `connect_timeout`.
-    pub async fn open(target: &Target) -> Result<Session, RelayError> {
+    /// again), AUTH; all within the upstream's `connect_timeout`, and by
+    /// `by` (the relay's deadline, which the setup is part of).
+    pub async fn open(target: &Target, by: Instant) -> Result<Session, RelayError> {
         let cfg = &target.cfg;
-        let deadline = Instant::now() + cfg.connect_timeout;
+        let deadline = by.min(Instant::now() + cfg.connect_timeout);
         let unreachable = |e: std::io::Error| RelayError::Unreachable(e.to_string());
         let tcp = match tokio::time::timeout_at(
             deadline.into(),

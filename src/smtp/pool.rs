@@ -95,12 +95,18 @@ impl Pool {
         loop {
             let (mut session, reused) = match self.checkout() {
                 Some(s) => (s, true),
-                None => (Session::open(&self.target).await?, false),
+                None => (Session::open(&self.target, deadline).await?, false),
             };
             let result = session.send(env, body, deadline).await;
             let cfg = &self.target.cfg;
             match result {
-                Err(e) if reused && !retried && e.stale_session() && !throttled_error(&e) => {
+                Err(e)
+                    if reused
+                        && !retried
+                        && e.stale_session()
+                        && !throttled_error(&e)
+                        && Instant::now() < deadline =>
+                {
                     debug!(upstream = %cfg.name, error = %e, "stale pooled session; trying a fresh one");
                     retried = true;
                 }
