@@ -635,6 +635,7 @@ impl Admission {
     ) -> Shared {
         let us = |ns: u64| ns / 1_000;
         let step = rule.policy.rate.interval_nanos();
+
         let (k, slots) = cluster.keys(
             &rule.name,
             key.as_bytes(),
@@ -643,11 +644,11 @@ impl Admission {
         let ask = Ask {
             key: k,
             slots,
-            step_us: us(step),
+            step_us: spacing_us(step),
             capacity: rule.policy.capacity,
             cost,
             tau_us: us(u64::from(rule.policy.burst.saturating_sub(1)).saturating_mul(step)),
-            slot_us: rule.cap_step.map_or(0, us),
+            slot_us: rule.cap_step.map_or(0, spacing_us),
             max_wait_us: rule.policy.max_wait.map_or(0, us),
         };
         let verdict = match cluster.admit(ask).await {
@@ -862,4 +863,48 @@ enum Shared {
     Decided(Verdict),
     /// The backend failed and `on_failure = "local"`.
     Local,
+}
+
+/// A spacing in nanoseconds as the cluster store keeps it, in whole
+/// microseconds rounded up: the shared schedule never departs faster than
+/// r or the upstream's cap (30,000/s is 34 µs apart, 29,412/s), and a
+/// spacing under 1 µs is never 0.
+fn spacing_us(ns: u64) -> u64 {
+    ns.div_ceil(1_000).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::spacing_us;
+    use crate::shaper::Rate;
+
+    #[test]
+    fn the_store_never_paces_faster_than_the_rate() {
+        for per_second in [
+            1.0,
+            3.0,
+            7.0,
+            100.0,
+            30_000.0,
+            33_333.0,
+            999_999.0,
+            5_000_000.0,
+        ] {
+            let interval = Rate::per_second(per_second).unwrap().interval_nanos();
+            let step = spacing_us(interval);
+            // Never closer than the rate's own interval, and less than
+            // 1 µs further.
+            assert!(
+                step * 1_000 >= interval,
+                "{per_second}/s paced {step} µs apart"
+            );
+            assert!(
+                step * 1_000 < interval.max(1) + 1_000,
+                "{per_second}/s paced {step} µs apart"
+            );
+        }
+        assert_eq!(spacing_us(33_333), 34);
+        assert_eq!(spacing_us(1_000_000), 1_000);
+        assert_eq!(spacing_us(0), 1);
+    }
 }
