@@ -549,6 +549,48 @@ fn the_protocol_pipelining_limits_and_smuggling() {
     assert_eq!(route["listen"][0], addr.to_string());
 }
 
+/// A listener set to an upstream's smaller per-message limit: the
+/// recipient past it is told 452 4.5.3, the others' message goes, and the
+/// client sends the rest in a further transaction.
+#[test]
+fn recipients_past_max_recipients_go_in_a_further_transaction() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"50/s\"\ncapacity = 10\nmax_recipients = 2",
+    ));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    assert!(raw.cmd("EHLO raw.test").starts_with("250"));
+    assert!(raw.cmd("MAIL FROM:<many@example.com>").starts_with("250"));
+    for to in ["a", "b"] {
+        assert!(
+            raw.cmd(&format!("RCPT TO:<{to}@example.org>"))
+                .starts_with("250")
+        );
+    }
+    let third = raw.cmd("RCPT TO:<c@example.org>");
+    assert!(third.starts_with("452 4.5.3"), "{third}");
+    assert!(raw.cmd("DATA").starts_with("354"));
+    let done = raw.cmd("Subject: first\r\n\r\nbody\r\n.");
+    assert!(done.starts_with("250"), "{done}");
+    assert!(raw.cmd("MAIL FROM:<many@example.com>").starts_with("250"));
+    assert!(raw.cmd("RCPT TO:<c@example.org>").starts_with("250"));
+    assert!(raw.cmd("DATA").starts_with("354"));
+    let done = raw.cmd("Subject: rest\r\n\r\nbody\r\n.");
+    assert!(done.starts_with("250"), "{done}");
+    let got = up.wait_arrivals(2, Duration::from_secs(20));
+    let rcpts: Vec<&Value> = got.iter().map(|m| &m["rcpts"]).collect();
+    assert_eq!(
+        rcpts,
+        [
+            &serde_json::json!(["a@example.org", "b@example.org"]),
+            &serde_json::json!(["c@example.org"])
+        ],
+        "{got:?}"
+    );
+}
+
 #[test]
 fn cost_by_recipients_is_decided_at_data() {
     let up = SmtpUpstream::start(UpstreamOpts::default());

@@ -33,7 +33,10 @@ const DEFAULT_SMTP_MAX_WAIT: Duration = Duration::from_secs(300);
 const MAX_HOLD: Duration = Duration::from_secs(540);
 const DEFAULT_MAX_MESSAGE_SIZE: usize = 10_240_000;
 const MAX_MESSAGE_SIZE: u64 = 1 << 30;
-/// RFC 5321 section 4.5.3.1.8: at least 100 recipients must be taken.
+/// RFC 5321 section 4.5.3.1.8: a server takes at least 100 recipients.
+/// Fewer may be set to match an upstream that takes fewer in one
+/// transaction (Amazon SES: 50): relayed all or nothing, a message with
+/// more would be refused whole on every retry.
 const DEFAULT_MAX_RECIPIENTS: usize = 100;
 const MAX_RECIPIENTS: usize = 100_000;
 const DEFAULT_LISTENER_CONNECTIONS: usize = 1_000;
@@ -500,12 +503,7 @@ impl Validator {
         );
         let max_message_size = self.message_size(&path, raw.max_message_size);
         let max_recipients = raw.max_recipients.map_or(DEFAULT_MAX_RECIPIENTS, |n| {
-            self.bounded(
-                &format!("{path}: max_recipients"),
-                n,
-                DEFAULT_MAX_RECIPIENTS,
-                MAX_RECIPIENTS,
-            )
+            self.bounded(&format!("{path}: max_recipients"), n, 1, MAX_RECIPIENTS)
         });
         let max_connections = raw
             .max_connections
