@@ -327,3 +327,80 @@ async fn readiness_comes_back_with_the_store_without_traffic() {
     }
     assert!(ds.seen().is_empty(), "no request was forwarded meanwhile");
 }
+
+fn paused_config(ds: SocketAddr, redis: &str, route: &str) -> String {
+    config(ds, redis, "reject", 1, "500ms")
+        .replace("url = ", "on_throttle = \"pause\"\nurl = ")
+        .replace("rate = \"5/s\"", &format!("rate = \"100/s\"\n{route}"))
+}
+
+/// The upstream answers 429 with `Retry-After: 2` in cluster mode: the
+/// pause holds every release to it on this instance, shared departures
+/// included, as without a store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_pause_holds_shared_departures() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = paused_config(ds.addr, &redis.url(), "");
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let throttled = {
+        let (c, url) = (c.clone(), s.url("/throttle/get"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let paused_at = ds.seen()[0].at;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let during = get(&c, &s.url("/during"), &[("x-client", "b")]).await;
+    let retried = throttled.await.unwrap();
+    assert_eq!(retried.status, StatusCode::OK);
+    assert_eq!(during.status, StatusCode::OK);
+    let seen = ds.seen();
+    let later: Vec<(String, Duration)> = seen[1..]
+        .iter()
+        .map(|r| (r.path.clone(), r.at - paused_at))
+        .collect();
+    assert_eq!(seen.len(), 3, "{later:?}");
+    assert!(
+        later
+            .iter()
+            .all(|(_, d)| *d >= Duration::from_millis(1_900)),
+        "nothing reaches a paused upstream: {later:?} after the 429"
+    );
+}
+
+/// A pause longer than `max_wait` (2 s against 1.2 s): a request held for
+/// a shared departure when the pause begins expires at its max_wait (503),
+/// one that arrives during it is refused at once (429), and neither
+/// reaches the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_longer_than_max_wait_expires_or_refuses_shared_departures() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = paused_config(ds.addr, &redis.url(), "max_wait = \"1200ms\"")
+        .replace("rate = \"100/s\"", "rate = \"1/s\"");
+    let s = Sluice::start(&cfg);
+    let c = client();
+    assert_eq!(
+        get(&c, &s.url("/b1"), &[("x-client", "b")]).await.status,
+        StatusCode::OK
+    );
+    // Held for its departure 1 s after the first.
+    let held = {
+        let (c, url) = (c.clone(), s.url("/b2"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "b")]).await })
+    };
+    s.wait_queued(1).await;
+    let throttled = get(&c, &s.url("/throttle/get"), &[("x-client", "a")]).await;
+    // Not retried: the pause outlasts its max_wait.
+    assert_eq!(throttled.status, StatusCode::TOO_MANY_REQUESTS);
+    let during = get(&c, &s.url("/during"), &[("x-client", "c")]).await;
+    assert_eq!(during.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(held.await.unwrap().status, StatusCode::SERVICE_UNAVAILABLE);
+    let seen: Vec<String> = ds.seen().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(seen, ["/b1", "/throttle/get"]);
+}

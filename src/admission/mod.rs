@@ -238,9 +238,12 @@ enum HoldKind {
     Shared(Box<SharedHold>),
 }
 
-/// A request held by our pacer for the departure the shared schedule gave.
+/// A request held by our pacer for the departure the shared schedule gave,
+/// and past it while the upstream is paused.
 struct SharedHold {
     at: Nanos,
+    /// Set when the upstream may be paused.
+    pausable: Option<UpstreamId>,
     shaper: Shaper<Key>,
     cluster: Arc<Cluster>,
     reservation: Option<Reservation>,
@@ -251,9 +254,9 @@ struct SharedHold {
 
 impl SharedHold {
     fn poll_departed(&mut self, closing: &CancellationToken, cx: &mut Context<'_>) -> Poll<bool> {
-        let (at, shaper) = (self.at, &self.shaper);
-        self.woken
-            .get_or_insert_with(|| {
+        loop {
+            let (at, shaper) = (self.at, &self.shaper);
+            let woken = self.woken.get_or_insert_with(|| {
                 let (shaper, closing) = (shaper.clone(), closing.clone());
                 Box::pin(async move {
                     tokio::select! {
@@ -261,9 +264,20 @@ impl SharedHold {
                         () = closing.cancelled() => false,
                     }
                 })
-            })
-            .as_mut()
-            .poll(cx)
+            });
+            if !ready!(woken.as_mut().poll(cx)) {
+                return Poll::Ready(false);
+            }
+            // The store knows nothing of a pause this instance was asked
+            // for: it holds shared departures here, as local ones.
+            match self.pausable.and_then(|u| self.shaper.paused_until(u)) {
+                Some(until) => {
+                    self.at = until;
+                    self.woken = None;
+                }
+                None => return Poll::Ready(true),
+            }
+        }
     }
 }
 
@@ -320,9 +334,13 @@ impl Hold {
     pub fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), HoldError>> {
         let result = match self.kind.as_mut() {
             None => Ok(()),
-            Some(HoldKind::Shared(s)) => match ready!(s.poll_departed(&self.closing, cx)) {
-                true => Ok(()),
-                false => Err(HoldError::Closed),
+            Some(HoldKind::Shared(s)) => match s.poll_departed(&self.closing, cx) {
+                Poll::Ready(true) => Ok(()),
+                Poll::Ready(false) => Err(HoldError::Closed),
+                Poll::Pending => {
+                    ready!(self.expiry.poll(cx));
+                    Err(HoldError::Expired)
+                }
             },
             Some(HoldKind::Local(waiting)) => match waiting.poll_wait(cx) {
                 Poll::Ready(Ok(())) => Ok(()),
@@ -334,9 +352,16 @@ impl Hold {
                 }
             },
         };
-        // Settled: dropping the hold now withdraws nothing (an expired
-        // local waiter still holds its ticket and is withdrawn here).
-        self.settle();
+        // Settled: dropping the hold now withdraws nothing. One that does
+        // not depart is withdrawn here (an expired local waiter still holds
+        // its ticket; a shared one its reservation).
+        match self.kind.take() {
+            Some(kind) if result.is_err() => self.release(kind),
+            kind => {
+                self.kind = kind;
+                self.settle();
+            }
+        }
         match result {
             Ok(()) => self.rule.queue_wait.record(self.arrival.elapsed()),
             Err(_) => self.rule.count(Outcome::Expired),
@@ -653,7 +678,21 @@ impl Admission {
         };
         let verdict = match cluster.admit(ask).await {
             Ok(crate::cluster::Verdict::Go { delay, reservation }) => {
-                if delay.is_zero() {
+                let pausable = rule.pausable().then_some(rule.upstream_id);
+                let paused = pausable.and_then(|u| self.shaper.paused_until(u));
+                let max_wait = rule.policy.max_wait.map(Duration::from_nanos);
+                let resumes = paused.map(|until| self.shaper.instant(until));
+                if let (Some(resumes), Some(max_wait)) = (resumes, max_wait)
+                    && resumes > arrival + max_wait
+                {
+                    // As a local admission: refused when the pause alone
+                    // outlasts max_wait.
+                    cluster.cancel(reservation);
+                    Verdict::Refused {
+                        why: Refusal::MaxWait,
+                        retry_after: resumes.saturating_duration_since(Instant::now()),
+                    }
+                } else if delay.is_zero() && paused.is_none() {
                     Verdict::Go
                 } else if !self.shaper.budget().take_queued() {
                     cluster.cancel(reservation);
@@ -667,13 +706,15 @@ impl Admission {
                         rule: rule.clone(),
                         kind: Some(HoldKind::Shared(Box::new(SharedHold {
                             at,
+                            pausable,
                             shaper: self.shaper.clone(),
                             cluster: cluster.clone(),
                             reservation: Some(reservation),
                             woken: None,
                         }))),
                         arrival,
-                        expiry: Expiry::Never,
+                        // A pause may hold it past its departure.
+                        expiry: Expiry::new(pausable.and(max_wait).map(|w| arrival + w)),
                         closing: self.closing.clone(),
                     })
                 }
