@@ -404,3 +404,42 @@ async fn a_pause_longer_than_max_wait_expires_or_refuses_shared_departures() {
     let seen: Vec<String> = ds.seen().iter().map(|r| r.path.clone()).collect();
     assert_eq!(seen, ["/b1", "/throttle/get"]);
 }
+
+/// DESIGN 1's late releases with a shared schedule: sluice stopped
+/// (SIGSTOP) for 1.5 s while one client's four requests wait for their
+/// shared departures (200 ms apart) catches up at no more than twice the
+/// client's rate (100 ms apart), not in one burst.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_instance_catches_up_shared_departures_at_twice_the_rate() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&config(ds.addr, &redis.url(), "reject", 1, "500ms"));
+    let c = client();
+    let first = get(&c, &s.url("/0"), &[("x-client", "k")]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let held: Vec<_> = (1..=4)
+        .map(|i| {
+            let (c, url) = (c.clone(), s.url(&format!("/{i}")));
+            tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await })
+        })
+        .collect();
+    s.wait_queued(4).await;
+    s.signal("STOP");
+    // Every departure is overdue when it resumes (the last was due 800 ms
+    // after the first).
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    s.signal("CONT");
+    for h in held {
+        assert_eq!(h.await.unwrap().status, StatusCode::OK);
+    }
+    let seen = ds.seen();
+    assert_eq!(seen.len(), 5);
+    let times: Vec<Instant> = seen[1..].iter().map(|r| r.at).collect();
+    // 100 ms apart less the downstream's own jitter; in one burst they
+    // come within a millisecond or two.
+    let gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(
+        gaps.iter().all(|g| *g >= Duration::from_millis(70)),
+        "{gaps:?}"
+    );
+}

@@ -15,6 +15,7 @@
 
 mod budget;
 mod key;
+mod spacing;
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -35,6 +36,7 @@ pub use crate::shaper::{ClientView, Limits, Nanos, Policy, Probe, Rate, Rejectio
 use crate::shaper::{RouteId, UpstreamId};
 pub use budget::{Room, StageBudget};
 pub use key::{Key, KeyBuf, compose};
+use spacing::Spacing;
 
 /// Why the admission layer could not start.
 #[derive(Debug, thiserror::Error)]
@@ -239,11 +241,17 @@ enum HoldKind {
 }
 
 /// A request held by our pacer for the departure the shared schedule gave,
-/// and past it while the upstream is paused.
+/// past it while the upstream is paused, and c·T/2 after the client's
+/// previous release when the pacer ran late.
 struct SharedHold {
     at: Nanos,
     /// Set when the upstream may be paused.
     pausable: Option<UpstreamId>,
+    /// The client, its c·T/2, and when it was given a later release.
+    client: (RouteId, Key),
+    half: Nanos,
+    spacing: Arc<Spacing<(RouteId, Key)>>,
+    spaced: Option<Nanos>,
     shaper: Shaper<Key>,
     cluster: Arc<Cluster>,
     reservation: Option<Reservation>,
@@ -270,13 +278,22 @@ impl SharedHold {
             }
             // The store knows nothing of a pause this instance was asked
             // for: it holds shared departures here, as local ones.
-            match self.pausable.and_then(|u| self.shaper.paused_until(u)) {
-                Some(until) => {
-                    self.at = until;
-                    self.woken = None;
-                }
-                None => return Poll::Ready(true),
+            if let Some(until) = self.pausable.and_then(|u| self.shaper.paused_until(u)) {
+                self.at = until;
+                self.woken = None;
+                continue;
             }
+            if self.spaced == Some(self.at) {
+                return Poll::Ready(true);
+            }
+            let now = self.shaper.now();
+            let release = self.spacing.release(&self.client, now, self.half);
+            if release <= now {
+                return Poll::Ready(true);
+            }
+            self.at = release;
+            self.spaced = Some(release);
+            self.woken = None;
         }
     }
 }
@@ -436,6 +453,8 @@ pub struct Admission {
     totals: Arc<Totals>,
     /// Cancelled when the drain gives up: every hold ends with `Closed`.
     closing: CancellationToken,
+    /// Shared releases' late-release spacing.
+    spacing: Arc<Spacing<(RouteId, Key)>>,
 }
 
 impl Admission {
@@ -460,6 +479,7 @@ impl Admission {
             registry: Mutex::default(),
             totals: Arc::default(),
             closing: CancellationToken::new(),
+            spacing: Arc::default(),
         })
     }
 
@@ -707,6 +727,10 @@ impl Admission {
                         kind: Some(HoldKind::Shared(Box::new(SharedHold {
                             at,
                             pausable,
+                            client: (rule.local, key.clone()),
+                            half: step.saturating_mul(u64::from(cost)) / 2,
+                            spacing: self.spacing.clone(),
+                            spaced: None,
                             shaper: self.shaper.clone(),
                             cluster: cluster.clone(),
                             reservation: Some(reservation),
