@@ -119,8 +119,9 @@ struct Registry {
 pub struct Conns {
     epoch: Instant,
     limit: Arc<Semaphore>,
-    /// Connections that became idle, oldest first (entries may be stale).
-    idle: Mutex<VecDeque<Weak<ConnState>>>,
+    /// Connections that became idle, with when they were put here, oldest
+    /// first (entries may be stale: busy again, idle since later, closed).
+    idle: Mutex<VecDeque<(u64, Weak<ConnState>)>>,
     registry: Mutex<Registry>,
     open: AtomicUsize,
     pub header_read_timeout: Duration,
@@ -169,13 +170,20 @@ impl Conns {
         self.limit.clone().acquire_owned().await.ok()
     }
 
-    /// Close the oldest idle connection, if there is one.
+    /// Close the connection idle longest, if there is one.
     fn evict_one(&self) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        while let Some(weak) = idle.pop_front() {
+        while let Some((queued_at, weak)) = idle.pop_front() {
             let Some(state) = weak.upgrade() else {
                 continue;
             };
+            // Busy and idle again since it was queued: it goes to the back
+            // with its new time, once (its time then matches).
+            let since = state.idle_since.load(Ordering::Acquire);
+            if since > queued_at && state.in_flight.load(Ordering::Acquire) == 0 {
+                idle.push_back((since, weak));
+                continue;
+            }
             state.queued.store(false, Ordering::Relaxed);
             if state.in_flight.load(Ordering::Acquire) == 0 && state.close.signal(Reason::Evicted) {
                 return;
@@ -211,8 +219,17 @@ impl Conns {
 
     /// `state`'s connection closed.
     pub fn closed(&self, state: &ConnState) {
-        self.open.fetch_sub(1, Ordering::Relaxed);
+        let open = self.open.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
         OPEN.fetch_sub(1, Ordering::Relaxed);
+        // Closed connections' entries leave the idle queue only when it is
+        // walked: it is swept when they outnumber the open ones, so that
+        // connections opened and closed below the limit leave nothing.
+        {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            if idle.len() > 2 * open + 64 {
+                idle.retain(|(_, w)| w.strong_count() > 0);
+            }
+        }
         self.registry
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -234,12 +251,13 @@ impl Conns {
     }
 
     fn became_idle(&self, state: &Arc<ConnState>) {
-        state.idle_since.store(self.now_ms(), Ordering::Release);
+        let now = self.now_ms();
+        state.idle_since.store(now, Ordering::Release);
         if !state.queued.swap(true, Ordering::AcqRel) {
             self.idle
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push_back(Arc::downgrade(state));
+                .push_back((now, Arc::downgrade(state)));
         }
     }
 
@@ -350,6 +368,52 @@ mod tests {
         // An evicted connection keeps its reason.
         assert!(!late.close.signal(Reason::Evicted));
         assert_eq!(late.close.reason(), Some(Reason::Shutdown));
+    }
+
+    #[test]
+    fn closed_connections_do_not_pile_up_in_the_idle_queue() {
+        let conns = Arc::new(Conns::new(
+            10,
+            Duration::from_secs(1),
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+        ));
+        let kept = conns.opened();
+        for _ in 0..10_000 {
+            let s = conns.opened();
+            conns.closed(&s);
+        }
+        let queued = conns.idle.lock().unwrap().len();
+        // Swept past 2 x open + 64 entries.
+        assert!(queued <= 67, "{queued} entries for 1 open connection");
+        drop(kept);
+    }
+
+    #[tokio::test]
+    async fn the_connection_idle_longest_is_evicted_not_the_oldest() {
+        let conns = Arc::new(Conns::new(
+            2,
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        ));
+        let _p1 = conns.admit().await.unwrap();
+        let old = conns.opened();
+        std::thread::sleep(Duration::from_millis(20));
+        let _p2 = conns.admit().await.unwrap();
+        let silent = conns.opened();
+        std::thread::sleep(Duration::from_millis(20));
+        // The older connection served a request since: idle for less time.
+        drop(conns.request(&old));
+        let _waiting = {
+            let conns = conns.clone();
+            tokio::spawn(async move { conns.admit().await })
+        };
+        let why = tokio::time::timeout(Duration::from_secs(1), silent.close.wait())
+            .await
+            .unwrap();
+        assert_eq!(why, Reason::Evicted);
+        assert_eq!(old.close.reason(), None);
     }
 
     #[test]
