@@ -328,3 +328,82 @@ async fn an_upstream_that_stalls_mid_answer_is_cut_after_read_timeout() {
     .await
     .unwrap();
 }
+
+/// An upstream answer with both Content-Length and Transfer-Encoding
+/// (RFC 9112 6.3: the chunked body counts, and a proxy drops the length):
+/// the client gets the whole body, not the length's first bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_with_both_length_and_chunked_reaches_the_client_whole() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for _ in 0..2 {
+            let Ok((mut conn, _)) = listener.accept() else {
+                return;
+            };
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = conn.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\nA\r\n0123456789\r\n0\r\n\r\n",
+            );
+        }
+    });
+    let sluice = Sluice::start(&config(upstream));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        // A POST goes through hyper's client, a GET through sluice's own.
+        for request in [
+            &b"POST /both HTTP/1.1\r\nHost: t\r\nX-Client: s\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"[..],
+            &b"GET /both HTTP/1.1\r\nHost: t\r\nX-Client: s\r\nconnection: close\r\n\r\n"[..],
+        ] {
+            let c = &mut connect(addr);
+            send(c, request);
+            let mut got = Vec::new();
+            let _ = c.read_to_end(&mut got);
+            let text = String::from_utf8_lossy(&got);
+            assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+            assert!(!text.to_ascii_lowercase().contains("content-length: 5"), "{text}");
+            assert!(text.contains("0123456789"), "{text}");
+        }
+    })
+    .await
+    .unwrap();
+}
+
+/// An upstream that answers a request that asked for no switch with 101:
+/// the client gets 502 (it could not follow the switch), on both clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_nobody_asked_for_is_a_502() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for _ in 0..2 {
+            let Ok((mut conn, _)) = listener.accept() else {
+                return;
+            };
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = conn.write_all(
+                b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: x\r\n\r\n",
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    let sluice = Sluice::start(&config(upstream));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        for request in [
+            &b"POST /switch HTTP/1.1\r\nHost: t\r\nX-Client: s\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"[..],
+            &b"GET /switch HTTP/1.1\r\nHost: t\r\nX-Client: s\r\nconnection: close\r\n\r\n"[..],
+        ] {
+            let c = &mut connect(addr);
+            send(c, request);
+            let mut got = Vec::new();
+            let _ = c.read_to_end(&mut got);
+            let text = String::from_utf8_lossy(&got);
+            assert!(text.starts_with("HTTP/1.1 502"), "{text}");
+        }
+    })
+    .await
+    .unwrap();
+}

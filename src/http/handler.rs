@@ -676,6 +676,15 @@ impl Handler {
             route.rule.count(outcome);
             return response;
         }
+        if switched.is_some() {
+            // A switch nobody asked for: the client could not follow it.
+            route.rule.count(Outcome::UpstreamError);
+            return problem(
+                StatusCode::BAD_GATEWAY,
+                "the upstream switched protocols unasked",
+                None,
+            );
+        }
         let Some(until) = throttle else {
             route.rule.count(outcome);
             return response;

@@ -13,7 +13,8 @@ use super::response::ceil_secs;
 use super::route::Route;
 use crate::admission::{ClientView, Nanos};
 use http::header::{
-    CONNECTION, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING, UPGRADE, VIA,
+    CONNECTION, CONTENT_LENGTH, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING, UPGRADE,
+    VIA,
 };
 
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
@@ -129,6 +130,12 @@ impl Packed {
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if headers.contains_key(CONNECTION) {
         strip_connection_named(headers);
+    }
+    // RFC 9112 6.3: Transfer-Encoding overrides Content-Length, and a
+    // proxy must remove the latter (the body was read chunked; a length
+    // kept would cut it short on the way out).
+    if headers.contains_key(TRANSFER_ENCODING) {
+        headers.remove(CONTENT_LENGTH);
     }
     for name in [
         CONNECTION,
