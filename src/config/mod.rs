@@ -531,14 +531,16 @@ impl Validator {
             .enumerate()
             .map(|(i, l)| self.smtp_listener(i, l, &smtp_upstream_names))
             .collect();
-        if let Some(s) = &server {
-            for l in smtp.iter().flatten() {
-                for addr in l.listen.iter().filter(|a| s.listen.contains(a)) {
-                    self.problem(
-                        &format!("smtp '{}'", l.name),
-                        format!("listen: {addr} is also in server.listen"),
-                    );
-                }
+        self.check_listeners(&server, &admin, &smtp);
+        for l in smtp.iter().flatten() {
+            if l.max_message_size > limits.max_staged_bytes {
+                self.problem(
+                    &format!("smtp '{}'", l.name),
+                    format!(
+                        "max_message_size ({} bytes) is more than limits.max_staged_bytes ({} bytes): a message that size could never be held, and would be refused with a 4xx on every retry",
+                        l.max_message_size, limits.max_staged_bytes
+                    ),
+                );
             }
         }
 
@@ -572,6 +574,47 @@ impl Validator {
             smtp: smtp?,
             limits,
         })
+    }
+
+    /// Every listening address once: two sockets on one address would
+    /// fail to start, or (both with SO_REUSEPORT) share its connections.
+    /// A wildcard address overlaps every address of its family on its
+    /// port; port 0 is any free port.
+    fn check_listeners(
+        &mut self,
+        server: &Option<Server>,
+        admin: &Option<Option<SocketAddr>>,
+        smtp: &[Option<SmtpListener>],
+    ) {
+        let mut all: Vec<(String, SocketAddr)> = Vec::new();
+        if let Some(s) = server {
+            all.extend(s.listen.iter().map(|a| ("server.listen".to_owned(), *a)));
+        }
+        if let Some(Some(a)) = admin {
+            all.push(("admin.listen".to_owned(), *a));
+        }
+        for l in smtp.iter().flatten() {
+            let owner = format!("smtp '{}': listen", l.name);
+            all.extend(l.listen.iter().map(|a| (owner.clone(), *a)));
+        }
+        let overlap = |a: &SocketAddr, b: &SocketAddr| {
+            a.port() == b.port()
+                && a.port() != 0
+                && a.is_ipv4() == b.is_ipv4()
+                && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+        };
+        for (i, (owner, addr)) in all.iter().enumerate() {
+            // The same address twice in one list is reported with the list.
+            let clash = |(other, b): &&(String, SocketAddr)| {
+                overlap(addr, b) && !(other == owner && b == addr)
+            };
+            if let Some((other, theirs)) = all[..i].iter().find(clash) {
+                self.problem(
+                    owner,
+                    format!("{addr} overlaps {theirs} in {other}: each listener needs an address of its own"),
+                );
+            }
+        }
     }
 
     fn unique(&mut self, kind: &str, names: &[Option<String>]) {

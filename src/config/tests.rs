@@ -961,3 +961,61 @@ fn the_cluster_store_is_redis_or_postgres() {
         "cluster.password_file: cannot read /nonexistent",
     );
 }
+
+const SMTP: &str = r#"
+[[smtp_upstream]]
+name = "relay"
+url = "smtp://127.0.0.1:2526"
+
+[[smtp]]
+name = "mail"
+listen = ["127.0.0.1:2525"]
+upstream = "relay"
+key = "global"
+rate = "5/s"
+capacity = 10
+"#;
+
+#[test]
+fn listeners_that_overlap_are_invalid() {
+    // The SMTP example alone is valid.
+    assert_eq!(problems(SMTP), Vec::<String>::new());
+    assert_problem(
+        &format!("[admin]\nlisten = \"127.0.0.1:2525\"\n{SMTP}"),
+        "smtp 'mail': listen: 127.0.0.1:2525 overlaps 127.0.0.1:2525 in admin.listen",
+    );
+    assert_problem(
+        &format!("[server]\nlisten = [\"0.0.0.0:2525\"]\n{MINIMAL}{SMTP}"),
+        "smtp 'mail': listen: 127.0.0.1:2525 overlaps 0.0.0.0:2525 in server.listen",
+    );
+    let second = SMTP
+        .split("[[smtp]]")
+        .nth(1)
+        .unwrap()
+        .replace("\"mail\"", "\"mail2\"");
+    assert_problem(
+        &format!("{SMTP}\n[[smtp]]{second}"),
+        "smtp 'mail2': listen: 127.0.0.1:2525 overlaps 127.0.0.1:2525 in smtp 'mail': listen",
+    );
+    // Other families, other ports and port 0 do not overlap.
+    let fine = format!(
+        "[server]\nlisten = [\"0.0.0.0:8080\", \"[::]:8080\", \"127.0.0.1:0\"]\n[admin]\nlisten = \"127.0.0.1:0\"\n{MINIMAL}{SMTP}"
+    );
+    assert_eq!(problems(&fine), Vec::<String>::new());
+}
+
+#[test]
+fn a_message_size_over_the_staging_budget_is_invalid() {
+    assert_problem(
+        &format!("[limits]\nmax_staged_bytes = \"4MiB\"\n{SMTP}"),
+        "smtp 'mail': max_message_size (10240000 bytes) is more than limits.max_staged_bytes (4194304 bytes)",
+    );
+    let fits = SMTP.replace(
+        "capacity = 10",
+        "capacity = 10\nmax_message_size = \"4MiB\"",
+    );
+    assert_eq!(
+        problems(&format!("[limits]\nmax_staged_bytes = \"4MiB\"\n{fits}")),
+        Vec::<String>::new()
+    );
+}
