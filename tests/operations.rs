@@ -218,6 +218,51 @@ async fn broken_reload_keeps_the_old_config_and_is_counted() {
     );
 }
 
+/// SIGHUP with a config that changes what is read only at start (here
+/// server.max_connections and server.keepalive_timeout) besides a rate:
+/// refused whole, naming them, so the new rate does not apply either and
+/// the instance does not claim a reload it did not make.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_changes_start_time_settings_is_refused_whole() {
+    let ds = Downstream::start().await;
+    let base = config(ds.addr, "5/s", 10, "5s");
+    let sluice = Sluice::start(&base);
+    let changed = base.replace("rate = \"5/s\"", "rate = \"50/s\"").replace(
+        "drain_timeout = \"5s\"",
+        "drain_timeout = \"5s\"\nmax_connections = 77\nkeepalive_timeout = \"9s\"",
+    );
+    std::fs::write(&sluice.config, changed).unwrap();
+    sluice.signal("HUP");
+    wait_for_log(
+        &sluice,
+        "server.max_connections, server.keepalive_timeout changed: restart sluice to apply",
+    )
+    .await;
+    let c = client();
+    let status = sluice.status().await;
+    assert_eq!(status["config"]["version"], 1, "{status}");
+    // Still 5/s: the second of two requests waits about 200 ms.
+    let t = Instant::now();
+    for i in 0..2 {
+        let r = get(&c, &sluice.url(&format!("/r/{i}")), &[("x-client", "a")]).await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(150),
+        "{:?}",
+        t.elapsed()
+    );
+    // A reload of the start config's own settings (and a new rate) is
+    // made.
+    std::fs::write(
+        &sluice.config,
+        base.replace("rate = \"5/s\"", "rate = \"50/s\""),
+    )
+    .unwrap();
+    sluice.signal("HUP");
+    wait_for_log(&sluice, "config reloaded").await;
+}
+
 /// SIGTERM with a full queue: every queued request gets its upstream
 /// response (at the configured pace) or a 503, /readyz turns 503 while
 /// draining, and the process exits 0 within drain_timeout plus a margin.

@@ -1200,7 +1200,17 @@ impl Validator {
             }
         };
         match CertificateDer::pem_slice_iter(&pem).collect::<Result<Vec<_>, _>>() {
-            Ok(certs) if !certs.is_empty() => Some(certs),
+            Ok(certs) if !certs.is_empty() => {
+                // What the TLS client will do with them at start.
+                let mut roots = rustls::RootCertStore::empty();
+                for c in &certs {
+                    if let Err(e) = roots.add(c.clone()) {
+                        self.problem(path, format!("{option} '{file}': {e}"));
+                        return None;
+                    }
+                }
+                Some(certs)
+            }
             Ok(_) => {
                 self.problem(path, format!("{option} '{file}': has no PEM certificate"));
                 None
@@ -1251,6 +1261,16 @@ impl Validator {
         if authority.host().is_empty() {
             self.problem(path, format!("url '{text}': a host is required"));
             ok = false;
+        } else if uri.scheme_str() == Some("https") {
+            // The name TLS verifies the upstream's certificate against.
+            let host = authority
+                .host()
+                .trim_start_matches('[')
+                .trim_end_matches(']');
+            if let Err(e) = rustls::pki_types::ServerName::try_from(host) {
+                self.problem(path, format!("url '{text}': {host}: {e}"));
+                ok = false;
+            }
         }
         if authority.as_str().contains('@') {
             self.problem(

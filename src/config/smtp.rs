@@ -114,7 +114,7 @@ pub enum SmtpTls {
 }
 
 /// `[[smtp_upstream]]`: a relay sluice hands mail to.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SmtpUpstream {
     pub name: String,
     pub host: String,

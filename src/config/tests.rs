@@ -1019,3 +1019,22 @@ fn a_message_size_over_the_staging_budget_is_invalid() {
         Vec::<String>::new()
     );
 }
+
+#[test]
+fn an_https_host_tls_cannot_name_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("http://127.0.0.1:9000", "https://api..example.com"),
+        "url 'https://api..example.com': api..example.com: invalid dns name",
+    );
+    // Names and addresses TLS takes.
+    for ok in [
+        "https://api.example.com",
+        "https://127.0.0.1:9443",
+        "https://[::1]:9443",
+    ] {
+        assert_eq!(
+            problems(&MINIMAL.replace("http://127.0.0.1:9000", ok)),
+            Vec::<String>::new()
+        );
+    }
+}

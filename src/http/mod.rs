@@ -83,6 +83,37 @@ pub(crate) struct Shared {
     loaded_at: AtomicU64,
     unrouted: Counter,
     tunnels: tunnel::Tunnels,
+    /// The settings read once at start, as [`fixed_at_start`] gives them.
+    fixed: Vec<(&'static str, String)>,
+}
+
+/// The settings read once at start (sockets, worker runtimes, connection
+/// handling, the admin listener, the shared store), each with its value
+/// as text: a reload that changes one is refused whole.
+pub(crate) fn fixed_at_start(config: &Config) -> Vec<(&'static str, String)> {
+    let s = &config.server;
+    vec![
+        ("server.listen", format!("{:?}", s.listen)),
+        ("server.workers", format!("{:?}", s.workers)),
+        ("server.max_connections", s.max_connections.to_string()),
+        (
+            "server.header_read_timeout",
+            format!("{:?}", s.header_read_timeout),
+        ),
+        (
+            "server.body_read_timeout",
+            format!("{:?}", s.body_read_timeout),
+        ),
+        ("server.send_timeout", format!("{:?}", s.send_timeout)),
+        (
+            "server.keepalive_timeout",
+            format!("{:?}", s.keepalive_timeout),
+        ),
+        ("server.max_header_size", s.max_header_size.to_string()),
+        ("server.max_tunnels", s.max_tunnels.to_string()),
+        ("admin.listen", format!("{:?}", config.admin)),
+        ("[cluster]", format!("{:?}", config.cluster)),
+    ]
 }
 
 fn unix_now() -> u64 {
@@ -152,18 +183,33 @@ pub struct Bucket {
 impl Handle {
     /// Swap in a new config. Queued requests keep their place and their
     /// departure times; new rates and capacities apply to new arrivals.
-    /// Listener addresses and `[server]` limits need a restart.
+    /// A config that changes what is read only at start (listeners,
+    /// `[server]` connection handling, `[cluster]`) is refused whole.
     pub fn reload(&self, config: &Config) -> Result<(), ServeError> {
         let shared = &self.0;
         // Everything that can fail first: all or nothing.
-        let smtp = shared.smtp.prepare(config).map_err(ServeError::Client)?;
+        let changed: Vec<&str> = fixed_at_start(config)
+            .iter()
+            .zip(&shared.fixed)
+            .filter(|(new, old)| new != old)
+            .map(|((name, _), _)| *name)
+            .collect();
+        if !changed.is_empty() {
+            return Err(ServeError::Client(format!(
+                "{} changed: restart sluice to apply (nothing was reloaded)",
+                changed.join(", ")
+            )));
+        }
+        let smtp_pools = shared.smtp.prepare(config).map_err(ServeError::Client)?;
+        let mut concurrency = lock(&shared.concurrency).clone();
         let apps = App::build_all(
             &shared.admission,
             config,
             &shared.tls,
             shared.apps.len(),
-            &mut lock(&shared.concurrency),
+            &mut concurrency,
         )?;
+        *lock(&shared.concurrency) = concurrency;
         shared.admission.set_limits(limits(config));
         shared.staging.set(
             config.limits.max_staged_body,
@@ -173,7 +219,7 @@ impl Handle {
         for (slot, app) in shared.apps.iter().zip(apps) {
             slot.store(Arc::new(app));
         }
-        shared.smtp.install(smtp);
+        shared.smtp.install(config, smtp_pools);
         shared.version.fetch_add(1, Ordering::Relaxed);
         shared.loaded_at.store(unix_now(), Ordering::Relaxed);
         metrics::gauge!(m::CONFIG_LOADED_TIMESTAMP_SECONDS).set(unix_now() as f64);

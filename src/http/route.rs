@@ -42,7 +42,7 @@ pub struct Route {
 
 /// `max_concurrency` semaphores by upstream name, kept across reloads so
 /// that calls in flight across a reload count against the same cap.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct Concurrency(HashMap<String, (usize, Arc<Semaphore>)>);
 
 impl Concurrency {

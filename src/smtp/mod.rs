@@ -50,8 +50,11 @@ pub(crate) struct Listener {
     pub acceptor: Option<TlsAcceptor>,
 }
 
+/// A config's upstream pools, ready to install.
+pub struct Pools(Vec<Arc<Pool>>);
+
 /// Everything built from one config; swapped whole on reload.
-pub struct Table {
+struct Table {
     listeners: Vec<Arc<Listener>>,
     pools: Vec<Arc<Pool>>,
 }
@@ -134,17 +137,19 @@ impl Front {
             slots: Mutex::new(HashMap::new()),
             sessions: Arc::new(AtomicUsize::new(0)),
         };
-        let table = front
+        let pools = front
             .prepare(config)
             .map_err(crate::http::ServeError::Client)?;
-        front.install(table);
+        front.install(config, pools);
         Ok(front)
     }
 
-    /// Build a table for `config` (nothing changes until
-    /// [`Front::install`]). A reload cannot add, remove or move
-    /// listeners: their sockets need a restart.
-    pub fn prepare(&self, config: &Config) -> Result<Table, String> {
+    /// What can fail in applying `config`, done first: its upstreams'
+    /// pools (nothing changes until [`Front::install`]). A reload cannot
+    /// add, remove or move listeners: their sockets need a restart. An
+    /// upstream whose settings did not change keeps its pool, its open
+    /// sessions and its `max_connections` count.
+    pub fn prepare(&self, config: &Config) -> Result<Pools, String> {
         let now: Vec<(String, Vec<SocketAddr>)> = config
             .smtp
             .iter()
@@ -156,11 +161,22 @@ impl Front {
                     .to_owned(),
             );
         }
+        let running = self.table.load();
         let pools = config
             .smtp_upstreams
             .iter()
-            .map(|u| Pool::new(u, &self.roots))
+            .map(|u| match running.pools.iter().find(|p| p.config() == u) {
+                Some(p) => Ok(p.clone()),
+                None => Pool::new(u, &self.roots),
+            })
             .collect::<Result<Vec<_>, _>>()?;
+        Ok(Pools(pools))
+    }
+
+    /// Apply `config` with its prepared pools: its policies go to the
+    /// engine, and new transactions use its table; messages in hand
+    /// finish with the one they started with.
+    pub fn install(&self, config: &Config, Pools(pools): Pools) {
         let specs: Vec<RuleSpec<'_>> = config
             .smtp
             .iter()
@@ -197,12 +213,7 @@ impl Front {
                 })
             })
             .collect();
-        Ok(Table { listeners, pools })
-    }
-
-    /// Swap in a prepared table: new transactions use it, messages in
-    /// hand finish with the one they started with.
-    pub fn install(&self, table: Table) {
+        let table = Table { listeners, pools };
         let mut slots = lock(&self.slots);
         for l in &table.listeners {
             let limit = l.cfg.max_connections;
