@@ -176,3 +176,74 @@ async fn a_client_that_does_not_read_its_answer_is_closed_after_send_timeout() {
         drop(sock);
     }
 }
+
+/// A client that starts an HTTP/2 connection (the preface's first bytes)
+/// and goes silent: once idle past its timeout it is asked to close, and
+/// as it never finishes the handshake it is dropped `send_timeout` later,
+/// instead of holding its place for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_started_http2_connection_is_dropped() {
+    use std::io::Write;
+    let ds = Downstream::start().await;
+    let config = CONFIG.replace("DOWNSTREAM", &ds.addr.to_string()).replace(
+        "keepalive_timeout = \"3s\"",
+        "keepalive_timeout = \"1s\"\nsend_timeout = \"1s\"",
+    );
+    let s = Sluice::start(&config);
+    let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
+    sock.write_all(b"PRI").unwrap();
+    let t = Instant::now();
+    while connections(&s).await != 1 {
+        assert!(t.elapsed() < Duration::from_secs(10), "never counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    while connections(&s).await != 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "still open after {:?}",
+            t.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(sock);
+}
+
+/// An HTTP/2 client that opens no flow-control window (initial stream
+/// window 0) and asks for a large answer: nothing of it can be sent, and
+/// after `send_timeout` without progress the connection is closed, which
+/// frees what the call held (its upstream connection, a max_concurrency
+/// slot). Meanwhile the connection is busy, not idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_takes_nothing_is_closed_after_send_timeout() {
+    let ds = Downstream::start().await;
+    let config = CONFIG.replace("DOWNSTREAM", &ds.addr.to_string()).replace(
+        "keepalive_timeout = \"3s\"",
+        "keepalive_timeout = \"60s\"\nsend_timeout = \"1s\"",
+    );
+    let s = Sluice::start(&config);
+    let stream = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    let (mut h2, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(0)
+            .handshake::<_, http_body_util::Empty<Bytes>>(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = http::Request::get(format!("http://{}/big", s.addr))
+        .body(http_body_util::Empty::new())
+        .unwrap();
+    let response = h2.send_request(req).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let t = Instant::now();
+    assert_eq!(connections(&s).await, 1);
+    while connections(&s).await != 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "still open after {:?}",
+            t.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(response);
+    conn.abort();
+}

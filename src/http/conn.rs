@@ -20,6 +20,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
@@ -38,6 +39,14 @@ pub struct ConnState {
     idle_since: AtomicU64,
     /// Whether it sits in the worker's idle queue.
     queued: AtomicBool,
+    /// Response bodies (on hyper's path) that handed hyper a frame hyper
+    /// has not come back for: waiting for the client to take what was sent
+    /// (a full socket, a closed HTTP/2 flow-control window) ...
+    owed: AtomicU32,
+    /// ... and when one last came back for more (or became owed, from
+    /// none), in ms since the worker's epoch: no progress since, for
+    /// `send_timeout`, is a client that takes nothing.
+    progress_at: AtomicU64,
     /// Set to make the connection close.
     pub close: Close,
     /// Its place in the worker's registry.
@@ -51,22 +60,25 @@ pub enum Reason {
     Shutdown,
     /// Its place is needed for a new connection (it was idle).
     Evicted,
+    /// It stayed idle past its timeout.
+    Idle,
 }
 
 /// A connection's request to close: set once, seen by its task.
 #[derive(Default)]
 pub struct Close {
-    /// 0 while open, else a [`Reason`] (1 shutdown, 2 evicted).
+    /// 0 while open, else a [`Reason`] (1 shutdown, 2 evicted, 3 idle).
     reason: AtomicU8,
     waker: AtomicWaker,
 }
 
 impl Close {
     /// Ask the connection to close; `false` if it already was.
-    fn signal(&self, reason: Reason) -> bool {
+    pub fn signal(&self, reason: Reason) -> bool {
         let code = match reason {
             Reason::Shutdown => 1,
             Reason::Evicted => 2,
+            Reason::Idle => 3,
         };
         let set = self
             .reason
@@ -83,7 +95,8 @@ impl Close {
         match self.reason.load(Ordering::Acquire) {
             0 => None,
             1 => Some(Reason::Shutdown),
-            _ => Some(Reason::Evicted),
+            2 => Some(Reason::Evicted),
+            _ => Some(Reason::Idle),
         }
     }
 
@@ -204,6 +217,8 @@ impl Conns {
             served: AtomicBool::new(false),
             idle_since: AtomicU64::new(self.now_ms()),
             queued: AtomicBool::new(false),
+            owed: AtomicU32::new(0),
+            progress_at: AtomicU64::new(0),
             close: Close::default(),
             id,
         });
@@ -261,6 +276,35 @@ impl Conns {
         }
     }
 
+    /// Whether a request of `state`'s connection is being handled, or its
+    /// answer sent.
+    pub fn busy(&self, state: &ConnState) -> bool {
+        state.in_flight.load(Ordering::Acquire) > 0
+    }
+
+    /// Whether `state`'s connection has answers waiting for the client to
+    /// take what it was sent, none of which moved for `send_timeout`.
+    pub fn stalled(&self, state: &ConnState) -> bool {
+        state.owed.load(Ordering::Acquire) > 0
+            && self
+                .now_ms()
+                .saturating_sub(state.progress_at.load(Ordering::Acquire))
+                > u64::try_from(self.send_timeout.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// A response body handed hyper a frame (`true`), or was polled again
+    /// after one, or dropped with one owed (`false`).
+    fn owe(&self, state: &ConnState, owed: bool) {
+        if owed {
+            if state.owed.fetch_add(1, Ordering::AcqRel) == 0 {
+                state.progress_at.store(self.now_ms(), Ordering::Release);
+            }
+        } else {
+            state.owed.fetch_sub(1, Ordering::AcqRel);
+            state.progress_at.store(self.now_ms(), Ordering::Release);
+        }
+    }
+
     /// A request of `state`'s connection starts; the guard ends it.
     pub fn request(self: &Arc<Self>, state: &Arc<ConnState>) -> RequestGuard {
         state.in_flight.fetch_add(1, Ordering::AcqRel);
@@ -298,6 +342,63 @@ impl Drop for RequestGuard {
         if self.state.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.conns.became_idle(&self.state);
         }
+    }
+}
+
+/// A response body on hyper's path that keeps its request in flight
+/// until it is sent (or dropped), and tells its connection when it waits
+/// for the client to take a frame.
+pub struct Guarded<B> {
+    body: B,
+    guard: RequestGuard,
+    owed: bool,
+}
+
+impl<B> Drop for Guarded<B> {
+    fn drop(&mut self) {
+        if self.owed {
+            self.guard.conns.owe(&self.guard.state, false);
+        }
+    }
+}
+
+impl<B> Guarded<B> {
+    pub fn new(body: B, guard: RequestGuard) -> Guarded<B> {
+        Guarded {
+            body,
+            guard,
+            owed: false,
+        }
+    }
+}
+
+impl<B: hyper::body::Body + Unpin> hyper::body::Body for Guarded<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<B::Data>, B::Error>>> {
+        let this = &mut *self;
+        if this.owed {
+            this.owed = false;
+            this.guard.conns.owe(&this.guard.state, false);
+        }
+        let frame = Pin::new(&mut this.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = &frame {
+            this.owed = true;
+            this.guard.conns.owe(&this.guard.state, true);
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 

@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use super::conn::{Conns, OwnedPermit, Reason};
+use super::conn::{Conns, Guarded, OwnedPermit, Reason};
 use super::h1::{self, RequestBody, Rewind};
 use super::handler::Handler;
 use super::route::{App, Concurrency};
@@ -416,22 +416,28 @@ impl Worker {
             };
             let handler = self.handler.clone();
             let (conns, st) = (self.conns.clone(), state.clone());
+            // The request counts as in flight until its answer is sent: a
+            // connection streaming an answer is neither idle nor evicted.
             let service = service_fn(move |req: Request<Incoming>| {
                 let guard = conns.request(&st);
                 handler
                     .handle(req.map(RequestBody::from), peer)
                     .map(move |response| {
-                        drop(guard);
-                        Ok::<_, Infallible>(response)
+                        Ok::<_, Infallible>(response.map(|body| Guarded::new(body, guard)))
                     })
             });
             let conn = Conn::new(&self.http, io, h2, service);
             tokio::pin!(conn);
             let mut closing = false;
+            // Once closing, how long it may take: past it with nothing in
+            // flight (an HTTP/2 handshake or GOAWAY the client never
+            // finishes), the connection is dropped.
+            let mut give_up = Instant::now();
+            let grace = self.conns.send_timeout;
             loop {
                 let deadline = self.conns.idle_deadline(&state);
-                let recheck =
-                    deadline.unwrap_or_else(|| Instant::now() + self.conns.keepalive_timeout);
+                let recheck = deadline
+                    .unwrap_or_else(|| Instant::now() + self.conns.keepalive_timeout.min(grace));
                 tokio::select! {
                     result = conn.as_mut() => {
                         if let Err(e) = result {
@@ -445,13 +451,29 @@ impl Worker {
                         }
                         conn.as_mut().graceful_shutdown();
                         closing = true;
+                        give_up = Instant::now() + grace;
                     }
                     () = tokio::time::sleep_until(recheck.into()), if !closing => {
-                        if self.conns.idle_deadline(&state).is_some_and(|d| d <= Instant::now()) {
+                        if self.conns.stalled(&state) {
+                            debug!(%peer, "client took nothing of its answers for send_timeout: closed");
+                            break;
+                        }
+                        // Marked, so that eviction passes it over.
+                        if self.conns.idle_deadline(&state).is_some_and(|d| d <= Instant::now())
+                            && state.close.signal(Reason::Idle)
+                        {
                             debug!(%peer, "idle connection closed");
                             conn.as_mut().graceful_shutdown();
                             closing = true;
+                            give_up = Instant::now() + grace;
                         }
+                    }
+                    () = tokio::time::sleep_until(give_up.into()), if closing => {
+                        if !self.conns.busy(&state) || self.conns.stalled(&state) {
+                            debug!(%peer, "connection did not close in time: dropped");
+                            break;
+                        }
+                        give_up = Instant::now() + grace;
                     }
                 }
             }
