@@ -250,3 +250,61 @@ fn a_grpc_pushback_pauses_the_upstream() {
 
     deadline_refused_at_once(&sluice);
 }
+
+/// A call that waits its turn tells the upstream what is left of its
+/// deadline (a server plans by grpc-timeout): the second of two calls,
+/// 1 s behind the first, reaches the upstream with about 4 s of its 5 s. (The recording downstream is enough: only the header is looked at.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_waited_reaches_the_upstream_with_its_deadline_spent() {
+    let ds = support::Downstream::start().await;
+    let s = Sluice::start(&format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[[upstream]]
+name = "api"
+url = "http://{}"
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "1/s"
+capacity = 5
+"#,
+        ds.addr
+    ));
+    let c = support::client();
+    let headers = [
+        ("x-client", "g"),
+        ("content-type", "application/grpc"),
+        ("grpc-timeout", "5S"),
+    ];
+    let calls: Vec<_> = (0..2)
+        .map(|i| {
+            let (c, url) = (c.clone(), s.url(&format!("/svc/M{i}")));
+            tokio::spawn(async move { support::get(&c, &url, &headers).await })
+        })
+        .collect();
+    for call in calls {
+        assert_eq!(call.await.unwrap().status, http::StatusCode::OK);
+    }
+    let mut left: Vec<u64> = ds
+        .seen()
+        .iter()
+        .map(|r| {
+            let v = r.headers["grpc-timeout"].to_str().unwrap();
+            match v.strip_suffix('m') {
+                Some(ms) => ms.parse().unwrap(),
+                None => v.trim_end_matches('S').parse::<u64>().unwrap() * 1_000,
+            }
+        })
+        .collect();
+    left.sort();
+    // The one that went at once has (nearly) all of it, the other what
+    // it waited less (1 s, less the gap between their arrivals).
+    assert_eq!(left.len(), 2);
+    assert!(left[1] >= 4_900, "{left:?}");
+    assert!((2_000..=4_600).contains(&left[0]), "{left:?}");
+}

@@ -5,7 +5,7 @@
 //! time in `grpc-retry-pushback-ms` (the gRPC retry design's server
 //! pushback). Status codes follow the gRPC HTTP mapping.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http::header::{CONTENT_TYPE, HeaderMap, HeaderValue};
 use http::{Response, StatusCode};
@@ -54,6 +54,34 @@ pub fn timeout(headers: &HeaderMap) -> Option<Duration> {
     })
 }
 
+/// A call that waited in the queue tells the upstream what is left of its
+/// deadline, not the whole of it (a server plans its work by
+/// `grpc-timeout`, and the client gives up at its own deadline): the
+/// header is rewritten to the time left, in whole milliseconds rounded
+/// up. `Err` when nothing is left.
+pub fn spend(headers: &mut HeaderMap, arrival: Instant, timeout: Duration) -> Result<(), ()> {
+    let waited = arrival.elapsed();
+    // Not worth a rewrite: the upstream's own clock is no finer.
+    if waited < Duration::from_millis(1) {
+        return Ok(());
+    }
+    let left = timeout
+        .checked_sub(waited)
+        .filter(|d| !d.is_zero())
+        .ok_or(())?;
+    let ms = left.as_nanos().div_ceil(1_000_000);
+    // At most 8 digits (the spec's limit): seconds past 99,999,999 ms.
+    let value = if ms <= 99_999_999 {
+        format!("{ms}m")
+    } else {
+        format!("{}S", left.as_secs().min(99_999_999))
+    };
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        headers.insert("grpc-timeout", v);
+    }
+    Ok(())
+}
+
 /// A response sluice made itself, in gRPC form; the upstream's responses
 /// pass unchanged.
 pub fn answer(response: Response<ProxyBody>) -> Response<ProxyBody> {
@@ -94,6 +122,24 @@ fn refusal(code: u8, detail: &str, retry_after: Option<Duration>) -> Response<Pr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_call_that_waited_tells_the_upstream_what_is_left() {
+        let mut h = HeaderMap::new();
+        h.insert("grpc-timeout", HeaderValue::from_static("2S"));
+        let arrival = Instant::now() - Duration::from_millis(500);
+        assert_eq!(spend(&mut h, arrival, Duration::from_secs(2)), Ok(()));
+        let left = timeout(&h).unwrap();
+        assert!(
+            left <= Duration::from_millis(1_500) && left > Duration::from_millis(1_000),
+            "{left:?}"
+        );
+        assert_eq!(spend(&mut h, arrival, Duration::from_millis(400)), Err(()));
+        // Past 8 digits of ms: seconds.
+        let long = Duration::from_secs(200_000);
+        assert_eq!(spend(&mut h, arrival, long), Ok(()));
+        assert_eq!(h["grpc-timeout"], "199999S");
+    }
 
     #[test]
     fn grpc_timeouts_parse_as_the_spec_writes_them() {

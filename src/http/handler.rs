@@ -468,6 +468,13 @@ impl Handler {
                         break 'answer problem(StatusCode::BAD_REQUEST, detail, None);
                     };
                     upstream.rewrite(&mut parts, a.origin);
+                    if let Some(Some(timeout)) = a.grpc
+                        && grpc::spend(&mut parts.headers, a.arrival, timeout).is_err()
+                    {
+                        route.rule.count(Outcome::Expired);
+                        let detail = "the call's deadline (grpc-timeout) passed while it waited";
+                        break 'answer problem(StatusCode::GATEWAY_TIMEOUT, detail, None);
+                    }
                     parts
                 };
                 // Boxed: the forwarding state (upstream connect, TLS, the
