@@ -407,3 +407,64 @@ async fn a_switch_nobody_asked_for_is_a_502() {
     .await
     .unwrap();
 }
+
+/// A tunnel (a protocol switch the upstream accepted) stays open while
+/// bytes cross it, and is closed once nothing crossed either way for the
+/// upstream's read_timeout (2 s here): a peer that vanished without a FIN
+/// no longer holds it for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_silent_both_ways_for_read_timeout_is_closed() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let Ok((mut conn, _)) = listener.accept() else {
+            return;
+        };
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf);
+        let _ = conn.write_all(
+            b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: echo\r\n\r\n",
+        );
+        // Echo until either side closes.
+        while let Ok(n) = conn.read(&mut buf) {
+            if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                return;
+            }
+        }
+    });
+    let config = config(upstream).replace(
+        "request_timeout = \"5s\"",
+        "request_timeout = \"5s\"\nread_timeout = \"2s\"",
+    );
+    let sluice = Sluice::start(&config);
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        let c = &mut connect(addr);
+        send(
+            c,
+            b"GET /ws HTTP/1.1\r\nHost: t\r\nX-Client: w\r\nConnection: upgrade\r\nUpgrade: echo\r\n\r\n",
+        );
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            assert_eq!(c.read(&mut byte).unwrap(), 1, "{head:?}");
+            head.push(byte[0]);
+        }
+        assert!(head.starts_with(b"HTTP/1.1 101"), "{}", String::from_utf8_lossy(&head));
+        // Bytes every 400 ms for 4 s: twice the timeout, still open.
+        for i in 0..10u8 {
+            std::thread::sleep(Duration::from_millis(400));
+            send(c, &[b'a' + i]);
+            assert_eq!(c.read(&mut byte).unwrap(), 1);
+            assert_eq!(byte[0], b'a' + i);
+        }
+        // Then silence: closed by sluice.
+        let t = Instant::now();
+        // (Reads time out after 10 s: far past the 2 s timeout.)
+        let n = c.read(&mut byte);
+        assert!(matches!(n, Ok(0)), "{n:?} after {:?}", t.elapsed());
+        assert!(t.elapsed() >= Duration::from_millis(1_800), "{:?}", t.elapsed());
+    })
+    .await
+    .unwrap();
+}

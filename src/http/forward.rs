@@ -265,6 +265,11 @@ impl Upstream {
     }
 
     /// `max_concurrency`'s in-flight slots, if capped.
+    /// `read_timeout`: also how long a tunnel may stay silent both ways.
+    pub fn read_timeout(&self) -> Duration {
+        self.read_timeout
+    }
+
     pub fn concurrency(&self) -> Option<&Arc<Semaphore>> {
         self.concurrency.as_ref()
     }

@@ -673,9 +673,12 @@ impl Handler {
         let (response, outcome, throttle, switched) = upstream.forward(parts, out, permit).await;
         if let Some((client, slot)) = switch.map(|s| *s) {
             if let Some(theirs) = switched {
-                self.shared
-                    .tunnels
-                    .join(&self.tunnels, slot, client, theirs);
+                self.shared.tunnels.join(
+                    &self.tunnels,
+                    slot,
+                    (client, theirs),
+                    upstream.read_timeout(),
+                );
             }
             if let Some(until) = throttle {
                 self.shared.admission.pause(&route.rule, until);

@@ -1,15 +1,22 @@
 //! Upgrade tunnels: a request that switches protocols (`Connection:
 //! upgrade`, WebSocket or any other) is admitted, queued and released like
 //! any request; once the upstream answers `101`, the client's connection
-//! and the upstream's are joined both ways, unshaped, until either side
-//! closes. Open tunnels are counted and bounded (`server.max_tunnels`);
-//! a drain closes them when its timeout ends.
+//! and the upstream's are joined both ways, unshaped, until both sides
+//! close, or nothing crosses in either direction for the upstream's
+//! `read_timeout` (nginx's `proxy_read_timeout` on a WebSocket: a peer
+//! that vanished without a FIN no longer holds the tunnel). Open tunnels
+//! are counted and bounded (`server.max_tunnels`); a drain closes them
+//! when its timeout ends.
 
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::debug;
@@ -66,18 +73,37 @@ impl Tunnels {
     }
 
     /// Join both sides once each has switched, on `tracker` (the worker's,
-    /// which its shutdown waits for).
-    pub fn join(&self, tracker: &TaskTracker, slot: Slot, client: OnUpgrade, upstream: OnUpgrade) {
+    /// which its shutdown waits for); closed after `idle` with nothing
+    /// crossing.
+    pub fn join(
+        &self,
+        tracker: &TaskTracker,
+        slot: Slot,
+        (client, upstream): (OnUpgrade, OnUpgrade),
+        idle: Duration,
+    ) {
         let close = self.close.clone();
         tracker.spawn(async move {
             let _slot = slot;
             let joined = async {
                 let (client, upstream) = tokio::try_join!(client, upstream)?;
-                let (mut c, mut u) = (TokioIo::new(client), TokioIo::new(upstream));
-                tokio::io::copy_bidirectional(&mut c, &mut u)
-                    .await
-                    .map_err(|e| debug!(error = %e, "tunnel ended with an error"))
-                    .ok();
+                let moved = Moved::default();
+                let mut c = Watched {
+                    io: TokioIo::new(client),
+                    moved: moved.clone(),
+                };
+                let mut u = Watched {
+                    io: TokioIo::new(upstream),
+                    moved: moved.clone(),
+                };
+                tokio::select! {
+                    r = tokio::io::copy_bidirectional(&mut c, &mut u) => {
+                        if let Err(e) = r {
+                            debug!(error = %e, "tunnel ended with an error");
+                        }
+                    }
+                    () = moved.idle_for(idle) => debug!("tunnel idle for read_timeout: closed"),
+                }
                 Ok::<_, hyper::Error>(())
             };
             tokio::select! {
@@ -87,5 +113,79 @@ impl Tunnels {
                 () = close.cancelled() => debug!("tunnel closed by the drain"),
             }
         });
+    }
+}
+
+/// When bytes last crossed a tunnel, either way (ms since its start).
+#[derive(Clone)]
+struct Moved {
+    start: Instant,
+    last: Arc<AtomicU64>,
+}
+
+impl Default for Moved {
+    fn default() -> Moved {
+        Moved {
+            start: Instant::now(),
+            last: Arc::default(),
+        }
+    }
+}
+
+impl Moved {
+    fn now(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last.store(ms, Ordering::Relaxed);
+    }
+
+    /// Resolves once nothing crossed for `idle`.
+    async fn idle_for(&self, idle: Duration) {
+        loop {
+            let last = Duration::from_millis(self.last.load(Ordering::Relaxed));
+            let due = self.start + last + idle;
+            if Instant::now() >= due {
+                return;
+            }
+            tokio::time::sleep_until(due.into()).await;
+        }
+    }
+}
+
+/// One side of a tunnel, noting when it reads anything.
+struct Watched<T> {
+    io: T,
+    moved: Moved,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let read = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.moved.now();
+        }
+        read
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
