@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 use support::{
     Downstream, RedisServer, Sluice, assert_gaps, client, get, light_client_behind_a_backlog,
-    seed_burst_across, store_stopped_then_resumed,
+    seed_burst_across, store_stopped_then_resumed, throttled_then_another,
 };
 
 fn config(ds: SocketAddr, redis: &str, on_failure: &str, instances: u32, timeout: &str) -> String {
@@ -343,20 +343,7 @@ async fn an_upstream_pause_holds_shared_departures() {
     let ds = Downstream::start().await;
     let cfg = paused_config(ds.addr, &redis.url(), "");
     let s = Sluice::start(&cfg);
-    let c = client();
-    let throttled = {
-        let (c, url) = (c.clone(), s.url("/throttle/get"));
-        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await })
-    };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while ds.seen().is_empty() {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let paused_at = ds.seen()[0].at;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let during = get(&c, &s.url("/during"), &[("x-client", "b")]).await;
-    let retried = throttled.await.unwrap();
+    let (retried, during, paused_at) = throttled_then_another(&s, &ds).await;
     assert_eq!(retried.status, StatusCode::OK);
     assert_eq!(during.status, StatusCode::OK);
     let seen = ds.seen();

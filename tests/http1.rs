@@ -60,6 +60,43 @@ fn send(conn: &mut BufReader<TcpStream>, bytes: &[u8]) {
     conn.get_mut().write_all(bytes).unwrap();
 }
 
+/// An upstream that answers each of `connections` connections with
+/// `answer` (whatever was asked), then keeps it open for `hold`.
+fn canned_upstream(answer: &'static [u8], connections: usize, hold: Duration) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for _ in 0..connections {
+            let Ok((mut conn, _)) = listener.accept() else {
+                return;
+            };
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = conn.write_all(answer);
+            std::thread::sleep(hold);
+        }
+    });
+    addr
+}
+
+/// Send `request` on a new connection and read until sluice closes it.
+fn exchange(addr: SocketAddr, request: &[u8]) -> String {
+    let c = &mut connect(addr);
+    let t = Instant::now();
+    send(c, request);
+    let mut got = Vec::new();
+    let read = c.read_to_end(&mut got);
+    assert!(read.is_ok(), "still open after {:?}: {read:?}", t.elapsed());
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// A POST (hyper's client upstream) and a GET (sluice's own), each
+/// closing its connection.
+const BOTH_CLIENTS: [&[u8]; 2] = [
+    b"POST /both HTTP/1.1\r\nHost: t\r\nX-Client: s\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+    b"GET /both HTTP/1.1\r\nHost: t\r\nX-Client: s\r\nconnection: close\r\n\r\n",
+];
+
 /// Read one response; `head` says it answers a `HEAD` (no body).
 fn read_answer(conn: &mut BufReader<TcpStream>, head: bool) -> Answer {
     let mut line = String::new();
@@ -297,17 +334,12 @@ async fn host_is_required_once_and_the_targets_authority_comes_first() {
 /// with the call's resources held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_stalls_mid_answer_is_cut_after_read_timeout() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let upstream = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        if let Ok((mut conn, _)) = listener.accept() {
-            let mut buf = [0u8; 4096];
-            let _ = conn.read(&mut buf);
-            let _ = conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789");
-            // Then nothing, for longer than the test waits.
-            std::thread::sleep(Duration::from_secs(20));
-        }
-    });
+    // Then nothing, for longer than the test waits.
+    let upstream = canned_upstream(
+        b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789",
+        1,
+        Duration::from_secs(20),
+    );
     let config = config(upstream).replace(
         "request_timeout = \"5s\"",
         "request_timeout = \"5s\"\nread_timeout = \"1s\"",
@@ -315,13 +347,10 @@ async fn an_upstream_that_stalls_mid_answer_is_cut_after_read_timeout() {
     let sluice = Sluice::start(&config);
     let addr = sluice.addr;
     tokio::task::spawn_blocking(move || {
-        let c = &mut connect(addr);
-        let t = Instant::now();
-        send(c, b"GET /stall HTTP/1.1\r\nHost: t\r\nX-Client: s\r\n\r\n");
-        let mut got = Vec::new();
-        let read = c.read_to_end(&mut got);
-        assert!(read.is_ok(), "still open after {:?}: {read:?}", t.elapsed());
-        let text = String::from_utf8_lossy(&got);
+        let text = exchange(
+            addr,
+            b"GET /stall HTTP/1.1\r\nHost: t\r\nX-Client: s\r\n\r\n",
+        );
         assert!(text.starts_with("HTTP/1.1 200"), "{text}");
         assert!(text.ends_with("0123456789"), "{text}");
     })
@@ -334,35 +363,21 @@ async fn an_upstream_that_stalls_mid_answer_is_cut_after_read_timeout() {
 /// the client gets the whole body, not the length's first bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_with_both_length_and_chunked_reaches_the_client_whole() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let upstream = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for _ in 0..2 {
-            let Ok((mut conn, _)) = listener.accept() else {
-                return;
-            };
-            let mut buf = [0u8; 4096];
-            let _ = conn.read(&mut buf);
-            let _ = conn.write_all(
-                b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\nA\r\n0123456789\r\n0\r\n\r\n",
-            );
-        }
-    });
+    let upstream = canned_upstream(
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\nA\r\n0123456789\r\n0\r\n\r\n",
+        2,
+        Duration::ZERO,
+    );
     let sluice = Sluice::start(&config(upstream));
     let addr = sluice.addr;
     tokio::task::spawn_blocking(move || {
-        // A POST goes through hyper's client, a GET through sluice's own.
-        for request in [
-            &b"POST /both HTTP/1.1\r\nHost: t\r\nX-Client: s\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"[..],
-            &b"GET /both HTTP/1.1\r\nHost: t\r\nX-Client: s\r\nconnection: close\r\n\r\n"[..],
-        ] {
-            let c = &mut connect(addr);
-            send(c, request);
-            let mut got = Vec::new();
-            let _ = c.read_to_end(&mut got);
-            let text = String::from_utf8_lossy(&got);
+        for request in BOTH_CLIENTS {
+            let text = exchange(addr, request);
             assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-            assert!(!text.to_ascii_lowercase().contains("content-length: 5"), "{text}");
+            assert!(
+                !text.to_ascii_lowercase().contains("content-length: 5"),
+                "{text}"
+            );
             assert!(text.contains("0123456789"), "{text}");
         }
     })
@@ -374,33 +389,16 @@ async fn an_answer_with_both_length_and_chunked_reaches_the_client_whole() {
 /// the client gets 502 (it could not follow the switch), on both clients.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_switch_nobody_asked_for_is_a_502() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let upstream = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for _ in 0..2 {
-            let Ok((mut conn, _)) = listener.accept() else {
-                return;
-            };
-            let mut buf = [0u8; 4096];
-            let _ = conn.read(&mut buf);
-            let _ = conn.write_all(
-                b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: x\r\n\r\n",
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    });
+    let upstream = canned_upstream(
+        b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: x\r\n\r\n",
+        2,
+        Duration::from_millis(200),
+    );
     let sluice = Sluice::start(&config(upstream));
     let addr = sluice.addr;
     tokio::task::spawn_blocking(move || {
-        for request in [
-            &b"POST /switch HTTP/1.1\r\nHost: t\r\nX-Client: s\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"[..],
-            &b"GET /switch HTTP/1.1\r\nHost: t\r\nX-Client: s\r\nconnection: close\r\n\r\n"[..],
-        ] {
-            let c = &mut connect(addr);
-            send(c, request);
-            let mut got = Vec::new();
-            let _ = c.read_to_end(&mut got);
-            let text = String::from_utf8_lossy(&got);
+        for request in BOTH_CLIENTS {
+            let text = exchange(addr, request);
             assert!(text.starts_with("HTTP/1.1 502"), "{text}");
         }
     })

@@ -23,6 +23,18 @@ async fn connections(s: &Sluice) -> u64 {
     s.status().await["connections"].as_u64().unwrap_or(u64::MAX)
 }
 
+/// Wait until `s` has no connection open, at most 15 s after `since`.
+async fn all_closed(s: &Sluice, since: Instant, what: &str) {
+    while connections(s).await != 0 {
+        assert!(
+            since.elapsed() < Duration::from_secs(15),
+            "{what}: still open after {:?}",
+            since.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 const CONFIG: &str = r#"
 [server]
 listen = ["127.0.0.1:0"]
@@ -165,14 +177,7 @@ async fn a_client_that_does_not_read_its_answer_is_closed_after_send_timeout() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert_eq!(connections(&s).await, 1, "{version}");
-        while connections(&s).await != 0 {
-            assert!(
-                t.elapsed() < Duration::from_secs(15),
-                "{version}: still open after {:?}",
-                t.elapsed()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        all_closed(&s, t, version).await;
         drop(sock);
     }
 }
@@ -197,14 +202,7 @@ async fn a_half_started_http2_connection_is_dropped() {
         assert!(t.elapsed() < Duration::from_secs(10), "never counted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    while connections(&s).await != 0 {
-        assert!(
-            t.elapsed() < Duration::from_secs(15),
-            "still open after {:?}",
-            t.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    all_closed(&s, t, "the connection").await;
     drop(sock);
 }
 
@@ -236,14 +234,7 @@ async fn an_http2_client_that_takes_nothing_is_closed_after_send_timeout() {
     assert_eq!(response.status(), StatusCode::OK);
     let t = Instant::now();
     assert_eq!(connections(&s).await, 1);
-    while connections(&s).await != 0 {
-        assert!(
-            t.elapsed() < Duration::from_secs(15),
-            "still open after {:?}",
-            t.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    all_closed(&s, t, "the connection").await;
     drop(response);
     conn.abort();
 }

@@ -380,20 +380,7 @@ async fn an_upstream_429_pauses_it_and_retries_what_is_safe() {
     let s = Sluice::start(&config);
     let c = client();
     let t0 = Instant::now();
-    let throttled = {
-        let (c, url) = (c.clone(), s.url("/throttle/get"));
-        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await })
-    };
-    // The 429 came back: the upstream is paused now.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while ds.seen().is_empty() {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let paused_at = ds.seen()[0].at;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let during = get(&c, &s.url("/during"), &[("x-client", "b")]).await;
-    let retried = throttled.await.unwrap();
+    let (retried, during, paused_at) = throttled_then_another(&s, &ds).await;
     assert_eq!(retried.status, StatusCode::OK, "retried after the pause");
     assert_eq!(&retried.body[..], b"ok");
     assert_eq!(during.status, StatusCode::OK);

@@ -924,6 +924,28 @@ pub async fn seed_burst_across(fleet: &[Sluice], ds: &Downstream) {
     }
 }
 
+/// With `on_throttle = "pause"` on `s`'s upstream (route key X-Client): a
+/// GET the downstream throttles (429, `Retry-After: 2`), then, 100 ms
+/// after the downstream saw it, a request of another client. Returns the
+/// throttled request's final answer, the other's, and when the
+/// downstream saw the throttled one.
+pub async fn throttled_then_another(s: &Sluice, ds: &Downstream) -> (Answer, Answer, Instant) {
+    let c = client();
+    let throttled = {
+        let (c, url) = (c.clone(), s.url("/throttle/get"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline, "never forwarded");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let paused_at = ds.seen()[0].at;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let during = get(&c, &s.url("/during"), &[("x-client", "b")]).await;
+    (throttled.await.unwrap(), during, paused_at)
+}
+
 /// The shared-schedule store of `s` (route key X-Client, on_failure =
 /// "reject") stops answering: `stop` (SIGSTOP), requests get 503 with
 /// Retry-After within 1 s and /readyz is 503; after `stopped_for`,
