@@ -770,3 +770,39 @@ fn a_reload_applies_new_policy_and_refuses_moved_listeners() {
         "still keyed by sender: {r:?}"
     );
 }
+
+/// DESIGN 1's late releases for mail: a message whose data comes after its
+/// slot is relayed late, and the next message of the same client, due
+/// 1 s after it, is relayed no sooner than c·T/2 (500 ms) after it, not
+/// right behind it.
+#[test]
+fn a_message_relayed_late_keeps_the_next_half_an_interval_away() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"1/s\"\ncapacity = 10",
+    ));
+    let addr = sluice.smtp.unwrap();
+    // A departs at once, but its data is slow to come.
+    let mut a = Raw::connect(addr);
+    assert!(a.cmd("EHLO a.test").starts_with("250"));
+    assert!(a.cmd("MAIL FROM:<a@example.com>").starts_with("250"));
+    let departed = Instant::now();
+    assert!(a.cmd("RCPT TO:<user@example.org>").starts_with("250"));
+    assert!(a.cmd("DATA").starts_with("354"));
+    a.send("Subject: slow\r\n\r\nbody\r\n");
+    // B's slot is 1 s after A's; its data is all there.
+    let mut b = Raw::connect(addr);
+    start_message(&mut b, "on time");
+    b.send(".\r\n");
+    // A's end of data 900 ms after its slot: 100 ms before B's.
+    std::thread::sleep(Duration::from_millis(900).saturating_sub(departed.elapsed()));
+    a.send(".\r\n");
+    assert!(a.reply().starts_with("250"));
+    assert!(b.reply().starts_with("250"));
+    let got = up.wait_arrivals(2, Duration::from_secs(10));
+    let (t0, t1) = (arrival_ns(&got[0]), arrival_ns(&got[1]));
+    let gap = Duration::from_nanos(t0.abs_diff(t1));
+    assert!(gap >= Duration::from_millis(300), "relayed {gap:?} apart");
+}

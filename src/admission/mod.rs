@@ -455,6 +455,9 @@ pub struct Admission {
     closing: CancellationToken,
     /// Shared releases' late-release spacing.
     spacing: Arc<Spacing<(RouteId, Key)>>,
+    /// The same for work a front end starts after its departure (an SMTP
+    /// relay, once the message's data is in).
+    relays: Spacing<(RouteId, Key)>,
 }
 
 impl Admission {
@@ -480,6 +483,7 @@ impl Admission {
             totals: Arc::default(),
             closing: CancellationToken::new(),
             spacing: Arc::default(),
+            relays: Spacing::default(),
         })
     }
 
@@ -680,7 +684,6 @@ impl Admission {
     ) -> Shared {
         let us = |ns: u64| ns / 1_000;
         let step = rule.policy.rate.interval_nanos();
-
         let (k, slots) = cluster.keys(
             &rule.name,
             key.as_bytes(),
@@ -764,6 +767,24 @@ impl Admission {
             }
         };
         Shared::Decided(self.settle(rule, verdict, arrival.elapsed()))
+    }
+
+    /// Resolves when work of `cost` for `key` that departed under `rule`
+    /// may start: at once, unless the client's previous start is less
+    /// than c·T/2 behind (a start made late, after its slot, would
+    /// otherwise be followed at once by the next one on time).
+    pub async fn space_relay(&self, rule: &Rule, key: &Key, cost: u32) {
+        let half = rule
+            .policy
+            .rate
+            .interval_nanos()
+            .saturating_mul(u64::from(cost))
+            / 2;
+        let now = self.shaper.now();
+        let start = self.relays.release(&(rule.local, key.clone()), now, half);
+        if start > now {
+            self.shaper.sleep_until(start).await;
+        }
     }
 
     /// The upstream asked for a pause (a 429 or 503 with a retry time):

@@ -1,8 +1,13 @@
-//! DESIGN section 1's rule for late releases, for requests held for a
-//! shared departure: the store keeps each client's grid, but the timers
-//! that release its held requests are this instance's, and a pacer that
-//! ran late (a stalled machine) would fire every overdue one at once. Each
-//! client's releases here are kept at least c·T/2 apart, so a catch-up is
+//! DESIGN section 1's rule for late releases, where the engine's own
+//! schedule cannot apply it:
+//! - requests held for a shared departure: the store keeps each client's
+//!   grid, but the timers that release its held requests are this
+//!   instance's, and a pacer that ran late (a stalled machine) would fire
+//!   every overdue one at once;
+//! - work a front end starts after its departure (an SMTP relay starts
+//!   once the message's data is in, which may be after its slot).
+//!
+//! Each client's releases are kept at least c·T/2 apart, so a catch-up is
 //! never faster than twice the client's rate.
 
 use std::collections::HashMap;

@@ -81,6 +81,8 @@ struct Tx {
     /// The admission's verdict, once asked: `Some(None)` departed at once,
     /// `Some(Some(hold))` waits.
     admitted: Option<Option<Hold>>,
+    /// The cost it was admitted at.
+    cost: u32,
 }
 
 struct Session {
@@ -439,6 +441,7 @@ impl Session {
             key,
             listener: self.listener.clone(),
             admitted: None,
+            cost: 1,
         };
         if cfg.cost == SmtpCost::Message {
             match self.admit(&tx, 1).await? {
@@ -549,6 +552,7 @@ impl Session {
         }
         if tx.admitted.is_none() {
             let cost = u32::try_from(tx.rcpts.len()).unwrap_or(u32::MAX);
+            tx.cost = cost;
             match self.admit(&tx, cost).await? {
                 Some(admitted) => tx.admitted = Some(admitted),
                 // Refused: the transaction is over, the client starts again.
@@ -668,9 +672,10 @@ impl Session {
             eightbit,
             smtputf8,
             rcpts,
+            key,
             listener,
             admitted,
-            ..
+            cost,
         } = tx;
         let rule = listener.rule.clone();
         if let Some(Some(mut hold)) = admitted {
@@ -691,6 +696,17 @@ impl Session {
                     self.say(&reply::SHUTTING_DOWN);
                     return Err(End::Closed);
                 }
+            }
+        }
+        // A message whose data came after its slot starts late: the next
+        // one of this client keeps c·T/2 from it (DESIGN 1's late
+        // releases), instead of following at once.
+        let spaced = self.front.admission.space_relay(&rule, &key, cost);
+        tokio::select! {
+            () = spaced => {}
+            () = watch(&mut self.inbuf, &mut self.stream) => {
+                rule.count(Outcome::Cancelled);
+                return Err(End::Gone);
             }
         }
         let env = Envelope {
