@@ -81,8 +81,17 @@ struct Tx {
     /// The admission's verdict, once asked: `Some(None)` departed at once,
     /// `Some(Some(hold))` waits.
     admitted: Option<Option<Hold>>,
-    /// The cost it was admitted at.
-    cost: u32,
+}
+
+impl Tx {
+    /// What it costs: 1, or its recipients with `cost = "recipients"`
+    /// (asked at DATA, when they are known).
+    fn cost(&self) -> u32 {
+        match self.listener.cfg.cost {
+            SmtpCost::Message => 1,
+            SmtpCost::Recipients => u32::try_from(self.rcpts.len()).unwrap_or(u32::MAX),
+        }
+    }
 }
 
 struct Session {
@@ -441,10 +450,9 @@ impl Session {
             key,
             listener: self.listener.clone(),
             admitted: None,
-            cost: 1,
         };
         if cfg.cost == SmtpCost::Message {
-            match self.admit(&tx, 1).await? {
+            match self.admit(&tx).await? {
                 Some(admitted) => tx.admitted = Some(admitted),
                 None => return Ok(()),
             }
@@ -485,14 +493,14 @@ impl Session {
 
     /// Ask the admission layer for a message of `cost`: `Some(None)` goes
     /// now, `Some(Some(hold))` waits, `None` was refused (answered).
-    async fn admit(&mut self, tx: &Tx, cost: u32) -> Result<Option<Option<Hold>>, End> {
+    async fn admit(&mut self, tx: &Tx) -> Result<Option<Option<Hold>>, End> {
         // Replies so far go out before a wait on the shared schedule.
         self.flush().await?;
         let rule = &tx.listener.rule;
         match self
             .front
             .admission
-            .admit(rule, tx.key.clone(), cost, Instant::now())
+            .admit(rule, tx.key.clone(), tx.cost(), Instant::now())
             .await
         {
             Verdict::Go => Ok(Some(None)),
@@ -551,9 +559,7 @@ impl Session {
             return self.error(&reply::NEED_RCPT);
         }
         if tx.admitted.is_none() {
-            let cost = u32::try_from(tx.rcpts.len()).unwrap_or(u32::MAX);
-            tx.cost = cost;
-            match self.admit(&tx, cost).await? {
+            match self.admit(&tx).await? {
                 Some(admitted) => tx.admitted = Some(admitted),
                 // Refused: the transaction is over, the client starts again.
                 None => return Ok(()),
@@ -667,6 +673,7 @@ impl Session {
     /// client. Watches the client all along: gone before the end of data
     /// is relayed, nothing is relayed.
     async fn deliver(&mut self, tx: Tx, message: Vec<u8>, room: Room) -> Result<Reply, End> {
+        let cost = tx.cost();
         let Tx {
             from,
             eightbit,
@@ -675,7 +682,6 @@ impl Session {
             key,
             listener,
             admitted,
-            cost,
         } = tx;
         let rule = listener.rule.clone();
         if let Some(Some(mut hold)) = admitted {
