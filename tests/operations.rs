@@ -189,6 +189,58 @@ async fn reload_keeps_the_queue_and_applies_the_new_rate_to_new_arrivals() {
     assert_between(new_seen[3].at - new_seen[0].at, 140, 400, "span");
 }
 
+/// SIGHUP lowering an upstream's `max_concurrency` while calls are in
+/// flight: they finish, and no new call starts until fewer than the new
+/// cap are in flight. The cap is resized in place; a fresh one would not
+/// count the calls already made and would let more in at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_lowers_max_concurrency_counts_the_calls_in_flight() {
+    let ds = Downstream::start().await;
+    let capped = |n: u32| {
+        config(ds.addr, "100/s", 20, "5s")
+            .replace("url = ", &format!("max_concurrency = {n}\nurl = "))
+    };
+    let sluice = Sluice::start(&capped(3));
+    let c = client();
+    let call = |path: String, key: String| {
+        let (c, url) = (c.clone(), sluice.url(&path));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", &key)]).await.status })
+    };
+    // Three 5-second calls take the three slots.
+    let mut calls: Vec<_> = (0..3)
+        .map(|i| call(format!("/slow/{i}"), format!("s{i}")))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ds.seen().len() < 3 {
+        assert!(Instant::now() < deadline, "the slow calls never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    std::fs::write(&sluice.config, capped(2)).unwrap();
+    sluice.signal("HUP");
+    wait_for_log(&sluice, "config reloaded").await;
+    calls.extend((0..2).map(|i| call(format!("/quick/{i}"), format!("q{i}"))));
+    for t in calls {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    assert_eq!(ds.max_in_flight(), 3, "calls started beside the three");
+    let seen = ds.seen();
+    let last_slow = seen
+        .iter()
+        .filter(|s| s.path.starts_with("/slow/"))
+        .map(|s| s.at)
+        .max()
+        .unwrap();
+    for quick in seen.iter().filter(|s| s.path.starts_with("/quick/")) {
+        // A slow call lasts 5 s: the quick ones wait for two of them.
+        assert!(
+            quick.at >= last_slow + Duration::from_millis(4500),
+            "{} started {:?} after the last slow call",
+            quick.path,
+            quick.at - last_slow
+        );
+    }
+}
+
 /// SIGHUP with a broken config: the old config keeps serving and the
 /// failure is counted in /metrics.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

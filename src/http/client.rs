@@ -41,9 +41,10 @@ use hyper::body::{Body, Frame, SizeHint};
 use smallvec::SmallVec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio_rustls::client::TlsStream;
 use tokio_util::either::Either;
+
+use super::in_flight::CallSlot;
 
 /// At most this many fields in a response head (hyper's client default).
 const MAX_HEADERS: usize = 100;
@@ -431,13 +432,13 @@ pub struct Incoming {
     reuse: bool,
     idle: Arc<Idle>,
     /// The call's `max_concurrency` slot, held until the body is done with.
-    permit: Option<OwnedSemaphorePermit>,
+    permit: Option<CallSlot>,
     /// The next read's size.
     read: usize,
 }
 
 impl Incoming {
-    pub fn hold(&mut self, permit: Option<OwnedSemaphorePermit>) {
+    pub fn hold(&mut self, permit: Option<CallSlot>) {
         self.permit = permit;
     }
 

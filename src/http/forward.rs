@@ -36,7 +36,6 @@ use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsConnector;
 use tokio_util::either::Either;
 use tracing::debug;
@@ -46,6 +45,7 @@ use super::client::{self, IDLE_TIMEOUT, MAX_IDLE};
 use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
 use super::headers::{accepts_trailers, add_forwarded, append_via, strip_hop_by_hop, upgrade_to};
+use super::in_flight::{CallSlot, InFlight};
 use super::response::{ProxyBody, problem};
 use super::stall::Stalls;
 use crate::config::{self, HostMode, OnThrottle, UpstreamProtocol};
@@ -191,16 +191,16 @@ pub struct Upstream {
     /// This worker's idle connections.
     pool: Arc<Pool>,
     duration: Arc<m::Histogram>,
-    /// `max_concurrency`: a permit per call in flight, held until the
+    /// `max_concurrency`: a slot per call in flight, held until the
     /// response body has been sent.
-    concurrency: Option<Arc<Semaphore>>,
+    concurrency: Option<Arc<InFlight>>,
 }
 
 impl Upstream {
     pub fn new(
         cfg: &config::Upstream,
         tls: &Arc<rustls::ClientConfig>,
-        concurrency: Option<Arc<Semaphore>>,
+        concurrency: Option<Arc<InFlight>>,
     ) -> Result<Upstream, ServeError> {
         let scheme = cfg.url.scheme().cloned().unwrap_or(Scheme::HTTP);
         let authority = cfg.url.authority().cloned().ok_or_else(|| {
@@ -264,13 +264,13 @@ impl Upstream {
         })
     }
 
-    /// `max_concurrency`'s in-flight slots, if capped.
     /// `read_timeout`: also how long a tunnel may stay silent both ways.
     pub fn read_timeout(&self) -> Duration {
         self.read_timeout
     }
 
-    pub fn concurrency(&self) -> Option<&Arc<Semaphore>> {
+    /// `max_concurrency`'s in-flight slots, if capped.
+    pub fn concurrency(&self) -> Option<&Arc<InFlight>> {
         self.concurrency.as_ref()
     }
 
@@ -401,7 +401,7 @@ impl Upstream {
         &self,
         parts: Parts,
         body: OutBody,
-        permit: Option<OwnedSemaphorePermit>,
+        permit: Option<CallSlot>,
     ) -> (
         Response<ProxyBody>,
         Outcome,
@@ -858,7 +858,7 @@ struct Returning {
     sender: Option<Sender>,
     pool: Arc<Pool>,
     _stream: Option<Arc<()>>,
-    _permit: Option<OwnedSemaphorePermit>,
+    _permit: Option<CallSlot>,
 }
 
 impl Returning {

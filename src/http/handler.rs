@@ -31,7 +31,6 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Body as _;
 use hyper::upgrade::OnUpgrade;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::task::TaskTracker;
 
 use super::Shared;
@@ -39,6 +38,7 @@ use super::forward::{Origin, OutBody, Upstream};
 use super::grpc;
 use super::h1::RequestBody;
 use super::headers::{Packed, add_ratelimit_headers, pack, upgrade_to};
+use super::in_flight::CallSlot;
 use super::key;
 use super::path;
 use super::response::{ProxyBody, full, problem};
@@ -770,12 +770,12 @@ impl Handler {
         &self,
         upstream: &Upstream,
         head: &mut Parts,
-    ) -> Result<Option<OwnedSemaphorePermit>, Response<ProxyBody>> {
-        let Some(sem) = upstream.concurrency() else {
+    ) -> Result<Option<CallSlot>, Response<ProxyBody>> {
+        let Some(cap) = upstream.concurrency() else {
             return Ok(None);
         };
-        if let Ok(p) = sem.clone().try_acquire_owned() {
-            return Ok(Some(p));
+        if let Some(slot) = cap.try_take() {
+            return Ok(Some(slot));
         }
         let admission = &self.shared.admission;
         let Some(_room) = admission.reserve_wait() else {
@@ -784,7 +784,7 @@ impl Handler {
         let (blank, ()) = Request::new(()).into_parts();
         let packed = pack(std::mem::replace(head, blank));
         let slot = tokio::select! {
-            p = sem.clone().acquire_owned() => Ok(p.ok()),
+            slot = cap.take() => Ok(slot),
             () = tokio::time::sleep(upstream.request_timeout()) => Err(problem(
                 StatusCode::GATEWAY_TIMEOUT,
                 "no upstream slot (max_concurrency) became free in time",

@@ -22,6 +22,7 @@ mod grpc;
 mod h1;
 mod handler;
 mod headers;
+mod in_flight;
 pub mod key;
 pub mod path;
 pub mod response;
@@ -209,7 +210,7 @@ impl Handle {
             shared.apps.len(),
             &mut concurrency,
         )?;
-        *lock(&shared.concurrency) = concurrency;
+        lock(&shared.concurrency).commit(concurrency);
         shared.admission.set_limits(limits(config));
         shared.staging.set(
             config.limits.max_staged_body,

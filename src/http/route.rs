@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use http::{HeaderMap, Method, Request, StatusCode};
 use ipnet::IpNet;
-use tokio::sync::Semaphore;
 
 use super::ServeError;
 use super::forward::Upstream;
+use super::in_flight::InFlight;
 use super::response::Problem;
 use crate::admission::Policy;
 use crate::admission::{Admission, Protocol, Rule, RuleSpec};
@@ -40,21 +40,39 @@ pub struct Route {
     pub expired: Problem,
 }
 
-/// `max_concurrency` semaphores by upstream name, kept across reloads so
-/// that calls in flight across a reload count against the same cap.
+/// `max_concurrency` caps by upstream name, with the limit each was last
+/// given, kept across reloads so that calls in flight across a reload
+/// count against the same cap. A reload works on a copy; the caps are
+/// resized only when it is committed.
 #[derive(Default, Clone)]
-pub struct Concurrency(HashMap<String, (usize, Arc<Semaphore>)>);
+pub struct Concurrency(HashMap<String, (usize, Arc<InFlight>)>);
 
 impl Concurrency {
-    fn get(&mut self, upstream: &str, limit: usize) -> Arc<Semaphore> {
-        match self.0.get(upstream) {
-            Some((n, sem)) if *n == limit => sem.clone(),
-            _ => {
-                let sem = Arc::new(Semaphore::new(limit));
-                self.0.insert(upstream.to_owned(), (limit, sem.clone()));
-                sem
+    fn get(&mut self, upstream: &str, limit: usize) -> Arc<InFlight> {
+        match self.0.get_mut(upstream) {
+            Some((n, cap)) => {
+                *n = limit;
+                cap.clone()
+            }
+            None => {
+                let cap = InFlight::new(limit);
+                self.0.insert(upstream.to_owned(), (limit, cap.clone()));
+                cap
             }
         }
+    }
+
+    /// Make `next` (this copy, changed by a reload that succeeded) the
+    /// caps in force: each cap whose limit changed is resized in place.
+    pub fn commit(&mut self, next: Concurrency) {
+        for (name, (limit, cap)) in &next.0 {
+            if let Some(&(was, _)) = self.0.get(name)
+                && was != *limit
+            {
+                cap.resize(was, *limit);
+            }
+        }
+        *self = next;
     }
 }
 
@@ -165,7 +183,7 @@ impl App {
         workers: usize,
         concurrency: &mut Concurrency,
     ) -> Result<Vec<App>, ServeError> {
-        let semaphores: Vec<Option<Arc<Semaphore>>> = config
+        let caps: Vec<Option<Arc<InFlight>>> = config
             .upstreams
             .iter()
             .map(|u| u.max_concurrency.map(|n| concurrency.get(&u.name, n)))
@@ -177,8 +195,8 @@ impl App {
                 config
                     .upstreams
                     .iter()
-                    .zip(&semaphores)
-                    .map(|(u, sem)| Upstream::new(u, tls, sem.clone()))
+                    .zip(&caps)
+                    .map(|(u, cap)| Upstream::new(u, tls, cap.clone()))
                     .collect::<Result<Vec<_>, _>>()
             })
             .collect::<Result<Vec<_>, _>>()?;

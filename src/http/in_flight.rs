@@ -1,0 +1,152 @@
+//! `max_concurrency`: an upstream's calls in flight, capped, and resized
+//! in place when a reload changes the cap.
+//!
+//! A cap is one semaphore for the life of the process (per upstream
+//! name), so the calls in flight across a reload count against the cap
+//! that follows it, and the requests waiting for a slot keep their turn.
+//! Growing adds slots. Shrinking takes the free slots away at once and
+//! records the rest as owed: each call that ends while slots are owed
+//! pays one instead of freeing it, so no new call starts until fewer
+//! than the new cap are in flight. Calls in flight are never cut.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio::sync::Semaphore;
+
+/// One upstream's in-flight slots.
+#[derive(Debug)]
+pub struct InFlight {
+    slots: Semaphore,
+    /// Slots taken away by a smaller cap while they were in use.
+    owed: AtomicUsize,
+}
+
+/// One call's slot, given back (or paid towards what is owed) on drop.
+#[derive(Debug)]
+pub struct CallSlot(Arc<InFlight>);
+
+impl InFlight {
+    pub fn new(limit: usize) -> Arc<InFlight> {
+        Arc::new(InFlight {
+            slots: Semaphore::new(limit.min(Semaphore::MAX_PERMITS)),
+            owed: AtomicUsize::new(0),
+        })
+    }
+
+    /// A free slot, now.
+    pub fn try_take(self: &Arc<Self>) -> Option<CallSlot> {
+        let permit = self.slots.try_acquire().ok()?;
+        permit.forget();
+        Some(CallSlot(self.clone()))
+    }
+
+    /// A slot, first come, first served as calls end (`None` only if the
+    /// semaphore were closed, which it never is).
+    pub async fn take(self: &Arc<Self>) -> Option<CallSlot> {
+        let permit = self.slots.acquire().await.ok()?;
+        permit.forget();
+        Some(CallSlot(self.clone()))
+    }
+
+    /// The cap goes from `old` to `new`.
+    pub fn resize(&self, old: usize, new: usize) {
+        if new >= old {
+            let more = new - old;
+            // What is owed is forgiven first: those slots are still in use.
+            let forgiven = self
+                .owed
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    Some(n.saturating_sub(more))
+                })
+                .map_or(0, |was| was.min(more));
+            self.slots.add_permits(more - forgiven);
+        } else {
+            let less = old - new;
+            let free = self.slots.forget_permits(less);
+            self.owed.fetch_add(less - free, Ordering::AcqRel);
+        }
+    }
+
+    fn give_back(&self) {
+        let paid = self
+            .owed
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        if !paid {
+            self.slots.add_permits(1);
+        }
+    }
+}
+
+impl Drop for CallSlot {
+    fn drop(&mut self) {
+        self.0.give_back();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn take_all(cap: &Arc<InFlight>) -> Vec<CallSlot> {
+        std::iter::from_fn(|| cap.try_take()).collect()
+    }
+
+    #[test]
+    fn a_smaller_cap_takes_free_slots_at_once_and_busy_ones_as_calls_end() {
+        let cap = InFlight::new(4);
+        let mut busy = take_all(&cap);
+        assert_eq!(busy.len(), 4);
+        drop(busy.pop());
+        cap.resize(4, 2);
+        // One slot was free and is gone; one more is owed by the 3 calls.
+        assert!(cap.try_take().is_none());
+        drop(busy.pop());
+        assert!(
+            cap.try_take().is_none(),
+            "the ended call paid what was owed"
+        );
+        drop(busy.pop());
+        let next = cap.try_take();
+        assert!(next.is_some(), "one call in flight under a cap of 2");
+        drop(next);
+        drop(busy);
+        assert_eq!(take_all(&cap).len(), 2);
+    }
+
+    #[test]
+    fn a_larger_cap_forgives_what_is_owed_before_adding_slots() {
+        let cap = InFlight::new(4);
+        let busy = take_all(&cap);
+        cap.resize(4, 1);
+        cap.resize(1, 3);
+        // 4 in flight under a cap of 3: one is still owed.
+        assert!(cap.try_take().is_none());
+        drop(busy);
+        assert_eq!(take_all(&cap).len(), 3);
+        cap.resize(3, 5);
+        assert_eq!(take_all(&cap).len(), 5);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_call_keeps_its_turn_across_a_resize() {
+        let cap = InFlight::new(1);
+        let busy = cap.try_take();
+        let waiting = tokio::spawn({
+            let cap = cap.clone();
+            async move { cap.take().await }
+        });
+        tokio::task::yield_now().await;
+        cap.resize(1, 2);
+        let slot = tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .flatten();
+        assert!(slot.is_some());
+        assert!(cap.try_take().is_none());
+        drop(busy);
+        assert!(cap.try_take().is_some());
+    }
+}
