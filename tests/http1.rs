@@ -385,6 +385,28 @@ async fn an_answer_with_both_length_and_chunked_reaches_the_client_whole() {
     .unwrap();
 }
 
+/// An upstream that answers with a transfer coding other than chunked
+/// (here gzip, its body delimited by the close): the client gets 502
+/// rather than the coded bytes without their label, on both clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_coding_other_than_chunked_is_a_502() {
+    let upstream = canned_upstream(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\nconnection: close\r\n\r\n\x1f\x8b\x08\x00",
+        2,
+        Duration::from_millis(0),
+    );
+    let sluice = Sluice::start(&config(upstream));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        for request in BOTH_CLIENTS {
+            let text = exchange(addr, request);
+            assert!(text.starts_with("HTTP/1.1 502"), "{text}");
+        }
+    })
+    .await
+    .unwrap();
+}
+
 /// An upstream that answers a request that asked for no switch with 101:
 /// the client gets 502 (it could not follow the switch), on both clients.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

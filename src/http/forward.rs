@@ -44,7 +44,10 @@ use super::ServeError;
 use super::client::{self, IDLE_TIMEOUT, MAX_IDLE};
 use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
-use super::headers::{accepts_trailers, add_forwarded, append_via, strip_hop_by_hop, upgrade_to};
+use super::headers::{
+    accepts_trailers, add_forwarded, append_via, foreign_transfer_coding, strip_hop_by_hop,
+    upgrade_to,
+};
 use super::in_flight::{CallSlot, InFlight};
 use super::response::{ProxyBody, problem};
 use super::stall::Stalls;
@@ -441,6 +444,19 @@ impl Upstream {
                 debug!(upstream = %self.name, error = %e, "upstream request failed");
                 (
                     problem(StatusCode::BAD_GATEWAY, e.detail(), None),
+                    Outcome::UpstreamError,
+                    None,
+                    None,
+                )
+            }
+            Ok(Ok((parts, _))) if foreign_transfer_coding(&parts.headers) => {
+                debug!(upstream = %self.name, "upstream answered with a transfer coding other than chunked");
+                (
+                    problem(
+                        StatusCode::BAD_GATEWAY,
+                        "the upstream answered with a transfer coding other than chunked",
+                        None,
+                    ),
                     Outcome::UpstreamError,
                     None,
                     None,

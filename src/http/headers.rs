@@ -149,6 +149,19 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// Whether a response's `Transfer-Encoding` names a coding other than
+/// `chunked` (`gzip`, say). Its body could only be passed on decoded or
+/// mislabelled (the field is hop-by-hop and goes), so such an answer is
+/// a 502.
+pub fn foreign_transfer_coding(headers: &HeaderMap) -> bool {
+    headers.get_all(TRANSFER_ENCODING).iter().any(|v| {
+        v.to_str().map_or(true, |v| {
+            v.split(',')
+                .any(|c| !c.trim().eq_ignore_ascii_case("chunked"))
+        })
+    })
+}
+
 /// The protocol a request asks to switch to (`Connection: upgrade` with
 /// an `Upgrade` header), before the hop-by-hop headers go.
 pub fn upgrade_to(headers: &HeaderMap) -> Option<HeaderValue> {
@@ -473,6 +486,24 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn only_chunked_is_a_transfer_coding_sluice_passes_on() {
+        let coded = |values: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(TRANSFER_ENCODING, HeaderValue::from_static(v));
+            }
+            foreign_transfer_coding(&h)
+        };
+        assert!(!coded(&[]));
+        assert!(!coded(&["chunked"]));
+        assert!(!coded(&[" Chunked "]));
+        assert!(coded(&["gzip"]));
+        assert!(coded(&["gzip, chunked"]));
+        assert!(coded(&["gzip", "chunked"]));
+        assert!(coded(&["chunked, identity"]));
     }
 
     #[test]
