@@ -806,3 +806,105 @@ fn a_message_relayed_late_keeps_the_next_half_an_interval_away() {
     let gap = Duration::from_nanos(t0.abs_diff(t1));
     assert!(gap >= Duration::from_millis(300), "relayed {gap:?} apart");
 }
+
+/// `burst` lets messages go together after idle, and their relays are not
+/// spaced by the late-release rule either: five at once under `1/m` with
+/// `burst = 5` all reach the upstream at once (spaced c·T/2, they would
+/// take two minutes).
+#[test]
+fn a_burst_of_messages_is_relayed_together() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"1/m\"\ncapacity = 10\nburst = 5",
+    ));
+    let addr = sluice.smtp.unwrap();
+    let mut clients: Vec<Raw> = (0..5)
+        .map(|i| {
+            let mut c = Raw::connect(addr);
+            start_message(&mut c, &format!("burst {i}"));
+            c
+        })
+        .collect();
+    let sent = Instant::now();
+    for c in &mut clients {
+        c.send(".\r\n");
+    }
+    for c in &mut clients {
+        let reply = c.reply();
+        assert!(reply.starts_with("250"), "{reply}");
+    }
+    let got = up.wait_arrivals(5, Duration::from_secs(20));
+    assert_eq!(got.len(), 5);
+    assert!(
+        sent.elapsed() < Duration::from_secs(15),
+        "five messages of a burst took {:?}",
+        sent.elapsed()
+    );
+}
+
+/// The reply to the end of data is waited for past `relay_timeout` (here
+/// 1 s, the reply 3 s late): giving up on it would have the client send
+/// again a message the upstream took (RFC 5321 4.5.3.2.6).
+#[test]
+fn the_end_of_data_reply_is_waited_for_past_relay_timeout() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"\nrelay_timeout = \"1s\"",
+        "key = \"global\"\nrate = \"5/s\"\ncapacity = 10",
+    ));
+    up.set_mode("slower-reply");
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    start_message(&mut raw, "slow answer");
+    let reply = raw.cmd(".");
+    assert!(reply.starts_with("250 2.0.0"), "{reply}");
+    assert_eq!(up.arrivals().len(), 1);
+}
+
+/// SIGTERM while a relay waits for its end-of-data reply, with a drain
+/// that gives up at once: the relay still finishes (the client gets the
+/// upstream's 250, the message arrives once), since sluice waits for
+/// relays in flight up to `relay_timeout` before it exits.
+#[test]
+fn on_sigterm_a_relay_past_its_end_of_data_finishes() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let toml = config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"5/s\"\ncapacity = 10",
+    );
+    let mut sluice = Sluice::start(&format!("[server]\ndrain_timeout = \"100ms\"\n{toml}"));
+    up.set_mode("slower-reply");
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    start_message(&mut raw, "in flight");
+    raw.send(".\r\n");
+    assert_eq!(up.wait_arrivals(1, Duration::from_secs(10)).len(), 1);
+    sluice.signal("TERM");
+    let reply = raw.reply();
+    assert!(reply.starts_with("250 2.0.0"), "{reply}");
+    let status = sluice.wait_exit(Duration::from_secs(20)).expect("exits");
+    assert!(status.success());
+    assert_eq!(up.arrivals().len(), 1);
+}
+
+/// Errors count until mail is delivered (Postfix's
+/// `smtpd_hard_error_limit`): a connection that delivers between its
+/// mistakes is not closed for the sum of them.
+#[test]
+fn errors_count_until_a_message_is_delivered() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&plain(up.port));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    for round in 0..2 {
+        for _ in 0..15 {
+            let reply = raw.cmd("RCPT TO:<user@example.org>");
+            assert!(reply.starts_with("503"), "round {round}: {reply}");
+        }
+        start_message(&mut raw, "between errors");
+        let reply = raw.cmd(".");
+        assert!(reply.starts_with("250"), "round {round}: {reply}");
+    }
+    assert!(raw.cmd("NOOP").starts_with("250"));
+}

@@ -245,6 +245,9 @@ enum HoldKind {
 /// previous release when the pacer ran late.
 struct SharedHold {
     at: Nanos,
+    /// The departure the shared schedule gave (`at` before any pause or
+    /// spacing moved it).
+    slot: Nanos,
     /// Set when the upstream may be paused.
     pausable: Option<UpstreamId>,
     /// The client, its c·T/2, and when it was given a later release.
@@ -287,7 +290,9 @@ impl SharedHold {
                 return Poll::Ready(true);
             }
             let now = self.shaper.now();
-            let release = self.spacing.release(&self.client, now, self.half);
+            let release = self
+                .spacing
+                .release(&self.client, now, self.slot, self.half);
             if release <= now {
                 return Poll::Ready(true);
             }
@@ -729,6 +734,7 @@ impl Admission {
                         rule: rule.clone(),
                         kind: Some(HoldKind::Shared(Box::new(SharedHold {
                             at,
+                            slot: at,
                             pausable,
                             client: (rule.local, key.clone()),
                             half: step.saturating_mul(u64::from(cost)) / 2,
@@ -770,10 +776,11 @@ impl Admission {
     }
 
     /// Resolves when work of `cost` for `key` that departed under `rule`
-    /// may start: at once, unless the client's previous start is less
-    /// than c·T/2 behind (a start made late, after its slot, would
-    /// otherwise be followed at once by the next one on time).
-    pub async fn space_relay(&self, rule: &Rule, key: &Key, cost: u32) {
+    /// at `slot` may start: at once, unless the client's previous start
+    /// is less than c·T/2 behind (a start made late, after its slot, would
+    /// otherwise be followed at once by the next one on time), or less
+    /// than their slots were apart when those were closer (a `burst`).
+    pub async fn space_relay(&self, rule: &Rule, key: &Key, cost: u32, slot: Instant) {
         let half = rule
             .policy
             .rate
@@ -781,7 +788,11 @@ impl Admission {
             .saturating_mul(u64::from(cost))
             / 2;
         let now = self.shaper.now();
-        let start = self.relays.release(&(rule.local, key.clone()), now, half);
+        let ago = u64::try_from(slot.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let slot = now.saturating_sub(ago);
+        let start = self
+            .relays
+            .release(&(rule.local, key.clone()), now, slot, half);
         if start > now {
             self.shaper.sleep_until(start).await;
         }

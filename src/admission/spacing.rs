@@ -8,7 +8,9 @@
 //!   once the message's data is in, which may be after its slot).
 //!
 //! Each client's releases are kept at least c·T/2 apart, so a catch-up is
-//! never faster than twice the client's rate.
+//! never faster than twice the client's rate; releases whose slots are
+//! closer than that (a `burst` let them all go at once) are kept only as
+//! far apart as their slots were.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -19,9 +21,20 @@ use crate::shaper::Nanos;
 /// Past this many clients, entries whose spacing has passed are dropped.
 const PRUNE_AT: usize = 1_024;
 
-/// When each client's next shared release may come, for the clients
-/// released within their last c·T/2.
-pub struct Spacing<C>(Mutex<HashMap<C, Nanos>>);
+/// A client's latest release.
+#[derive(Debug, Clone, Copy)]
+struct Last {
+    /// When it was released.
+    at: Nanos,
+    /// The slot it was released for.
+    slot: Nanos,
+    /// When it stops holding the next one back (`at` + its c·T/2).
+    until: Nanos,
+}
+
+/// Each client's latest release, for the clients released within their
+/// last c·T/2.
+pub struct Spacing<C>(Mutex<HashMap<C, Last>>);
 
 impl<C> Default for Spacing<C> {
     fn default() -> Self {
@@ -30,18 +43,22 @@ impl<C> Default for Spacing<C> {
 }
 
 impl<C: Hash + Eq + Clone> Spacing<C> {
-    /// The instant, at `now` or later, at which a request of `client` due
-    /// now may be released, `half` (its c·T/2) after the client's previous
-    /// release; taken, so the client's next release comes `half` after it.
-    pub fn release(&self, client: &C, now: Nanos, half: Nanos) -> Nanos {
-        let mut next = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let at = next
-            .get(client)
-            .map_or(now, |&not_before| now.max(not_before));
-        if next.len() >= PRUNE_AT {
-            next.retain(|_, not_before| *not_before > now);
+    /// The instant, at `now` or later, at which a request of `client`
+    /// whose slot was `slot` may be released: `half` (its c·T/2) after the
+    /// client's previous release, or as far after it as `slot` is from
+    /// that release's slot, if less (overdue releases may be taken in any
+    /// order). Taken: the client's next release is spaced from it.
+    pub fn release(&self, client: &C, now: Nanos, slot: Nanos, half: Nanos) -> Nanos {
+        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let at = last.get(client).map_or(now, |prev| {
+            let gap = half.min(slot.abs_diff(prev.slot));
+            now.max(prev.at.saturating_add(gap))
+        });
+        if last.len() >= PRUNE_AT {
+            last.retain(|_, prev| prev.until > now);
         }
-        next.insert(client.clone(), at.saturating_add(half));
+        let until = at.saturating_add(half);
+        last.insert(client.clone(), Last { at, slot, until });
         at
     }
 }
@@ -62,11 +79,11 @@ mod tests {
         let a = client("a");
         // Five requests due 200 ms apart, all fired at once at 1 s.
         let times: Vec<Nanos> = (0..5)
-            .map(|_| s.release(&a, 1_000 * MS, 100 * MS))
+            .map(|i| s.release(&a, 1_000 * MS, i * 200 * MS, 100 * MS))
             .collect();
         assert_eq!(times, [1_000, 1_100, 1_200, 1_300, 1_400].map(|t| t * MS));
         // Another client is not held back by the first.
-        assert_eq!(s.release(&client("b"), 1_000 * MS, 100 * MS), 1_000 * MS);
+        assert_eq!(s.release(&client("b"), 1_000 * MS, 0, 100 * MS), 1_000 * MS);
     }
 
     #[test]
@@ -75,15 +92,33 @@ mod tests {
         let a = client("a");
         for i in 0..10 {
             let due = i * 200 * MS;
-            assert_eq!(s.release(&a, due, 100 * MS), due);
+            assert_eq!(s.release(&a, due, due, 100 * MS), due);
         }
+    }
+
+    #[test]
+    fn releases_whose_slots_were_closer_keep_only_that_gap() {
+        let s = Spacing::default();
+        let a = client("a");
+        // A burst: three slots at the same instant, their work started
+        // late (at 500 ms): none is held back by the others.
+        for _ in 0..3 {
+            assert_eq!(s.release(&a, 500 * MS, 0, 100 * MS), 500 * MS);
+        }
+        // Two slots 30 ms apart, both overdue: 30 ms apart, not 100.
+        assert_eq!(s.release(&a, 900 * MS, 800 * MS, 100 * MS), 900 * MS);
+        assert_eq!(s.release(&a, 900 * MS, 830 * MS, 100 * MS), 930 * MS);
+        // Overdue slots taken out of order are spaced all the same.
+        assert_eq!(s.release(&a, 2_000 * MS, 1_400 * MS, 100 * MS), 2_000 * MS);
+        assert_eq!(s.release(&a, 2_000 * MS, 1_200 * MS, 100 * MS), 2_100 * MS);
     }
 
     #[test]
     fn entries_past_their_spacing_are_pruned() {
         let s = Spacing::default();
         for i in 0..(3 * PRUNE_AT) {
-            s.release(&client(&i.to_string()), (i as Nanos) * MS, MS);
+            let now = (i as Nanos) * MS;
+            s.release(&client(&i.to_string()), now, now, MS);
         }
         let held = s.0.lock().unwrap().len();
         assert!(held <= PRUNE_AT + 1, "{held} entries kept");

@@ -20,7 +20,9 @@ use ipnet::IpNet;
 
 use crate::shaper::Rate;
 use raw::{RawConfig, RawCost, RawKey, RawRoute, RawSize, RawUpstream};
-pub use smtp::{Credentials, Secret, SmtpCost, SmtpKeyPart, SmtpListener, SmtpTls, SmtpUpstream};
+pub use smtp::{
+    Credentials, MAX_HOLD, Secret, SmtpCost, SmtpKeyPart, SmtpListener, SmtpTls, SmtpUpstream,
+};
 
 /// A validated configuration.
 #[derive(Debug, Clone)]

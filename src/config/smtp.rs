@@ -30,7 +30,7 @@ const DEFAULT_SMTP_MAX_WAIT: Duration = Duration::from_secs(300);
 /// A client waits at least 10 minutes for the reply to its end of data
 /// (RFC 5321 section 4.5.3.2.6); every held message is answered within
 /// `max_wait + relay_timeout`, which must leave a minute of that.
-const MAX_HOLD: Duration = Duration::from_secs(540);
+pub const MAX_HOLD: Duration = Duration::from_secs(540);
 const DEFAULT_MAX_MESSAGE_SIZE: usize = 10_240_000;
 const MAX_MESSAGE_SIZE: u64 = 1 << 30;
 /// RFC 5321 section 4.5.3.1.8: a server takes at least 100 recipients.

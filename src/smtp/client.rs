@@ -87,6 +87,12 @@ pub struct Envelope {
     /// Set once the end of data starts going upstream: from then on the
     /// upstream may take the message whatever happens to the relay.
     pub committed: std::sync::atomic::AtomicBool,
+    /// How long the reply to the end of data is waited for, if past the
+    /// relay's deadline: giving up on it would have the client send again
+    /// a message the upstream may have taken, so it is waited for as long
+    /// as the client waits (RFC 5321 4.5.3.2.6 gives 10 minutes from the
+    /// client's end of data; Postfix's `smtp_data_done_timeout`).
+    pub reply_by: Instant,
 }
 
 /// What an upstream said it supports.
@@ -541,7 +547,7 @@ impl Session {
         env.committed
             .store(true, std::sync::atomic::Ordering::Relaxed);
         within(deadline, true, self.stream.write_all(&wire)).await?;
-        let reply = self.reply(deadline, true).await?;
+        let reply = self.reply(deadline.max(env.reply_by), true).await?;
         if reply.is_positive() {
             Ok(reply)
         } else {

@@ -281,6 +281,18 @@ impl Front {
             .collect()
     }
 
+    /// The longest an upstream's relay may take (the drain's grace for
+    /// relays in flight when it gives up).
+    pub fn longest_relay_timeout(&self) -> Duration {
+        self.table
+            .load()
+            .pools
+            .iter()
+            .map(|p| p.config().relay_timeout)
+            .max()
+            .unwrap_or_default()
+    }
+
     /// Every upstream, with how long it stays paused if it is.
     pub fn upstreams(&self) -> Vec<(String, Option<Duration>)> {
         let table = self.table.load();

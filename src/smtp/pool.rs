@@ -172,15 +172,25 @@ async fn reap(pool: Weak<Pool>) {
 /// or 454 whose enhanced code says congestion (4.4.5) or policy (4.7.x),
 /// or whose text speaks of rates or throttling (Amazon SES says `454
 /// Throttling failure: Maximum sending rate exceeded`, Gmail `421 4.7.0
-/// Try again later`, Microsoft `451 4.7.500 Server busy`).
+/// Try again later`, Microsoft `451 4.7.500 Server busy`). Words count
+/// where a word starts ("rate" in "rate limited", not in "generate").
+/// Greylisting (`451 4.7.1 Greylisted`) is about one sender and
+/// recipient, not the upstream's pace: it pauses nothing.
 pub fn throttling(reply: &Reply) -> bool {
     if !matches!(reply.code, 421 | 451 | 454) {
+        return false;
+    }
+    let text = reply.text.to_ascii_lowercase();
+    let word = |w: &str| {
+        text.match_indices(w)
+            .any(|(i, _)| i == 0 || !text.as_bytes()[i - 1].is_ascii_alphanumeric())
+    };
+    if word("greylist") || word("graylist") {
         return false;
     }
     if reply.esc == [4, 4, 5] || (reply.esc[0] == 4 && reply.esc[1] == 7) {
         return true;
     }
-    let text = reply.text.to_ascii_lowercase();
     [
         "throttl",
         "rate",
@@ -192,8 +202,8 @@ pub fn throttling(reply: &Reply) -> bool {
         "exceeded",
         "busy",
     ]
-    .iter()
-    .any(|w| text.contains(w))
+    .into_iter()
+    .any(word)
 }
 
 /// [`throttling`] for an error that carries a reply.
@@ -305,6 +315,18 @@ mod tests {
         assert!(!throttling(&r(451, [4, 3, 0], "Local error in processing")));
         assert!(!throttling(&r(550, [5, 7, 1], "Rate limit: permanent")));
         assert!(!throttling(&r(250, [2, 0, 0], "rate ok")));
+        assert!(!throttling(&r(
+            451,
+            [4, 7, 1],
+            "Greylisted, try again later"
+        )));
+        assert!(!throttling(&r(
+            451,
+            [4, 3, 0],
+            "Could not generate a reply"
+        )));
+        assert!(throttling(&r(451, [4, 3, 0], "Sending rate-limited")));
+        assert!(throttling(&r(421, [4, 3, 0], "Ratelimit reached")));
     }
 
     #[test]

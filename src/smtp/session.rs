@@ -41,7 +41,7 @@ use super::pool::{Pool, client_reply, throttled_error};
 use super::reply::{self, Reply};
 use super::{Front, Listener};
 use crate::admission::{Hold, HoldError, Key, Room, Rule, Verdict, compose};
-use crate::config::{SmtpCost, SmtpKeyPart};
+use crate::config::{MAX_HOLD, SmtpCost, SmtpKeyPart};
 use crate::metrics::Outcome;
 
 /// The longest command line taken (RFC 5321 4.5.3.1.4 asks for 512; MAIL
@@ -81,6 +81,8 @@ struct Tx {
     /// The admission's verdict, once asked: `Some(None)` departed at once,
     /// `Some(Some(hold))` waits.
     admitted: Option<Option<Hold>>,
+    /// When it was asked.
+    admitted_at: Instant,
 }
 
 impl Tx {
@@ -450,8 +452,10 @@ impl Session {
             key,
             listener: self.listener.clone(),
             admitted: None,
+            admitted_at: Instant::now(),
         };
         if cfg.cost == SmtpCost::Message {
+            tx.admitted_at = Instant::now();
             match self.admit(&tx).await? {
                 Some(admitted) => tx.admitted = Some(admitted),
                 None => return Ok(()),
@@ -559,6 +563,7 @@ impl Session {
             return self.error(&reply::NEED_RCPT);
         }
         if tx.admitted.is_none() {
+            tx.admitted_at = Instant::now();
             match self.admit(&tx).await? {
                 Some(admitted) => tx.admitted = Some(admitted),
                 // Refused: the transaction is over, the client starts again.
@@ -572,6 +577,12 @@ impl Session {
         let answer = self.take_message(tx).await;
         self.in_data = false;
         let answer = answer?;
+        if answer.is_positive() {
+            // Errors count until mail is delivered (Postfix's
+            // `smtpd_hard_error_limit`): a long-lived connection is not
+            // closed for those of its earlier transactions.
+            self.errors = 0;
+        }
         self.say(&answer);
         Ok(())
     }
@@ -662,9 +673,16 @@ impl Session {
             .filter(|c| !c.is_control())
             .take(255)
             .collect();
+        // RFC 5321 4.1.3: an IPv6 address literal is tagged.
+        let ip = match self.peer.ip() {
+            std::net::IpAddr::V4(v4) => v4.to_string(),
+            std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => v4.to_string(),
+                None => format!("IPv6:{v6}"),
+            },
+        };
         format!(
-            "Received: from {helo} ([{}])\r\n\tby {} (sluice) with {with} id {id:x};\r\n\t{date}\r\n",
-            self.peer.ip(),
+            "Received: from {helo} ([{ip}])\r\n\tby {} (sluice) with {with} id {id:x};\r\n\t{date}\r\n",
             self.listener.cfg.hostname,
         )
     }
@@ -673,6 +691,7 @@ impl Session {
     /// client. Watches the client all along: gone before the end of data
     /// is relayed, nothing is relayed.
     async fn deliver(&mut self, tx: Tx, message: Vec<u8>, room: Room) -> Result<Reply, End> {
+        let data_end = Instant::now();
         let cost = tx.cost();
         let Tx {
             from,
@@ -682,9 +701,12 @@ impl Session {
             key,
             listener,
             admitted,
+            admitted_at,
         } = tx;
         let rule = listener.rule.clone();
+        let mut slot = admitted_at;
         if let Some(Some(mut hold)) = admitted {
+            slot = hold.departure().unwrap_or(slot);
             self.flush().await?;
             let waited = tokio::select! {
                 w = hold.wait() => w,
@@ -707,13 +729,21 @@ impl Session {
         // A message whose data came after its slot starts late: the next
         // one of this client keeps c·T/2 from it (DESIGN 1's late
         // releases), instead of following at once.
-        let spaced = self.front.admission.space_relay(&rule, &key, cost);
+        let admission = &self.front.admission;
+        let spaced = admission.space_relay(&rule, &key, cost, slot);
         tokio::select! {
             () = spaced => {}
             () = watch(&mut self.inbuf, &mut self.stream) => {
                 rule.count(Outcome::Cancelled);
                 return Err(End::Gone);
             }
+            () = admission.closing().cancelled() => {}
+        }
+        // The drain gave up: no relay starts now (one cut short by the
+        // exit after its end of data could be delivered twice).
+        if admission.closing().is_cancelled() {
+            self.say(&reply::SHUTTING_DOWN);
+            return Err(End::Closed);
         }
         let env = Envelope {
             from,
@@ -721,6 +751,7 @@ impl Session {
             smtputf8,
             rcpts,
             committed: AtomicBool::new(false),
+            reply_by: data_end + MAX_HOLD,
         };
         let pool = listener.pool.clone();
         let deadline = Instant::now() + pool.config().relay_timeout;

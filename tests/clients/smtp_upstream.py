@@ -11,7 +11,7 @@ Prints `PORT <n>` first, then one JSON line per message taken:
                  `454 Throttling failure` then ok), "451" (always),
                  "drop-at-dot" (close at the end of data, no reply),
                  "421-close", "slow-reply" (takes the message, answers
-                 its end of data 1 s later)
+                 its end of data 1 s later), "slower-reply" (3 s later)
 """
 import argparse
 import asyncio
@@ -89,6 +89,8 @@ class Upstream:
         }), flush=True)
         if self.mode() == "slow-reply":
             await asyncio.sleep(1)
+        elif self.mode() == "slower-reply":
+            await asyncio.sleep(3)
         return f"250 2.0.0 Ok: queued as {qid}"
 
 
