@@ -484,8 +484,29 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             .routes
             .get(route.0 as usize)
             .and_then(|r| r.cap.as_ref().map(|c| c.1.clone()));
-        let mut cap = cap.as_ref().map(|c| lock(c));
-        shard.cancel(ticket, now, cap.as_deref_mut(), &self.budget)
+        let mut guard = cap.as_ref().map(|c| lock(c));
+        let payload = shard.cancel(ticket, now, guard.as_deref_mut(), &self.budget);
+        let prune = guard.as_ref().is_some_and(|c| c.needs_pruning());
+        drop(guard);
+        drop(shard);
+        if let (true, Some(cap)) = (prune, cap) {
+            self.prune_cap(&cap);
+        }
+        payload
+    }
+
+    /// Drop a cap's stale heads, shard by shard (each shard's lock, then
+    /// the cap's: the engine's lock order). O(heap) per pass, and a pass
+    /// only once the stale entries are more than half the heap.
+    fn prune_cap(&self, cap: &Mutex<Cap>) {
+        let counted = lock(cap).stale;
+        for shard in self.shards.iter() {
+            let shard = lock(shard);
+            shard.prune_cap_heads(&mut lock(cap));
+        }
+        // Those counted during the pass may still be there.
+        let mut c = lock(cap);
+        c.stale = c.stale.saturating_sub(counted);
     }
 
     /// Release what `target` has due at `now`, appending payloads to `out`
@@ -653,5 +674,60 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         }
         best.sort_by_key(|e| Reverse(e.2.waiting_cost));
         best
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOUR: Nanos = 3_600_000_000_000;
+
+    /// Every heap entry, live or stale: the shards' and the caps'.
+    fn heap_entries(e: &Engine<u32, u32>) -> usize {
+        let shards: usize = e.shards.iter().map(|s| lock(s).heads_len()).sum();
+        let caps: usize = lock(&e.upstreams)
+            .iter()
+            .flatten()
+            .map(|c| lock(c).heads.len())
+            .sum();
+        shards + caps
+    }
+
+    /// A client that queues a request and withdraws it, in a loop, under
+    /// a slow rate (1/h): each withdrawn head leaves a heap entry that would
+    /// stay until its due time an hour away. Pruning keeps them within
+    /// a bound, on an uncapped upstream and a capped one.
+    #[test]
+    fn withdrawn_heads_do_not_pile_up_in_the_heaps() {
+        for cap in [
+            None,
+            Some(Rate::from_interval_nanos(HOUR).unwrap_or(Rate::SLOWEST)),
+        ] {
+            let e: Engine<u32, u32> = Engine::new(
+                Limits {
+                    max_clients: 1_000,
+                    max_queued: 1_000,
+                },
+                4,
+            );
+            let upstream = e.add_upstream(cap);
+            let policy = Policy::new(Rate::from_interval_nanos(HOUR).unwrap_or(Rate::SLOWEST), 2);
+            let route = e.add_route(policy, upstream);
+            // The client departs once; from then on each request waits
+            // at the head of its queue, for an hour.
+            assert_eq!(e.admit(route, 7, 1, 0, || 0), Admission::Depart);
+            for i in 0..100_000u32 {
+                let Admission::Queued { ticket, .. } = e.admit(route, 7, 1, 1, || i) else {
+                    panic!("request {i} was not queued");
+                };
+                assert_eq!(e.cancel(ticket, 2), Some(i));
+            }
+            let entries = heap_entries(&e);
+            assert!(
+                entries <= 2 * (super::super::shard::STALE_SLACK + 1),
+                "{entries} heap entries left by 100,000 withdrawals (cap {cap:?})"
+            );
+        }
     }
 }

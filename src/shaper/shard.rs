@@ -37,6 +37,9 @@ pub struct Cap {
     pub(super) armed: Nanos,
     /// The end of the latest pause the upstream asked for.
     pub(super) paused_until: Nanos,
+    /// Entries of `heads` made stale by a cancelled head since the heap
+    /// was last pruned ([`Cap::needs_pruning`]).
+    pub(super) stale: usize,
 }
 
 impl Cap {
@@ -47,7 +50,16 @@ impl Cap {
             heads: BinaryHeap::new(),
             armed: Nanos::MAX,
             paused_until: 0,
+            stale: 0,
         }
+    }
+
+    /// Whether the stale entries are enough to be worth a pass over the
+    /// heap: more than half of it (and a margin), so that each pass is
+    /// paid for by as many cancellations and the heap stays within twice
+    /// its live heads, whatever a client that cancels in a loop does.
+    pub(super) fn needs_pruning(&self) -> bool {
+        over_stale(self.stale, self.heads.len())
     }
 
     /// Whether an arrival may take a slot now: the slot is free and no
@@ -90,6 +102,14 @@ const EXPIRY_BUCKET_BITS: u32 = 26;
 fn table_hash(h32: u32) -> u64 {
     u64::from(h32) * 0x1_0000_0001
 }
+
+/// Whether `stale` of a heap's `len` entries are enough to prune it.
+fn over_stale(stale: usize, len: usize) -> bool {
+    stale > STALE_SLACK + len / 2
+}
+
+/// Stale heap entries tolerated beyond half the heap.
+pub(super) const STALE_SLACK: usize = 1_024;
 
 /// How late a capped release may come and still keep the cap's grid.
 const CAP_REANCHOR: Nanos = 100_000_000;
@@ -195,6 +215,9 @@ pub(super) struct Shard<K, P> {
     entry_generations: u32,
     /// Heads of queues on uncapped upstreams.
     heads: BinaryHeap<Reverse<HeadRef>>,
+    /// Entries of `heads` made stale by a cancelled head since it was
+    /// last pruned.
+    stale: usize,
     /// The earliest instant the releaser has promised to look at `heads`.
     armed: Nanos,
     /// Clients with an empty queue whose schedule is still in the future,
@@ -225,6 +248,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             free_entries: Vec::new(),
             entry_generations: 0,
             heads: BinaryHeap::new(),
+            stale: 0,
             armed: Nanos::MAX,
             expiry: BTreeMap::new(),
             routes: Vec::new(),
@@ -772,10 +796,49 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         let was_head = self.client(slot).is_some_and(|c| c.head == ticket.entry);
         let (_, payload) = self.take_entry(ticket.entry, budget)?;
         if was_head {
-            // Its heap entry goes stale; the next one takes the same slot.
-            self.promote(slot, now, 0, cap, budget);
+            // Its heap entry goes stale (it leaves when it reaches the
+            // top, or when enough have piled up); the next one takes the
+            // same slot.
+            let capped = self
+                .client(slot)
+                .and_then(|c| self.routes.get(c.route.0 as usize))
+                .is_some_and(|r| r.cap.is_some());
+            match cap {
+                Some(cap) if capped => {
+                    cap.stale += 1;
+                    self.promote(slot, now, 0, Some(cap), budget);
+                }
+                cap => {
+                    self.stale += 1;
+                    self.promote(slot, now, 0, cap, budget);
+                    if over_stale(self.stale, self.heads.len()) {
+                        self.prune_heads();
+                    }
+                }
+            }
         }
         payload
+    }
+
+    /// How many entries this shard's heap holds, stale ones included.
+    #[cfg(test)]
+    pub(super) fn heads_len(&self) -> usize {
+        self.heads.len()
+    }
+
+    /// Drop the stale entries of this shard's heap.
+    fn prune_heads(&mut self) {
+        let mut heads = std::mem::take(&mut self.heads);
+        heads.retain(|Reverse(h)| self.head_is_live(h));
+        self.heads = heads;
+        self.stale = 0;
+    }
+
+    /// Drop this shard's stale entries from a cap's heap (the caller
+    /// holds this shard's lock, then the cap's).
+    pub(super) fn prune_cap_heads(&self, cap: &mut Cap) {
+        cap.heads
+            .retain(|Reverse(h)| h.shard != self.id || self.head_is_live(h));
     }
 
     /// The route of the client that owns a ticket's entry, if it waits.
