@@ -11,12 +11,12 @@ use clap::{Parser, Subcommand, ValueEnum};
 #[derive(Debug, Parser)]
 #[command(name = "sluice", version, about, long_about = None)]
 pub struct Cli {
-    /// Log filter (trace, debug, info, warn, error, or a tracing directive);
-    /// RUST_LOG, when set, wins.
+    /// Log filter for `run` (trace, debug, info, warn, error, or a tracing
+    /// directive); RUST_LOG, when set, wins.
     #[arg(long, global = true, default_value = "info")]
     pub log_level: String,
 
-    /// Log line format.
+    /// Log line format for `run`.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
