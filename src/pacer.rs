@@ -674,6 +674,13 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
         while self.timers.peek().is_some_and(|t| t.0.at <= now) {
             if let Some(Reverse(t)) = self.timers.pop() {
                 self.released = self.released.max(t.at);
+                // A timer releases a request held for a shared departure
+                // (cluster mode): its lag counts as a local release's does.
+                if !t.tx.is_closed()
+                    && let Some(observe) = self.inner.lag.get()
+                {
+                    observe(Duration::from_nanos(now - t.at));
+                }
                 self.out.push(t.tx);
             }
         }

@@ -429,4 +429,19 @@ async fn a_stalled_instance_catches_up_shared_departures_at_twice_the_rate() {
         gaps.iter().all(|g| *g >= Duration::from_millis(70)),
         "{gaps:?}"
     );
+    // Each shared release is in the release-lag histogram, the stall's
+    // lateness with it (>= 0.5 s for at least one).
+    let metrics =
+        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
+    let sample = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let count = sample("sluice_release_lag_seconds_count");
+    assert!(count.is_some_and(|n| n >= 4.0), "{metrics}");
+    let sum = sample("sluice_release_lag_seconds_sum");
+    assert!(sum.is_some_and(|s| s >= 0.5), "{metrics}");
 }
