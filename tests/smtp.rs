@@ -628,12 +628,27 @@ fn a_client_outside_allow_from_without_auth_is_refused_at_the_greeting() {
         "tls = \"none\"",
         "key = \"ip\"\nrate = \"5/s\"\ncapacity = 1\nallow_from = [\"10.0.0.0/8\"]",
     ));
-    let mut s = std::net::TcpStream::connect(sluice.smtp.unwrap()).unwrap();
+    use std::io::{BufRead, Read, Write};
+    let s = std::net::TcpStream::connect(sluice.smtp.unwrap()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut greeting = String::new();
-    use std::io::Read;
-    s.read_to_string(&mut greeting).unwrap();
-    assert!(greeting.starts_with("554 sluice.test"), "{greeting}");
+    let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+    let mut w = s;
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    assert!(line.starts_with("554 sluice.test"), "{line}");
+    // RFC 5321 3.1: then 503 to anything but QUIT, until QUIT.
+    w.write_all(b"MAIL FROM:<a@example.com>\r\n").unwrap();
+    line.clear();
+    r.read_line(&mut line).unwrap();
+    assert!(line.starts_with("503"), "{line}");
+    w.write_all(b"QUIT\r\n").unwrap();
+    line.clear();
+    r.read_line(&mut line).unwrap();
+    assert!(line.starts_with("221"), "{line}");
+    let mut rest = String::new();
+    r.read_to_string(&mut rest).unwrap();
+    assert_eq!(rest, "", "closed after QUIT");
+    assert!(up.arrivals().is_empty());
 }
 
 #[test]

@@ -181,6 +181,11 @@ pub const OVERLOADED: Reply = Reply::new(
     [4, 3, 2],
     "Too busy to take more mail now, closing connection; try again later",
 );
+pub const REFUSED_SESSION: Reply = Reply::new(
+    503,
+    [5, 5, 1],
+    "Bad sequence of commands: this session was refused",
+);
 pub const RELAY_DENIED: Reply = Reply::new(554, [5, 7, 1], "Relay access denied");
 pub const UTF8_UNSUPPORTED: Reply =
     Reply::new(553, [5, 6, 7], "The upstream does not support SMTPUTF8");

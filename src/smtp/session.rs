@@ -154,6 +154,7 @@ pub(super) async fn serve(
             [0, 0, 0],
             format!("{} {}", cfg.hostname, reply::RELAY_DENIED.text),
         ));
+        s.refused().await;
     } else {
         s.say(&Reply::owned(
             220,
@@ -298,6 +299,24 @@ impl Session {
             };
             if let Err(end) = step {
                 return end;
+            }
+        }
+    }
+
+    /// After a `554` greeting: every command but QUIT is answered `503`
+    /// until the client quits (RFC 5321 3.1), its silence passes
+    /// `idle_timeout` or its errors pass the limit.
+    async fn refused(&mut self) {
+        loop {
+            let Ok(line) = self.line(MAX_COMMAND_LINE, &reply::LINE_TOO_LONG).await else {
+                return;
+            };
+            if matches!(Request::parse(&mut line.iter()), Ok(Request::Quit)) {
+                self.say(&reply::BYE);
+                return;
+            }
+            if self.error(&reply::REFUSED_SESSION).is_err() {
+                return;
             }
         }
     }
