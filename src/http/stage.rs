@@ -151,8 +151,11 @@ async fn read(
     {
         return Err(StageError::Full);
     }
-    let mut chunks: Vec<Bytes> = Vec::new();
-    let mut len = 0usize;
+    // Copied into one buffer as it comes, and the buffer's size is what
+    // the budget counts: kept as the frames came, a body sent in 1-byte
+    // chunks would hold a 32-byte entry and a share of a read buffer per
+    // byte, many times what is counted.
+    let mut data = BytesMut::with_capacity(declared.unwrap_or(0));
     let mut trailers = None;
     while let Some(frame) = tokio::time::timeout(idle, body.frame())
         .await
@@ -160,15 +163,18 @@ async fn read(
     {
         let frame = frame.map_err(body_error)?;
         match frame.into_data() {
-            Ok(data) => {
-                len = len.saturating_add(data.len());
+            Ok(part) => {
+                let len = data.len().saturating_add(part.len());
                 if len > max {
                     return Err(StageError::TooLarge(max));
                 }
-                if !room.grow_to(len) {
+                if !room.grow_to(len.max(data.capacity())) {
                     return Err(StageError::Full);
                 }
-                chunks.push(data);
+                data.extend_from_slice(&part);
+                if !room.grow_to(data.capacity()) {
+                    return Err(StageError::Full);
+                }
             }
             Err(frame) => {
                 if let Ok(t) = frame.into_trailers() {
@@ -177,17 +183,7 @@ async fn read(
             }
         }
     }
-    let data = match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().unwrap_or_default(),
-        _ => {
-            let mut all = BytesMut::with_capacity(len);
-            for c in chunks {
-                all.extend_from_slice(&c);
-            }
-            all.freeze()
-        }
-    };
+    let data = data.freeze();
     Ok(Staged {
         data,
         trailers,
