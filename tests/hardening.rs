@@ -462,3 +462,44 @@ async fn a_body_in_one_byte_chunks_is_staged_at_its_size() {
     );
     drop(socks);
 }
+
+/// `strip_prefix` removes whole segments only: a path whose prefix ends
+/// inside a segment (`/api../admin`, which is not itself a dot segment)
+/// is refused, where stripping `/api` would have sent the upstream
+/// `/base/../admin`, outside its base path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strip_prefix_never_leaves_part_of_a_segment() {
+    let ds = Downstream::start().await;
+    let config = format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[[upstream]]
+name = "api"
+url = "http://{}/base"
+
+[[route]]
+name = "api"
+match = {{ path_prefix = "/api" }}
+strip_prefix = "/api"
+upstream = "api"
+key = "ip"
+rate = "1000/s"
+capacity = 10
+"#,
+        ds.addr
+    );
+    let s = Sluice::start(&config);
+    let c = client();
+    for bad in ["/api../admin", "/api%2e%2e/admin", "/api-docs"] {
+        let a = get(&c, &s.url(bad), &[]).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{bad}");
+    }
+    for good in ["/api", "/api/", "/api/v1/x"] {
+        let a = get(&c, &s.url(good), &[]).await;
+        assert_eq!(a.status, StatusCode::OK, "{good}");
+    }
+    let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
+    assert_eq!(paths, ["/base/", "/base/", "/base/v1/x"]);
+}

@@ -371,7 +371,14 @@ impl Upstream {
             return Some(original);
         }
         let path = original.path();
-        let rest = strip.and_then(|s| path.strip_prefix(s)).unwrap_or(path);
+        let rest = match strip.map(|s| path.strip_prefix(s)) {
+            None | Some(None) => path,
+            Some(Some(rest)) if rest.is_empty() || rest.starts_with('/') => rest,
+            // The prefix ends inside a segment ("/api" of "/api../admin"):
+            // what is left of the segment, after a '/', could be a dot
+            // segment that takes the upstream out of its base path.
+            Some(Some(_)) => return None,
+        };
         let mut out = String::with_capacity(
             self.path.len() + rest.len() + 2 + original.query().map_or(0, str::len),
         );
