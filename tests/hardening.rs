@@ -503,3 +503,52 @@ capacity = 10
     let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
     assert_eq!(paths, ["/base/", "/base/", "/base/v1/x"]);
 }
+
+/// A host route cannot be skipped by the root's trailing dot
+/// (`api.example.` is `api.example`), and userinfo in the target or in
+/// Host is a 400 (RFC 9110 4.2.4), never a host to route by.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_route_cannot_be_skipped_by_a_trailing_dot_or_userinfo() {
+    use std::io::{Read, Write};
+    let ds = Downstream::start().await;
+    let routes = r#"
+[[route]]
+name = "strict"
+match = { host = "api.example" }
+upstream = "api"
+key = "global"
+rate = "1/h"
+capacity = 0
+
+[[route]]
+name = "other"
+upstream = "api"
+key = "ip"
+rate = "1000/s"
+capacity = 10
+"#;
+    let s = Sluice::start(&base(ds.addr, "", routes));
+    let status = |request: &str| {
+        let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        sock.write_all(request.as_bytes()).unwrap();
+        let mut got = Vec::new();
+        let _ = sock.read_to_end(&mut got);
+        let text = String::from_utf8_lossy(&got).into_owned();
+        text.get(9..12).unwrap_or("").to_owned()
+    };
+    // The strict route's one departure, then refusals (capacity 0).
+    let first = status("GET /a HTTP/1.1\r\nHost: api.example\r\nConnection: close\r\n\r\n");
+    assert_eq!(first, "200");
+    let dotted = status("GET /b HTTP/1.1\r\nHost: API.example.\r\nConnection: close\r\n\r\n");
+    assert_eq!(dotted, "429", "the trailing dot took another route");
+    let target = status(
+        "GET http://x@api.example/c HTTP/1.1\r\nHost: api.example\r\nConnection: close\r\n\r\n",
+    );
+    assert_eq!(target, "400");
+    let host = status("GET /d HTTP/1.1\r\nHost: x@api.example\r\nConnection: close\r\n\r\n");
+    assert_eq!(host, "400");
+    let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
+    assert_eq!(paths, ["/a"]);
+}

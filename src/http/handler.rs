@@ -243,6 +243,24 @@ impl Handler {
                 ));
             }
         }
+        // RFC 9110 4.2.4 (and RFC 9113 8.3.1 for :authority): userinfo in
+        // the target or in Host is an error, not a host to route by.
+        let userinfo = req
+            .uri()
+            .authority()
+            .is_some_and(|a| a.as_str().contains('@'))
+            || req
+                .headers()
+                .get(http::header::HOST)
+                .is_some_and(|h| h.as_bytes().contains(&b'@'));
+        if userinfo {
+            self.shared.count_unrouted();
+            return Err(problem(
+                StatusCode::BAD_REQUEST,
+                "the request's host has userinfo (user@host), which HTTP does not allow",
+                None,
+            ));
+        }
         // A protocol switch (HTTP/1.1 only) holds a tunnel's place from
         // its arrival: past max_tunnels, 503 at once.
         let switch =

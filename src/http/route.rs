@@ -140,10 +140,15 @@ pub fn request_host<B>(req: &Request<B>) -> Option<&str> {
     })?;
     let host = match raw.strip_prefix('[') {
         Some(v6) => v6.split(']').next().unwrap_or(v6),
-        None => match raw.rsplit_once(':') {
-            Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
-            _ => raw,
-        },
+        None => {
+            let name = match raw.rsplit_once(':') {
+                Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
+                _ => raw,
+            };
+            // The root's dot names the same host ("api.example." is
+            // "api.example"), as nginx takes it.
+            name.strip_suffix('.').unwrap_or(name)
+        }
     };
     Some(host)
 }
