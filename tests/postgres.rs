@@ -69,6 +69,41 @@ async fn one_client_across_two_instances_is_paced_as_one() {
     );
 }
 
+/// A role or database whose default isolation is serializable: sluice
+/// pins read committed on its connections, so admissions contending for
+/// one client's row wait for the lock instead of failing (40001) to
+/// on_failure (here reject: 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serializable_default_does_not_fail_contended_admissions() {
+    let pg = PostgresServer::start();
+    pg.psql("ALTER ROLE sluice SET default_transaction_isolation = 'serializable'");
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &pg, "reject", "")
+        .replace("rate = \"5/s\"", "rate = \"1000/s\"")
+        .replace("capacity = 10", "capacity = 1000")
+        .replace("timeout = \"500ms\"", "timeout = \"3s\"");
+    let fleet = [Sluice::start(&cfg), Sluice::start(&cfg)];
+    let c = client();
+    let mut calls = Vec::new();
+    for round in 0..3 {
+        for (i, s) in fleet.iter().enumerate() {
+            for n in 0..20 {
+                let (c, url) = (c.clone(), s.url(&format!("/{round}/{i}/{n}")));
+                calls.push(tokio::spawn(async move {
+                    get(&c, &url, &[("x-client", "one")]).await.status
+                }));
+            }
+        }
+    }
+    let mut refused = 0;
+    for call in calls {
+        if call.await.unwrap() != StatusCode::OK {
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 0, "of 120 contended admissions");
+}
+
 /// The upstream cap across instances (R = 100/s): client "a" backlogged
 /// on one instance does not hold the cap for client "b" on the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -271,7 +271,14 @@ impl Postgres {
             .post_create(Hook::async_fn(move |client, _| {
                 Box::pin(async move {
                     client
-                        .batch_execute(&format!("SET statement_timeout = {statement_ms}"))
+                        // Read committed whatever the role's or the
+                        // database's default: the admission's row lock
+                        // serializes it, and a stricter level would fail
+                        // contended admissions (40001) instead of waiting.
+                        .batch_execute(&format!(
+                            "SET statement_timeout = {statement_ms}; \
+                             SET default_transaction_isolation = 'read committed'"
+                        ))
                         .await
                         .map_err(HookError::Backend)
                 })
@@ -456,21 +463,37 @@ impl Postgres {
         let pool = self.pool.clone();
         let timeout = self.timeout;
         let work = async move {
-            let client = pool.get().await.map_err(|e| match e {
-                deadpool_postgres::PoolError::Backend(e) => ClusterError::Postgres(e),
-                deadpool_postgres::PoolError::Timeout(_) => ClusterError::Timeout(timeout),
-                other => ClusterError::Setup(format!("postgres pool: {other}")),
-            })?;
-            let statement = client.prepare_cached(sql).await?;
-            let refs = params.refs();
-            Ok::<_, ClusterError>(client.query_one(&statement, &refs).await?)
+            let deadline = tokio::time::Instant::now() + timeout;
+            let client = tokio::time::timeout_at(deadline, pool.get())
+                .await
+                .map_err(|_| ClusterError::Timeout(timeout))?
+                .map_err(|e| match e {
+                    deadpool_postgres::PoolError::Backend(e) => ClusterError::Postgres(e),
+                    deadpool_postgres::PoolError::Timeout(_) => ClusterError::Timeout(timeout),
+                    other => ClusterError::Setup(format!("postgres pool: {other}")),
+                })?;
+            let done = {
+                let run = async {
+                    let statement = client.prepare_cached(sql).await?;
+                    let refs = params.refs();
+                    Ok::<_, ClusterError>(client.query_one(&statement, &refs).await?)
+                };
+                tokio::time::timeout_at(deadline, run).await
+            };
+            match done {
+                Ok(result) => result,
+                Err(_) => {
+                    // The statement may still be on its way or running: a
+                    // connection given back now would queue the next
+                    // admissions behind it (a silent network holds them
+                    // all). It is closed instead.
+                    drop(deadpool_postgres::Object::take(client));
+                    Err(ClusterError::Timeout(timeout))
+                }
+            }
         };
         self.runtime
-            .spawn(async move {
-                tokio::time::timeout(timeout, work)
-                    .await
-                    .unwrap_or(Err(ClusterError::Timeout(timeout)))
-            })
+            .spawn(work)
             .await
             .map_err(|e| ClusterError::Setup(format!("postgres call: {e}")))?
     }
