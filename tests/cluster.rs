@@ -445,3 +445,55 @@ async fn a_stalled_instance_catches_up_shared_departures_at_twice_the_rate() {
     let sum = sample("sluice_release_lag_seconds_sum");
     assert!(sum.is_some_and(|s| s >= 0.5), "{metrics}");
 }
+
+/// The store's connection is driven on the runtime it was made on: a
+/// first call made from a worker's runtime that has since ended (a
+/// worker's runtime ends with the drain) does not take the connection
+/// down for the calls that follow from another.
+#[test]
+fn the_redis_connection_outlives_the_runtime_of_its_first_call() {
+    use sluice::cluster::{Ask, Cluster};
+    let redis = RedisServer::start();
+    let toml = config(
+        "127.0.0.1:9".parse().unwrap(),
+        &redis.url(),
+        "reject",
+        1,
+        "2s",
+    );
+    let cfg = sluice::config::Config::from_toml(&toml)
+        .ok()
+        .and_then(|c| c.cluster)
+        .expect("a cluster config");
+    let main = tokio::runtime::Runtime::new().unwrap();
+    let cluster = main.block_on(async {
+        let c = Cluster::new(&cfg).unwrap();
+        c.check().await.unwrap();
+        c
+    });
+    let ask = |n: u32| Ask {
+        key: format!("{{t}}:{n}"),
+        slots: None,
+        step_us: 1_000,
+        capacity: 10,
+        cost: 1,
+        tau_us: 0,
+        slot_us: 0,
+        max_wait_us: 0,
+    };
+    let worker = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let first = worker();
+    let admitted = first.block_on(cluster.admit(ask(1)));
+    assert!(admitted.is_ok(), "{admitted:?}");
+    drop(first);
+    let second = worker();
+    for n in 2..5 {
+        let admitted = second.block_on(cluster.admit(ask(n)));
+        assert!(admitted.is_ok(), "call {n}: {admitted:?}");
+    }
+}

@@ -16,6 +16,12 @@
 //! the slot it got): at most one departure per slot, so never more than R
 //! per second, though two in neighbouring slots may come closer than 1/R.
 //! Past slots are trimmed on every call.
+//!
+//! Every call runs on the runtime the store was made on (the daemon's main
+//! runtime), as the PostgreSQL store's do: a lazy connection starts its
+//! driver on the runtime of the task that first polls it, and a worker's
+//! runtime, which ends with the drain, would take every other worker's
+//! connection down with it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +31,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, Pipeline, RedisFuture, ServerErrorKind, Value};
+use tokio::runtime::Handle;
 use tracing::info;
 
 use super::{Ask, ClusterError, Reservation, Trouble};
@@ -175,11 +182,14 @@ pub struct Redis {
     cancel: Lua,
     /// Why the store cannot be used as configured, while it cannot.
     problem: super::Problem,
+    /// The runtime every call runs on (the caller's, when made outside one).
+    runtime: Option<Handle>,
 }
 
 impl Redis {
     pub fn new(nodes: &[String], mode: RedisMode, timeout: Duration) -> Redis {
         Redis {
+            runtime: Handle::try_current().ok(),
             nodes: nodes.to_vec(),
             mode,
             timeout,
@@ -370,7 +380,7 @@ impl Redis {
 
     /// Run a script: `EVALSHA`, then `EVAL` once on `NOSCRIPT` (routed by
     /// the first key, like the `EVALSHA`).
-    async fn run<T: redis::FromRedisValue>(
+    async fn run<T: redis::FromRedisValue + Send + 'static>(
         &self,
         lua: &Lua,
         keys: &[&str],
@@ -379,13 +389,22 @@ impl Redis {
         let mut conn = self.conn()?;
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&lua.sha).arg(keys.len()).arg(keys).arg(args);
-        match cmd.query_async(&mut conn).await {
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                let mut cmd = redis::cmd("EVAL");
-                cmd.arg(lua.body).arg(keys.len()).arg(keys).arg(args);
-                Ok(cmd.query_async(&mut conn).await?)
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(lua.body).arg(keys.len()).arg(keys).arg(args);
+        let work = async move {
+            match cmd.query_async(&mut conn).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    Ok(eval.query_async(&mut conn).await?)
+                }
+                r => Ok(r?),
             }
-            r => Ok(r?),
+        };
+        match &self.runtime {
+            Some(runtime) => runtime
+                .spawn(work)
+                .await
+                .map_err(|e| ClusterError::Setup(format!("redis call: {e}")))?,
+            None => work.await,
         }
     }
 
