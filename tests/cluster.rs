@@ -497,3 +497,27 @@ fn the_redis_connection_outlives_the_runtime_of_its_first_call() {
         assert!(admitted.is_ok(), "call {n}: {admitted:?}");
     }
 }
+
+/// `cluster.redis` pointed at a replica, where every script would fail
+/// with READONLY: a misconfiguration, named in /status, and /readyz
+/// answers 503 whatever on_failure says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_is_named_as_a_misconfiguration() {
+    use std::io::{Read, Write};
+    let master = RedisServer::start();
+    let replica = RedisServer::start();
+    let mut sock = std::net::TcpStream::connect(("127.0.0.1", replica.port)).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(sock, "REPLICAOF 127.0.0.1 {}\r\n", master.port).unwrap();
+    let mut buf = [0u8; 64];
+    let n = sock.read(&mut buf).unwrap();
+    assert!(buf[..n].starts_with(b"+OK"), "{:?}", &buf[..n]);
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&config(ds.addr, &replica.url(), "local", 1, "500ms"));
+    let c = client();
+    let ready = get(&c, &s.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+    let status = s.status().await;
+    let problem = status["cluster"]["problem"].as_str().unwrap_or_default();
+    assert!(problem.contains("replica"), "{status}");
+}

@@ -186,6 +186,13 @@ pub struct Redis {
     runtime: Option<Handle>,
 }
 
+/// What `INFO` says of a node.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    cluster: bool,
+    replica: bool,
+}
+
 impl Redis {
     pub fn new(nodes: &[String], mode: RedisMode, timeout: Duration) -> Redis {
         Redis {
@@ -242,8 +249,9 @@ impl Redis {
             .ok_or_else(|| ClusterError::Setup("not connected yet".into()))
     }
 
-    /// Whether the node at `url` runs in cluster mode (`INFO cluster`).
-    async fn is_cluster_node(&self, url: &str) -> Result<bool, ClusterError> {
+    /// Whether the node at `url` runs in cluster mode (`INFO cluster`), and
+    /// whether it is a replica (`INFO replication`).
+    async fn node_info(&self, url: &str) -> Result<Node, ClusterError> {
         let client = redis::Client::open(url)?;
         let mut c = tokio::time::timeout(
             self.timeout.max(Duration::from_secs(1)),
@@ -251,11 +259,19 @@ impl Redis {
         )
         .await
         .map_err(|_| ClusterError::Timeout(self.timeout))??;
-        let info: String = redis::cmd("INFO")
+        // One section each: INFO with several is Redis 7's.
+        let cluster: String = redis::cmd("INFO")
             .arg("cluster")
             .query_async(&mut c)
             .await?;
-        Ok(info.lines().any(|l| l.trim() == "cluster_enabled:1"))
+        let replication: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut c)
+            .await?;
+        Ok(Node {
+            cluster: cluster.lines().any(|l| l.trim() == "cluster_enabled:1"),
+            replica: replication.lines().any(|l| l.trim() == "role:slave"),
+        })
     }
 
     /// `CLUSTER INFO` of one node: whether its cluster covers every slot.
@@ -296,7 +312,7 @@ impl Redis {
     /// `standalone`, a cluster covering all 16384 slots for `cluster`.
     pub async fn check(&self) -> Result<(), String> {
         let first = self.nodes.first().cloned().unwrap_or_default();
-        let cluster_node = match self.is_cluster_node(&first).await {
+        let cluster_node = match self.node_info(&first).await {
             Ok(c) => Some(c),
             Err(e) => {
                 // Unreachable now: connect as configured (auto: as one
@@ -317,6 +333,17 @@ impl Redis {
                 ))));
             }
         };
+        if let Some(Node {
+            cluster: false,
+            replica: true,
+        }) = cluster_node
+        {
+            // Every script would fail with READONLY.
+            return self.set_problem(Some(Trouble::Misconfigured(format!(
+                "{first} is a replica (read-only): point cluster.redis at its master"
+            ))));
+        }
+        let cluster_node = cluster_node.map(|n| n.cluster);
         let cluster = match (self.mode, cluster_node) {
             (RedisMode::Standalone, Some(true)) => {
                 return self.set_problem(Some(Trouble::Misconfigured(format!(

@@ -707,9 +707,18 @@ impl Validator {
                 None
             }
         };
+        let key_prefix = raw.key_prefix.unwrap_or_else(|| "sluice:".to_owned());
+        if key_prefix.contains(['{', '}']) {
+            // Redis Cluster hashes only what is inside the first {...}: a
+            // brace here would put every client on one slot.
+            self.problem(
+                "cluster.key_prefix",
+                format!("'{key_prefix}' must not contain '{{' or '}}' (Redis Cluster hash tags)"),
+            );
+        }
         Some(Some(ClusterConfig {
             store: store?,
-            key_prefix: raw.key_prefix.unwrap_or_else(|| "sluice:".to_owned()),
+            key_prefix,
             timeout: timeout?,
             on_failure: on_failure?,
             instances: instances?,

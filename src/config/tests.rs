@@ -947,6 +947,10 @@ fn the_cluster_store_is_redis_or_postgres() {
         "cluster.durable: applies to postgres only",
     );
     assert_problem(
+        &cluster("redis = \"redis://127.0.0.1:6379\"\nkey_prefix = \"{app}:\""),
+        "cluster.key_prefix: '{app}:' must not contain '{' or '}' (Redis Cluster hash tags)",
+    );
+    assert_problem(
         &cluster("postgres = \"postgres://u@h/db\"\npool_size = 0"),
         "cluster.pool_size: must be a whole number from 1 to 256",
     );
