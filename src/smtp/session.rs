@@ -649,7 +649,7 @@ impl Session {
                 let size = message.len().saturating_sub(2);
                 let why = if size > max {
                     Some(reply::TOO_BIG)
-                } else if !room.grow_to(message.len() + trace.len()) {
+                } else if !room.grow_to(message.capacity() + trace.len()) {
                     Some(reply::NO_STORAGE)
                 } else {
                     None
