@@ -231,17 +231,16 @@ impl Handler {
         peer: SocketAddr,
         grpc: Option<Option<Duration>>,
     ) -> Result<Admit, Response<ProxyBody>> {
+        let mut hosts = req.headers().get_all(http::header::HOST).iter();
+        let host = hosts.next();
         // RFC 9112 3.2: an HTTP/1.1 request carries exactly one Host.
-        if req.version() == http::Version::HTTP_11 {
-            let mut hosts = req.headers().get_all(http::header::HOST).iter();
-            if hosts.next().is_none() || hosts.next().is_some() {
-                self.shared.count_unrouted();
-                return Err(problem(
-                    StatusCode::BAD_REQUEST,
-                    "an HTTP/1.1 request needs exactly one Host header",
-                    None,
-                ));
-            }
+        if req.version() == http::Version::HTTP_11 && (host.is_none() || hosts.next().is_some()) {
+            self.shared.count_unrouted();
+            return Err(problem(
+                StatusCode::BAD_REQUEST,
+                "an HTTP/1.1 request needs exactly one Host header",
+                None,
+            ));
         }
         // RFC 9110 4.2.4 (and RFC 9113 8.3.1 for :authority): userinfo in
         // the target or in Host is an error, not a host to route by.
@@ -249,10 +248,7 @@ impl Handler {
             .uri()
             .authority()
             .is_some_and(|a| a.as_str().contains('@'))
-            || req
-                .headers()
-                .get(http::header::HOST)
-                .is_some_and(|h| h.as_bytes().contains(&b'@'));
+            || host.is_some_and(|h| h.as_bytes().contains(&b'@'));
         if userinfo {
             self.shared.count_unrouted();
             return Err(problem(
