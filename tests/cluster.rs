@@ -521,3 +521,25 @@ async fn a_replica_is_named_as_a_misconfiguration() {
     let problem = status["cluster"]["problem"].as_str().unwrap_or_default();
     assert!(problem.contains("replica"), "{status}");
 }
+
+/// A Redis password given in the URL (the one place it can be) is never
+/// shown: not in the log, not in /status, whatever the store's trouble.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_password_is_never_logged_or_shown() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&config(
+        ds.addr,
+        "redis://:TOPSECRET@127.0.0.1:1",
+        "local",
+        2,
+        "200ms",
+    ));
+    let c = client();
+    get(&c, &s.url("/a"), &[("x-client", "k")]).await;
+    let status = s.status().await.to_string();
+    assert!(status.contains("cannot reach redis://:***@127.0.0.1:1"), "{status}");
+    assert!(!status.contains("TOPSECRET"), "{status}");
+    let log = s.log().join("\n");
+    assert!(log.contains("cannot reach"), "{log}");
+    assert!(!log.contains("TOPSECRET"), "{log}");
+}

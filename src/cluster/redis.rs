@@ -186,6 +186,22 @@ pub struct Redis {
     runtime: Option<Handle>,
 }
 
+/// A node's URL as logs and `/status` show it: a password in it (the one
+/// place a Redis password can be given) replaced by `***`.
+fn shown(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_owned();
+    };
+    let userinfo = &rest[..at];
+    let user = userinfo.split(':').next().unwrap_or_default();
+    let secret = if userinfo.contains(':') { ":***" } else { "" };
+    format!("{scheme}://{user}{secret}@{}", &rest[at + 1..])
+}
+
 /// What `INFO` says of a node.
 #[derive(Debug, Clone, Copy)]
 struct Node {
@@ -302,7 +318,8 @@ impl Redis {
             Ok(())
         } else {
             Err(format!(
-                "the Redis Cluster at {url} does not cover every slot (cluster_state:{state}, {ok} of 16384 slots ok)"
+                "the Redis Cluster at {} does not cover every slot (cluster_state:{state}, {ok} of 16384 slots ok)",
+                shown(url)
             ))
         }
     }
@@ -312,6 +329,7 @@ impl Redis {
     /// `standalone`, a cluster covering all 16384 slots for `cluster`.
     pub async fn check(&self) -> Result<(), String> {
         let first = self.nodes.first().cloned().unwrap_or_default();
+        let node = shown(&first);
         let cluster_node = match self.node_info(&first).await {
             Ok(c) => Some(c),
             Err(e) => {
@@ -329,7 +347,7 @@ impl Redis {
                     }
                 }
                 return self.set_problem(Some(Trouble::Unavailable(format!(
-                    "cannot reach {first}: {e}"
+                    "cannot reach {node}: {e}"
                 ))));
             }
         };
@@ -340,19 +358,19 @@ impl Redis {
         {
             // Every script would fail with READONLY.
             return self.set_problem(Some(Trouble::Misconfigured(format!(
-                "{first} is a replica (read-only): point cluster.redis at its master"
+                "{node} is a replica (read-only): point cluster.redis at its master"
             ))));
         }
         let cluster_node = cluster_node.map(|n| n.cluster);
         let cluster = match (self.mode, cluster_node) {
             (RedisMode::Standalone, Some(true)) => {
                 return self.set_problem(Some(Trouble::Misconfigured(format!(
-                    "{first} is a Redis Cluster node but cluster.mode = \"standalone\": set mode = \"cluster\" (or \"auto\")"
+                    "{node} is a Redis Cluster node but cluster.mode = \"standalone\": set mode = \"cluster\" (or \"auto\")"
                 ))));
             }
             (RedisMode::Cluster, Some(false)) => {
                 return self.set_problem(Some(Trouble::Misconfigured(format!(
-                    "{first} is not a cluster node but cluster.mode = \"cluster\": set mode = \"standalone\" (or \"auto\")"
+                    "{node} is not a cluster node but cluster.mode = \"cluster\": set mode = \"standalone\" (or \"auto\")"
                 ))));
             }
             (_, c) => c == Some(true),
@@ -370,7 +388,7 @@ impl Redis {
             match conn {
                 Ok(conn) => {
                     info!(
-                        redis = %first,
+                        redis = %node,
                         mode = if cluster { "cluster" } else { "standalone" },
                         "shared schedules in Redis"
                     );
@@ -465,5 +483,28 @@ impl Redis {
         self.run::<i64>(&self.cancel, &keys, &args)
             .await
             .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shown;
+
+    #[test]
+    fn a_password_in_a_node_url_is_never_shown() {
+        assert_eq!(
+            shown("redis://:s3cret@10.0.0.5:6379"),
+            "redis://:***@10.0.0.5:6379"
+        );
+        assert_eq!(
+            shown("rediss://app:s3cret@cache.example:6380/0"),
+            "rediss://app:***@cache.example:6380/0"
+        );
+        assert_eq!(shown("redis://app@h:6379"), "redis://app@h:6379");
+        assert_eq!(
+            shown("redis://127.0.0.1:6379/0"),
+            "redis://127.0.0.1:6379/0"
+        );
+        assert_eq!(shown("not a url"), "not a url");
     }
 }
