@@ -151,6 +151,7 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
         }));
     }
 
+    let stopping = handle.clone();
     background.push(tokio::spawn(async move {
         while hangup.recv().await.is_some() {
             // Each reload on its own task: a panic in one is logged and
@@ -170,7 +171,22 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
             _ = terminate.recv() => info!("SIGTERM received: draining"),
             _ = interrupt.recv() => info!("SIGINT received: draining"),
         }
-        notify(&[NotifyState::Stopping]);
+        // systemd's stop timeout is the unit's; the drain may need more (a
+        // raised drain_timeout, request_timeout or relay_timeout): ask for
+        // it, so that systemd does not kill sluice in the middle.
+        let longest = stopping.longest_stop() + Duration::from_secs(5);
+        let usec = u32::try_from(longest.as_micros()).unwrap_or(u32::MAX);
+        notify(&[NotifyState::Stopping, NotifyState::ExtendTimeoutUsec(usec)]);
+        // A second signal ends the drain at once (an operator's second
+        // Ctrl-C): what is queued or in flight is cut.
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = terminate.recv() => {}
+                _ = interrupt.recv() => {}
+            }
+            warn!("second signal received: exiting without finishing the drain");
+            std::process::exit(1);
+        });
     };
     let serving = server.run(shutdown);
     notify(&[NotifyState::Ready]);

@@ -422,8 +422,9 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
 
 // === the pacer thread ===
 
-/// Niceness the pacer thread asks for (when permitted: root, or
-/// `CAP_SYS_NICE` as the systemd unit grants), so that a saturated machine
+/// Niceness the pacer thread asks for (when permitted: root,
+/// `CAP_SYS_NICE`, or an `RLIMIT_NICE` that allows it, as the systemd
+/// unit's `LimitNICE=-10` does), so that a saturated machine
 /// still gives it a core on time. It sleeps most of the time and spins
 /// only the last [`Lead`] before a departure.
 const PACER_PRIORITY: u8 = 75; // thread-priority's 0..100 scale: nice -10
@@ -444,7 +445,10 @@ fn tune_thread() {
         });
     match raised {
         Ok(()) => tracing::debug!("pacer: priority raised (nice -10)"),
-        Err(e) => tracing::debug!(error = %e, "pacer: runs at normal priority"),
+        Err(e) => tracing::warn!(
+            error = %e,
+            "pacer: cannot raise its priority to nice -10 (needs root, CAP_SYS_NICE or LimitNICE=-10): departures may come late on a busy machine"
+        ),
     }
 }
 

@@ -537,7 +537,10 @@ async fn a_redis_password_is_never_logged_or_shown() {
     let c = client();
     get(&c, &s.url("/a"), &[("x-client", "k")]).await;
     let status = s.status().await.to_string();
-    assert!(status.contains("cannot reach redis://:***@127.0.0.1:1"), "{status}");
+    assert!(
+        status.contains("cannot reach redis://:***@127.0.0.1:1"),
+        "{status}"
+    );
     assert!(!status.contains("TOPSECRET"), "{status}");
     let log = s.log().join("\n");
     assert!(log.contains("cannot reach"), "{log}");

@@ -93,7 +93,10 @@ fn shipped_smtp_example_is_valid_uncommented() {
         })
         .collect::<Vec<_>>()
         .join("\n")
-        .replace("/etc/sluice/ses.pass", password.to_str().unwrap());
+        .replace(
+            "/run/credentials/sluice.service/ses.pass",
+            password.to_str().unwrap(),
+        );
     let config = format!("{}{example}\n{}", &text[..start], &text[end..]);
     let path = TempFile::new("smtp-example.toml", &config);
     let (code, stdout, stderr) = check(&path);

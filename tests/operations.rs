@@ -584,9 +584,50 @@ async fn systemd_notifications_come_in_order() {
     assert!(reloading.contains("MONOTONIC_USEC="), "{reloading:?}");
     assert_eq!(recv(&sock).trim(), "READY=1");
     sluice.signal("TERM");
-    assert_eq!(recv(&sock).trim(), "STOPPING=1");
+    // With STOPPING=1, the time the drain may take, so that systemd does
+    // not stop it short: drain_timeout 1 s, then request_timeout 30 s + 1 s
+    // for calls in flight, and 5 s of margin.
+    let stopping = recv(&sock);
+    assert_eq!(
+        stopping.trim(),
+        "STOPPING=1\nEXTEND_TIMEOUT_USEC=37000000",
+        "{stopping:?}"
+    );
     exits_cleanly(sluice, Duration::from_secs(5)).await;
     let _ = std::fs::remove_file(&path);
+}
+
+/// A second SIGTERM (or SIGINT) during the drain ends it at once, with a
+/// failure status: an operator's second Ctrl-C is not ignored for the
+/// whole drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_ends_the_drain_at_once() {
+    let ds = Downstream::start().await;
+    let mut sluice = Sluice::start(&config(ds.addr, "1/h", 10, "1h"));
+    let c = client();
+    assert_eq!(
+        get(&c, &sluice.url("/first"), &[("x-client", "k")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    // Held for an hour: the drain would last as long.
+    let held = {
+        let (c, url) = (c.clone(), sluice.url("/held"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await })
+    };
+    sluice.wait_queued(1).await;
+    sluice.signal("TERM");
+    wait_for_log(&sluice, "draining").await;
+    sluice.signal("TERM");
+    let status = tokio::task::spawn_blocking(move || sluice.wait_exit(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "exit status {status:?}"
+    );
+    held.abort();
 }
 
 /// The kernel grows a process's descriptor table by doubling as

@@ -50,6 +50,8 @@ fn unit_has_the_operational_directives() {
         "RestrictAddressFamilies=",
         "SystemCallFilter=@system-service",
         "LimitNOFILE=",
+        "LimitNICE=-10",
+        "RestartPreventExitStatus=2",
         "DynamicUser=yes",
     ] {
         assert!(

@@ -130,6 +130,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Shared {
     /// The routing table of worker `i` (the first for callers that are not
     /// a worker).
+    /// How long calls and relays in flight get once the drain gives up:
+    /// the longest `request_timeout` or SMTP `relay_timeout`, and a second
+    /// (an SMTP relay cut after its end of data could be delivered twice).
+    fn in_flight_grace(&self) -> Duration {
+        self.app(0)
+            .longest_request_timeout()
+            .max(self.smtp.longest_relay_timeout())
+            + Duration::from_secs(1)
+    }
+
     fn app(&self, worker: usize) -> Arc<App> {
         self.apps
             .get(worker)
@@ -182,6 +192,12 @@ pub struct Bucket {
 }
 
 impl Handle {
+    /// The longest a drain can take: `drain_timeout`, then the grace for
+    /// what is in flight.
+    pub fn longest_stop(&self) -> Duration {
+        *lock(&self.0.drain_timeout) + self.0.in_flight_grace()
+    }
+
     /// Swap in a new config. Queued requests keep their place and their
     /// departure times; new rates and capacities apply to new arrivals.
     /// A config that changes what is read only at start (listeners,

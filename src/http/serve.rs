@@ -289,14 +289,8 @@ impl Server {
             if refused > 0 {
                 warn!(refused, "drain timeout passed: answering the rest 503");
             }
-            // Calls and relays in flight finish: an SMTP relay cut after
-            // its end of data could be delivered twice (none starts now).
-            let grace = self
-                .shared
-                .app(0)
-                .longest_request_timeout()
-                .max(self.shared.smtp.longest_relay_timeout())
-                + Duration::from_secs(1);
+            // Calls and relays in flight finish (no relay starts now).
+            let grace = self.shared.in_flight_grace();
             let all = async {
                 workers.wait().await;
                 smtp_sessions.wait().await;

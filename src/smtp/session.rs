@@ -933,7 +933,7 @@ impl Session {
             self.say(&reply::AUTH_OK);
             Ok(())
         } else {
-            warn!(peer = %self.peer, %user, "authentication failed");
+            warn!(peer = %self.peer, ?user, "authentication failed");
             self.flush().await?;
             tokio::time::sleep(AUTH_FAILURE_DELAY).await;
             self.error(&reply::AUTH_FAILED)
