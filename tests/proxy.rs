@@ -618,3 +618,89 @@ async fn what_an_upstream_answers_reaches_the_client_framed_anew() {
     assert_eq!(collected.trailers().unwrap()["x-trailer"], "t");
     assert_eq!(collected.to_bytes(), "hello, world");
 }
+
+/// An h2c upstream: `/big` answers `big` bytes, anything else "ok".
+async fn h2c_upstream(big: usize) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    move |req: http::Request<hyper::body::Incoming>| async move {
+                        let body = if req.uri().path() == "/big" {
+                            Bytes::from(vec![b'x'; big])
+                        } else {
+                            Bytes::from_static(b"ok")
+                        };
+                        Ok::<_, std::convert::Infallible>(http::Response::new(
+                            http_body_util::Full::new(body),
+                        ))
+                    },
+                );
+                let _ =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                        .await;
+            });
+        }
+    });
+    addr
+}
+
+/// Three clients that take a large answer's head and never read its body
+/// do not freeze the other calls sharing their upstream HTTP/2 connection
+/// (one worker: one connection). At hyper's default windows each held
+/// 2 MiB of the connection's 5 MiB, and a fourth client's call never got
+/// its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_stop_reading_do_not_freeze_a_shared_upstream_connection() {
+    use http_body_util::Full;
+    let up = h2c_upstream(8 << 20).await;
+    let toml = format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+workers = 1
+
+[[upstream]]
+name = "api"
+url = "http://{up}"
+protocol = "h2c"
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "1000/s"
+capacity = 10
+"#
+    );
+    let sluice = Sluice::start(&toml);
+    let mut stalled = Vec::new();
+    for i in 0..3 {
+        let (mut h2, conn) = support::h2_connect::<Full<Bytes>>(sluice.addr).await;
+        let req = http::Request::get(format!("http://{}/big", sluice.addr))
+            .header("x-client", format!("stalled-{i}"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let answer = h2.send_request(req).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK);
+        stalled.push((h2, conn, answer));
+    }
+    // The upstream sends what the windows let it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let h2 = h2_client();
+    let small = tokio::time::timeout(
+        Duration::from_secs(10),
+        get(&h2, &sluice.url("/small"), &[("x-client", "other")]),
+    )
+    .await;
+    let small = small.expect("the fourth call was answered in time");
+    assert_eq!(small.status, StatusCode::OK);
+    assert_eq!(&small.body[..], b"ok");
+    drop(stalled);
+}

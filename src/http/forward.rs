@@ -63,6 +63,14 @@ type H2Sender = http2::SendRequest<OutBody>;
 const H2_STREAMS: usize = 100;
 const H2_CONNECTIONS: usize = 4;
 
+/// What an upstream HTTP/2 stream may send before its client reads it, and
+/// what the whole connection may. The connection's window is shared by
+/// streams of different clients: at hyper's defaults (2 MiB a stream,
+/// 5 MiB the connection) three clients that stop reading large answers
+/// froze every other call on the connection. With these, it takes 64.
+const H2_UPSTREAM_STREAM_WINDOW: u32 = 256 * 1024;
+const H2_UPSTREAM_CONNECTION_WINDOW: u32 = 64 * H2_UPSTREAM_STREAM_WINDOW;
+
 /// Idle connections, most recently used last (hyper's, and sluice's own
 /// client's); open HTTP/2 connections.
 #[derive(Default)]
@@ -724,7 +732,9 @@ impl Upstream {
                 builder
                     .timer(TokioTimer::new())
                     .keep_alive_interval(Duration::from_secs(30))
-                    .keep_alive_timeout(Duration::from_secs(10));
+                    .keep_alive_timeout(Duration::from_secs(10))
+                    .initial_stream_window_size(H2_UPSTREAM_STREAM_WINDOW)
+                    .initial_connection_window_size(H2_UPSTREAM_CONNECTION_WINDOW);
                 let (tx, conn) = builder.handshake(TokioIo::new(io)).await?;
                 tokio::spawn(async move {
                     if let Err(e) = conn.await {
