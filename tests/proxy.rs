@@ -704,3 +704,33 @@ capacity = 10
     assert_eq!(&small.body[..], b"ok");
     drop(stalled);
 }
+
+/// A protocol switch (WebSocket) to an upstream spoken to in HTTP/2 gets
+/// a 502 that says why (HTTP/2 has no Upgrade), not the upstream's answer
+/// to the handshake sent as a plain GET; and an HTTP/1.0 request's
+/// Upgrade is ignored (RFC 9110 7.8), never passed on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_switches_go_only_where_they_can() {
+    let handshake = "GET /ws HTTP/1.1\r\nHost: t\r\nX-Client: w\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n";
+    let up = h2c_upstream(16).await;
+    let toml = config(&up.to_string(), "100/s", 10).replace("url = ", "protocol = \"h2c\"\nurl = ");
+    let sluice = Sluice::start(&toml);
+    let answer = raw_exchange(sluice.addr, handshake.as_bytes());
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(
+        answer.contains("needs an upstream spoken to in HTTP/1.1"),
+        "{answer}"
+    );
+
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(&ds.addr.to_string(), "100/s", 10));
+    let old = "GET /old HTTP/1.0\r\nHost: t\r\nX-Client: o\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n";
+    let answer = raw_exchange(sluice.addr, old.as_bytes());
+    assert!(
+        answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200"),
+        "{answer}"
+    );
+    let seen = ds.seen();
+    let got = seen.iter().find(|s| s.path == "/old").expect("forwarded");
+    assert!(!got.headers.contains_key("upgrade"), "{:?}", got.headers);
+}

@@ -690,6 +690,9 @@ impl Upstream {
         streams: Option<Arc<()>>,
         mut req: Request<OutBody>,
     ) -> Result<(Response<Incoming>, Back), SendError> {
+        if req.headers().contains_key(UPGRADE) {
+            return Err(SendError::NoSwitch);
+        }
         let streams = match streams {
             Some(s) => s,
             None => self.pool.add_h2(tx.clone()),
@@ -812,6 +815,11 @@ enum SendError {
     /// An HTTP/2 connection closed before it took the request.
     #[error("the connection closed before the request was sent")]
     Unsent(Box<Request<OutBody>>),
+    /// A protocol switch (WebSocket) to an upstream spoken to in HTTP/2,
+    /// which has no `Upgrade` (RFC 9113 8.2.2): sent as a plain request,
+    /// the upstream would answer it as one.
+    #[error("a protocol switch needs an HTTP/1.1 upstream")]
+    NoSwitch,
 }
 
 impl SendError {
@@ -821,6 +829,9 @@ impl SendError {
             SendError::Connect(_) => "the upstream could not be reached",
             SendError::Request(_) | SendError::Unsent(_) | SendError::Own(_) => {
                 "the upstream connection failed"
+            }
+            SendError::NoSwitch => {
+                "a protocol switch (WebSocket) needs an upstream spoken to in HTTP/1.1; this one is HTTP/2"
             }
         }
     }

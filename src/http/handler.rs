@@ -257,10 +257,15 @@ impl Handler {
                 None,
             ));
         }
+        // RFC 9110 7.8: an HTTP/1.0 request's Upgrade is ignored (hyper
+        // would not follow a switch on it): not passed on either.
+        if req.version() < http::Version::HTTP_11 {
+            req.headers_mut().remove(http::header::UPGRADE);
+        }
         // A protocol switch (HTTP/1.1 only) holds a tunnel's place from
         // its arrival: past max_tunnels, 503 at once.
         let switch =
-            if req.version() <= http::Version::HTTP_11 && upgrade_to(req.headers()).is_some() {
+            if req.version() == http::Version::HTTP_11 && upgrade_to(req.headers()).is_some() {
                 match self.shared.tunnels.reserve() {
                     Some(slot) => Some(Box::new((hyper::upgrade::on(&mut req), slot))),
                     None => {
