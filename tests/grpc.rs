@@ -7,7 +7,7 @@ mod support;
 
 use std::ffi::OsStr;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::{PyServer, Sluice, TempFile, TestCa, clients_dir, python_for};
@@ -307,4 +307,74 @@ capacity = 5
     assert_eq!(left.len(), 2);
     assert!(left[1] >= 4_900, "{left:?}");
     assert!((2_000..=4_600).contains(&left[0]), "{left:?}");
+}
+
+/// A call that waits for an upstream slot (`max_concurrency`) spends its
+/// deadline there too: one whose deadline passes meanwhile ends with
+/// DEADLINE_EXCEEDED at its deadline, and one that gets a slot reaches the
+/// upstream with what is left (about 5 s of 10 s, behind a 5 s call).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_waiting_for_an_upstream_slot_spends_its_deadline() {
+    let ds = support::Downstream::start().await;
+    let s = Sluice::start(&format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[[upstream]]
+name = "api"
+url = "http://{}"
+max_concurrency = 1
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "1000/s"
+capacity = 5
+"#,
+        ds.addr
+    ));
+    let c = support::client();
+    let slow = {
+        let (c, url) = (c.clone(), s.url("/slow/a"));
+        tokio::spawn(async move { support::get(&c, &url, &[("x-client", "a")]).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline, "the slow call never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let call = |path: &'static str, key: &'static str, timeout: &'static str| {
+        let (c, url) = (c.clone(), s.url(path));
+        tokio::spawn(async move {
+            let headers = [
+                ("x-client", key),
+                ("content-type", "application/grpc"),
+                ("grpc-timeout", timeout),
+            ];
+            let sent = Instant::now();
+            (support::get(&c, &url, &headers).await, sent.elapsed())
+        })
+    };
+    let late = call("/delay/late", "l", "1S");
+    let kept = call("/delay/kept", "k", "10S");
+    let (late, took) = late.await.unwrap();
+    assert_eq!(late.headers["grpc-status"], "4", "{:?}", late.headers);
+    assert!(took < Duration::from_secs(4), "answered after {took:?}");
+    let (kept, _) = kept.await.unwrap();
+    assert_eq!(kept.status, http::StatusCode::OK);
+    assert_eq!(slow.await.unwrap().status, http::StatusCode::OK);
+    let seen = ds.seen();
+    assert!(
+        seen.iter().all(|r| r.path != "/delay/late"),
+        "the late call went"
+    );
+    let kept = seen.iter().find(|r| r.path == "/delay/kept").expect("sent");
+    let v = kept.headers["grpc-timeout"].to_str().unwrap();
+    let ms: u64 = v
+        .strip_suffix('m')
+        .and_then(|m| m.parse().ok())
+        .expect("in ms");
+    assert!((2_000..=5_500).contains(&ms), "the upstream was told {v}");
 }

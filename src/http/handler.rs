@@ -784,7 +784,10 @@ impl Handler {
     /// `max_concurrency` slots (first come, first served, as calls end).
     /// The wait counts against `max_queued`, lasts at most the upstream's
     /// `request_timeout` (504), and ends with 503 when the drain gives up.
-    /// The request's head is packed while it waits, as in the queue.
+    /// The request's head is packed while it waits, as in the queue. A
+    /// gRPC call's deadline counts the wait too: it ends the wait (504,
+    /// DEADLINE_EXCEEDED), and what is left of it is what the upstream is
+    /// told.
     async fn in_flight_slot(
         &self,
         upstream: &Upstream,
@@ -800,15 +803,25 @@ impl Handler {
         let Some(_room) = admission.reserve_wait() else {
             return Err(self.shared.overloaded(Overload::Queued));
         };
+        let since = Instant::now();
+        let deadline = grpc::is_grpc(&head.headers)
+            .then(|| grpc::timeout(&head.headers))
+            .flatten();
+        let (limit, why) = match deadline {
+            Some(d) if d < upstream.request_timeout() => (
+                d,
+                "the call's deadline (grpc-timeout) passed while it waited for an upstream slot (max_concurrency)",
+            ),
+            _ => (
+                upstream.request_timeout(),
+                "no upstream slot (max_concurrency) became free in time",
+            ),
+        };
         let (blank, ()) = Request::new(()).into_parts();
         let packed = pack(std::mem::replace(head, blank));
         let slot = tokio::select! {
             slot = cap.take() => Ok(slot),
-            () = tokio::time::sleep(upstream.request_timeout()) => Err(problem(
-                StatusCode::GATEWAY_TIMEOUT,
-                "no upstream slot (max_concurrency) became free in time",
-                None,
-            )),
+            () = tokio::time::sleep(limit) => Err(problem(StatusCode::GATEWAY_TIMEOUT, why, None)),
             () = admission.closing().cancelled() => Err(problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "sluice is shutting down; this request was not forwarded",
@@ -819,7 +832,14 @@ impl Handler {
             let detail = "the request target cannot be forwarded";
             problem(StatusCode::BAD_REQUEST, detail, None)
         })?;
-        slot
+        let slot = slot?;
+        if let Some(d) = deadline
+            && grpc::spend(&mut head.headers, since, d).is_err()
+        {
+            let detail = "the call's deadline (grpc-timeout) passed while it waited for an upstream slot (max_concurrency)";
+            return Err(problem(StatusCode::GATEWAY_TIMEOUT, detail, None));
+        }
+        Ok(slot)
     }
 
     fn ratelimit(&self, route: &Route, key: &Key, response: &mut Response<ProxyBody>) {
