@@ -378,3 +378,49 @@ capacity = 5
         .expect("in ms");
     assert!((2_000..=5_500).contains(&ms), "the upstream was told {v}");
 }
+
+/// A gRPC call's answer is waited for as long as its deadline says, not
+/// `request_timeout` (a server sends a long call's headers with its
+/// answer): a 5 s call with a 10 s deadline through an upstream whose
+/// request_timeout is 1 s is answered; without a deadline it is a 504.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calls_deadline_not_request_timeout_bounds_its_wait_for_an_answer() {
+    let ds = support::Downstream::start().await;
+    let s = Sluice::start(&format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[[upstream]]
+name = "api"
+url = "http://{}"
+request_timeout = "1s"
+
+[[route]]
+name = "default"
+upstream = "api"
+key = "header:X-Client"
+rate = "1000/s"
+capacity = 5
+"#,
+        ds.addr
+    ));
+    let c = support::client();
+    let grpc = |timeout: Option<&'static str>| {
+        let mut h = vec![("x-client", "g"), ("content-type", "application/grpc")];
+        if let Some(t) = timeout {
+            h.push(("grpc-timeout", t));
+        }
+        h
+    };
+    let long = support::get(&c, &s.url("/slow/long"), &grpc(Some("10S"))).await;
+    assert_eq!(long.status, http::StatusCode::OK);
+    assert!(
+        !long.headers.contains_key("grpc-status"),
+        "{:?}",
+        long.headers
+    );
+    assert_eq!(&long.body[..], b"ok");
+    let bare = support::get(&c, &s.url("/slow/bare"), &grpc(None)).await;
+    assert_eq!(bare.headers["grpc-status"], "4", "{:?}", bare.headers);
+}

@@ -42,6 +42,7 @@ use tracing::debug;
 
 use super::ServeError;
 use super::client::{self, IDLE_TIMEOUT, MAX_IDLE};
+use super::grpc;
 use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
 use super::headers::{
@@ -62,6 +63,12 @@ type H2Sender = http2::SendRequest<OutBody>;
 /// on the least busy one).
 const H2_STREAMS: usize = 100;
 const H2_CONNECTIONS: usize = 4;
+
+/// How long past a gRPC call's deadline its answer is waited for (the
+/// upstream's own DEADLINE_EXCEEDED is on its way), and the longest wait
+/// whatever the deadline.
+const GRPC_GRACE: Duration = Duration::from_secs(1);
+const GRPC_LONGEST: Duration = Duration::from_secs(30 * 86_400);
 
 /// What an upstream HTTP/2 stream may send before its client reads it, and
 /// what the whole connection may. The connection's window is shared by
@@ -427,7 +434,17 @@ impl Upstream {
         Option<OnUpgrade>,
     ) {
         let started = Instant::now();
-        let result = tokio::time::timeout(self.request_timeout, self.send(parts, body)).await;
+        // A gRPC call with a deadline waits for its answer as long as the
+        // deadline says (a server sends a streamed upload's or a long
+        // call's headers late, with its answer), not request_timeout.
+        let limit = match grpc::is_grpc(&parts.headers)
+            .then(|| grpc::timeout(&parts.headers))
+            .flatten()
+        {
+            Some(deadline) => (deadline + GRPC_GRACE).min(GRPC_LONGEST),
+            None => self.request_timeout,
+        };
+        let result = tokio::time::timeout(limit, self.send(parts, body)).await;
         self.duration.record(started.elapsed());
         match result {
             Err(_) => {
