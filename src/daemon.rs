@@ -142,11 +142,22 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     let mut watchdog_usec = 0;
     if sd_notify::watchdog_enabled(false, &mut watchdog_usec) && watchdog_usec > 0 {
         let period = Duration::from_micros(watchdog_usec / 2);
-        background.push(supervise("watchdog", move || async move {
-            let mut tick = tokio::time::interval(period);
-            loop {
-                tick.tick().await;
-                notify(&[NotifyState::Watchdog]);
+        let handle = handle.clone();
+        background.push(supervise("watchdog", move || {
+            let handle = handle.clone();
+            async move {
+                let mut tick = tokio::time::interval(period);
+                loop {
+                    tick.tick().await;
+                    // The pacer thread moves every queue: systemd hears
+                    // from sluice only while it answers.
+                    let answers = tokio::time::timeout(period / 2, handle.pacer_answers()).await;
+                    if answers == Ok(true) {
+                        notify(&[NotifyState::Watchdog]);
+                    } else {
+                        error!("the pacer thread does not answer: the watchdog is not told");
+                    }
+                }
             }
         }));
     }

@@ -110,6 +110,8 @@ enum Msg {
     Wake(Wake),
     Cancel(Ticket),
     Timer(Nanos, oneshot::Sender<()>),
+    /// Answered at once: the thread is alive and taking messages.
+    Ping(oneshot::Sender<()>),
     Stop,
 }
 
@@ -345,6 +347,14 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
         self.inner.engine.deepest(n, self.inner.now())
     }
 
+    /// Whether the pacer thread is alive and taking messages (what the
+    /// systemd watchdog is told): a thread that died or is stuck would
+    /// leave every queue standing while the process looks well.
+    pub async fn answers(&self) -> bool {
+        let (tx, rx) = oneshot::channel();
+        self.inner.inbox.send(Msg::Ping(tx)).is_ok() && rx.await.is_ok()
+    }
+
     /// Resolve at `at` (on the shaper's clock), released by the pacer
     /// thread with the same precision as queued departures.
     pub async fn sleep_until(&self, at: Nanos) {
@@ -569,6 +579,9 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
                 };
                 push_timer(&mut self.timers, &mut self.prune_at, timer);
             }
+            Msg::Ping(tx) => {
+                let _ = tx.send(());
+            }
             Msg::Stop => return false,
         }
         true
@@ -701,7 +714,25 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
 
 #[cfg(test)]
 mod tests {
-    use super::{BinaryHeap, Lead, Nanos, PRUNE_MIN, Timer, oneshot, push_timer};
+    use super::{BinaryHeap, Lead, Msg, Nanos, PRUNE_MIN, Shaper, Timer, oneshot, push_timer};
+
+    /// What the watchdog asks: the pacer thread answers while it runs, and
+    /// not once it has stopped.
+    #[tokio::test]
+    async fn the_pacer_answers_only_while_it_runs() {
+        let limits = crate::shaper::Limits {
+            max_clients: 10,
+            max_queued: 10,
+        };
+        let shaper: Shaper<u32> = Shaper::with_shards(limits, 1).unwrap_or_else(|e| panic!("{e}"));
+        assert!(shaper.answers().await);
+        let _ = shaper.inner.inbox.send(Msg::Stop);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while shaper.answers().await {
+            assert!(std::time::Instant::now() < deadline, "still answering");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
 
     #[test]
     fn timers_of_waiters_that_left_do_not_pile_up() {

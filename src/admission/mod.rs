@@ -880,6 +880,10 @@ impl Admission {
     }
 
     /// Cancelled when the drain gives up: whatever still waits ends.
+    pub async fn pacer_answers(&self) -> bool {
+        self.shaper.answers().await
+    }
+
     pub fn closing(&self) -> &CancellationToken {
         &self.closing
     }

@@ -192,6 +192,11 @@ pub struct Bucket {
 }
 
 impl Handle {
+    /// Whether the pacer thread is alive and taking messages.
+    pub async fn pacer_answers(&self) -> bool {
+        self.0.admission.pacer_answers().await
+    }
+
     /// The longest a drain can take: `drain_timeout`, then the grace for
     /// what is in flight.
     pub fn longest_stop(&self) -> Duration {
