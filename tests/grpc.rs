@@ -251,13 +251,11 @@ fn a_grpc_pushback_pauses_the_upstream() {
     deadline_refused_at_once(&sluice);
 }
 
-/// A call that waits its turn tells the upstream what is left of its
-/// deadline (a server plans by grpc-timeout): the second of two calls,
-/// 1 s behind the first, reaches the upstream with about 4 s of its 5 s. (The recording downstream is enough: only the header is looked at.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_call_that_waited_reaches_the_upstream_with_its_deadline_spent() {
-    let ds = support::Downstream::start().await;
-    let s = Sluice::start(&format!(
+/// sluice in front of the recording downstream `ds` over HTTP/1.1 (gRPC
+/// calls are told by their content type): one upstream with
+/// `upstream_extra`, one route keyed by `X-Client` at `rate`, capacity 5.
+fn recording(ds: &support::Downstream, upstream_extra: &str, rate: &str) -> Sluice {
+    Sluice::start(&format!(
         r#"
 [server]
 listen = ["127.0.0.1:0"]
@@ -265,16 +263,26 @@ listen = ["127.0.0.1:0"]
 [[upstream]]
 name = "api"
 url = "http://{}"
+{upstream_extra}
 
 [[route]]
 name = "default"
 upstream = "api"
 key = "header:X-Client"
-rate = "1/s"
+rate = "{rate}"
 capacity = 5
 "#,
         ds.addr
-    ));
+    ))
+}
+
+/// A call that waits its turn tells the upstream what is left of its
+/// deadline (a server plans by grpc-timeout): the second of two calls,
+/// 1 s behind the first, reaches the upstream with about 4 s of its 5 s. (The recording downstream is enough: only the header is looked at.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_waited_reaches_the_upstream_with_its_deadline_spent() {
+    let ds = support::Downstream::start().await;
+    let s = recording(&ds, "", "1/s");
     let c = support::client();
     let headers = [
         ("x-client", "g"),
@@ -316,25 +324,7 @@ capacity = 5
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_waiting_for_an_upstream_slot_spends_its_deadline() {
     let ds = support::Downstream::start().await;
-    let s = Sluice::start(&format!(
-        r#"
-[server]
-listen = ["127.0.0.1:0"]
-
-[[upstream]]
-name = "api"
-url = "http://{}"
-max_concurrency = 1
-
-[[route]]
-name = "default"
-upstream = "api"
-key = "header:X-Client"
-rate = "1000/s"
-capacity = 5
-"#,
-        ds.addr
-    ));
+    let s = recording(&ds, "max_concurrency = 1", "1000/s");
     let c = support::client();
     let slow = {
         let (c, url) = (c.clone(), s.url("/slow/a"));
@@ -386,25 +376,7 @@ capacity = 5
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_calls_deadline_not_request_timeout_bounds_its_wait_for_an_answer() {
     let ds = support::Downstream::start().await;
-    let s = Sluice::start(&format!(
-        r#"
-[server]
-listen = ["127.0.0.1:0"]
-
-[[upstream]]
-name = "api"
-url = "http://{}"
-request_timeout = "1s"
-
-[[route]]
-name = "default"
-upstream = "api"
-key = "header:X-Client"
-rate = "1000/s"
-capacity = 5
-"#,
-        ds.addr
-    ));
+    let s = recording(&ds, "request_timeout = \"1s\"", "1000/s");
     let c = support::client();
     let grpc = |timeout: Option<&'static str>| {
         let mut h = vec![("x-client", "g"), ("content-type", "application/grpc")];
