@@ -81,6 +81,9 @@ pub async fn run_with(args: &TopArgs, out: &mut dyn Write, style: Style) -> Resu
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
     let mut shown = 0u64;
+    // A run whose last update failed (the instance went away) ends with
+    // that failure, not success: `top --count N` can be scripted.
+    let mut failed = None;
     while args.count.is_none_or(|n| shown < n) {
         tick.tick().await;
         shown += 1;
@@ -89,11 +92,18 @@ pub async fn run_with(args: &TopArgs, out: &mut dyn Write, style: Style) -> Resu
             Ok(sample) => {
                 view.show(out, t, &previous, &sample)?;
                 previous = sample;
+                failed = None;
             }
-            Err(e) => view.problem(out, t, &e.to_string())?,
+            Err(e) => {
+                view.problem(out, t, &e.to_string())?;
+                failed = Some(e);
+            }
         }
     }
-    Ok(())
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// What one poll read.

@@ -144,6 +144,36 @@ async fn top_shows_a_running_instance_as_plain_lines() {
     );
 }
 
+/// `top --count N` whose instance goes away after the first poll ends
+/// with a failure (exit 1), not success: a script can tell.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_fails_when_its_last_update_failed() {
+    let ds = Downstream::start().await;
+    let mut sluice = Sluice::start(&config(ds.addr, ""));
+    let admin = sluice.admin.expect("admin address").to_string();
+    let top = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["top", "--admin", &admin, "--count", "1", "--interval", "3s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start sluice top");
+    // The first poll (the baseline) is made at once; the update 3 s later
+    // finds nothing.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sluice.signal("KILL");
+    let _ = sluice.wait_exit(Duration::from_secs(10));
+    let out = tokio::task::spawn_blocking(move || top.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
 #[test]
 fn top_says_clearly_when_the_admin_listener_is_not_there() {
     let port = support::closed_port();
