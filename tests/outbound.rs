@@ -419,3 +419,72 @@ async fn an_upstream_429_pauses_it_and_retries_what_is_safe() {
         "{text}"
     );
 }
+
+/// A request without a body that waited its turn is sent again after the
+/// upstream's pause, as one that went at once is (it was never staged, and
+/// had nothing to replay); and a second 429 to that second send pauses the
+/// upstream again, so the next request waits that pause out too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_request_is_retried_and_a_second_429_pauses_again() {
+    let ds = Downstream::start().await;
+    let config = queue_config(ds.addr, "").replace("url = ", "on_throttle = \"pause\"\nurl = ");
+    let s = Sluice::start(&config);
+    let c = client();
+    // 2/s: the GET after /first waits 500 ms, bodiless, then is throttled.
+    assert_eq!(
+        get(&c, &s.url("/first"), &[("x-client", "q")]).await.status,
+        StatusCode::OK
+    );
+    let held = get(&c, &s.url("/throttle/held"), &[("x-client", "q")]).await;
+    assert_eq!(held.status, StatusCode::OK, "sent again after the pause");
+    let tries = ds
+        .seen()
+        .iter()
+        .filter(|r| r.path == "/throttle/held")
+        .count();
+    assert_eq!(tries, 2);
+
+    // Throttled twice: the second 429 reaches the client, and pauses.
+    let twice = get(&c, &s.url("/throttle-twice/x"), &[("x-client", "t")]).await;
+    assert_eq!(twice.status, StatusCode::TOO_MANY_REQUESTS);
+    let answered = Instant::now();
+    let next = get(&c, &s.url("/next"), &[("x-client", "n")]).await;
+    assert_eq!(next.status, StatusCode::OK);
+    let seen = ds.seen();
+    let second = seen
+        .iter()
+        .filter(|r| r.path == "/throttle-twice/x")
+        .map(|r| r.at)
+        .max()
+        .unwrap();
+    let next_at = seen.iter().find(|r| r.path == "/next").unwrap().at;
+    assert!(
+        next_at - second >= Duration::from_millis(1_900),
+        "/next went {:?} after the second 429 ({:?} after its answer)",
+        next_at - second,
+        next_at.saturating_duration_since(answered)
+    );
+}
+
+/// An upstream that asks for a longer wait (Retry-After: 2) than
+/// `max_pause` (1 s) is paused for max_pause, but the refused request is
+/// not sent again when that shorter pause ends: it gets the upstream's 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_cut_short_by_max_pause_sends_nothing_again() {
+    let ds = Downstream::start().await;
+    let config = queue_config(ds.addr, "").replace(
+        "url = ",
+        "on_throttle = \"pause\"\nmax_pause = \"1s\"\nurl = ",
+    );
+    let s = Sluice::start(&config);
+    let c = client();
+    let answer = get(&c, &s.url("/throttle/long"), &[("x-client", "l")]).await;
+    assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(answer.headers["retry-after"], "2");
+    let tries = ds
+        .seen()
+        .iter()
+        .filter(|r| r.path == "/throttle/long")
+        .count();
+    assert_eq!(tries, 1);
+}

@@ -287,6 +287,11 @@ impl Upstream {
         self.read_timeout
     }
 
+    /// The longest an upstream's own pause is honoured (`max_pause`).
+    pub fn max_pause(&self) -> Duration {
+        self.max_pause
+    }
+
     /// `max_concurrency`'s in-flight slots, if capped.
     pub fn concurrency(&self) -> Option<&Arc<InFlight>> {
         self.concurrency.as_ref()

@@ -75,8 +75,11 @@ enum Body {
 }
 
 impl Body {
+    /// The body again, for a second send: a staged one, or one known to
+    /// be empty (a request without a body is never staged).
     fn out(&self) -> Option<OutBody> {
         match self {
+            Body::Stream(b) if b.is_end_stream() => Some(OutBody::staged(Bytes::new(), None)),
             Body::Stream(_) => None,
             Body::Staged(s) => Some(OutBody::staged(s.data.clone(), s.trailers.clone())),
         }
@@ -737,12 +740,15 @@ impl Handler {
         (key, cost, arrival): (&Key, u32, Instant),
     ) -> Response<ProxyBody> {
         let admission = &self.shared.admission;
-        let within_max_wait = route
-            .rule
-            .policy()
-            .max_wait
-            .is_none_or(|mw| until <= arrival + Duration::from_nanos(mw));
-        let Some((mut parts, out)) = replay.filter(|(p, _)| safe_to_repeat(p) && within_max_wait)
+        let max_wait = route.rule.policy().max_wait.map(Duration::from_nanos);
+        let deadline = max_wait.map(|mw| arrival + mw);
+        let within_max_wait = deadline.is_none_or(|d| until <= d);
+        // Asked to wait past max_pause: the pause ends sooner than the
+        // upstream said, and a second send then would come too early.
+        let honoured = super::throttle::asked(response.status(), response.headers())
+            .is_none_or(|asked| asked <= upstream.max_pause());
+        let Some((mut parts, out)) =
+            replay.filter(|(p, _)| safe_to_repeat(p) && within_max_wait && honoured)
         else {
             route.rule.count(outcome);
             return response;
@@ -761,7 +767,19 @@ impl Handler {
             .await
         {
             Verdict::Go => true,
-            Verdict::Wait(hold) => hold.departed().await.is_ok(),
+            // Its max_wait still runs from its first arrival.
+            Verdict::Wait(mut hold) => {
+                let departed = match deadline {
+                    Some(d) => tokio::time::timeout_at(d.into(), hold.wait())
+                        .await
+                        .is_ok_and(|r| r.is_ok()),
+                    None => hold.wait().await.is_ok(),
+                };
+                if !departed {
+                    hold.withdraw();
+                }
+                departed
+            }
             _ => false,
         };
         if !again {
@@ -775,7 +793,12 @@ impl Handler {
                 return response;
             }
         };
-        let (response, outcome, _, _) = upstream.forward(parts, out, permit).await;
+        let (response, outcome, throttle, _) = upstream.forward(parts, out, permit).await;
+        // Throttled again: the next releases wait too (this one is not
+        // sent a third time).
+        if let Some(until) = throttle {
+            admission.pause(&route.rule, until);
+        }
         route.rule.count(outcome);
         response
     }

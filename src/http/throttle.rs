@@ -14,14 +14,19 @@ const RATELIMIT: &str = "ratelimit";
 /// When an upstream that answered `status` with `headers` wants to be
 /// called again, if it said so; never later than `max` from now.
 pub fn pause_until(status: StatusCode, headers: &HeaderMap, max: Duration) -> Option<Instant> {
-    let wait = match status {
+    Some(Instant::now() + asked(status, headers)?.min(max))
+}
+
+/// How long an upstream that answered `status` with `headers` asked not to
+/// be called, if it said.
+pub fn asked(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
+    match status {
         StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
-            retry_after(headers).or_else(|| ratelimit_reset(headers))?
+            retry_after(headers).or_else(|| ratelimit_reset(headers))
         }
-        StatusCode::OK => grpc_pushback(headers)?,
-        _ => return None,
-    };
-    Some(Instant::now() + wait.min(max))
+        StatusCode::OK => grpc_pushback(headers),
+        _ => None,
+    }
 }
 
 /// A gRPC server's pushback: `grpc-status: 8` (RESOURCE_EXHAUSTED) or `14`

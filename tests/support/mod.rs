@@ -39,7 +39,8 @@ pub struct Seen {
 /// A real HTTP/1.1 downstream on 127.0.0.1. Paths starting with `/slow`
 /// answer after 5 s, `/delay` after 200 ms; `/echo` echoes the body; the
 /// first request to a path starting with `/throttle` is answered `429`
-/// with `Retry-After: 2` (later ones "ok"); anything else answers "ok".
+/// with `Retry-After: 2` (later ones "ok"; the first two to a path
+/// starting with `/throttle-twice`); anything else answers "ok".
 /// It counts requests in flight and remembers the most seen at once.
 #[derive(Clone)]
 pub struct Downstream {
@@ -47,7 +48,8 @@ pub struct Downstream {
     seen: Arc<Mutex<Vec<Seen>>>,
     in_flight: Arc<AtomicUsize>,
     max_in_flight: Arc<AtomicUsize>,
-    throttled: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// How many times each `/throttle` path was answered 429.
+    throttled: Arc<Mutex<std::collections::HashMap<String, u32>>>,
 }
 
 impl Downstream {
@@ -106,7 +108,18 @@ impl Downstream {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
-        if path.starts_with("/throttle") && self.throttled.lock().unwrap().insert(path.clone()) {
+        let throttle = path.starts_with("/throttle") && {
+            let mut counts = self.throttled.lock().unwrap();
+            let count = counts.entry(path.clone()).or_default();
+            *count += 1;
+            *count
+                <= if path.starts_with("/throttle-twice") {
+                    2
+                } else {
+                    1
+                }
+        };
+        if throttle {
             return Response::builder()
                 .status(StatusCode::TOO_MANY_REQUESTS)
                 .header("retry-after", "2")
