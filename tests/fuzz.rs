@@ -157,6 +157,15 @@ fn config() -> impl Strategy<Value = String> {
         ("max_concurrency", number().boxed()),
         ("max_pause", duration().boxed()),
         (
+            "forwarded_headers",
+            prop_oneof![
+                Just("true".to_owned()),
+                Just("false".to_owned()),
+                Just("\"no\"".to_owned())
+            ]
+            .boxed(),
+        ),
+        (
             "on_throttle",
             prop_oneof![
                 Just("\"pause\"".to_owned()),

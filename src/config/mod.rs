@@ -96,6 +96,9 @@ pub struct Upstream {
     /// The longest pause an upstream may ask for.
     pub max_pause: Duration,
     pub protocol: UpstreamProtocol,
+    /// Whether `X-Forwarded-For`, `-Proto` and `-Host` are added (off for a
+    /// third party that has no use for the callers' internal addresses).
+    pub forwarded_headers: bool,
 }
 
 /// How sluice speaks to an upstream.
@@ -1138,6 +1141,7 @@ impl Validator {
             ca: ca?,
             on_throttle: on_throttle?,
             max_pause: max_pause?,
+            forwarded_headers: raw.forwarded_headers.unwrap_or(true),
             rate: rate?,
             connect_timeout: connect_timeout?,
             request_timeout: request_timeout?,

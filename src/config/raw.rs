@@ -171,6 +171,7 @@ pub struct RawUpstream {
     #[serde(default, deserialize_with = "duration")]
     pub max_pause: Option<String>,
     pub protocol: Option<String>,
+    pub forwarded_headers: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -199,6 +199,8 @@ pub struct Upstream {
     host: HostMode,
     on_throttle: OnThrottle,
     max_pause: Duration,
+    /// `X-Forwarded-*` added (`forwarded_headers`).
+    forwarded_headers: bool,
     /// TLS for https upstreams, with the name to verify.
     tls: Option<(TlsConnector, ServerName<'static>)>,
     protocol: UpstreamProtocol,
@@ -266,6 +268,7 @@ impl Upstream {
             host: cfg.host.clone(),
             on_throttle: cfg.on_throttle,
             max_pause: cfg.max_pause,
+            forwarded_headers: cfg.forwarded_headers,
             port,
             tls,
             // `auto` without TLS has no ALPN to ask: HTTP/1.1.
@@ -363,7 +366,9 @@ impl Upstream {
                 .headers
                 .insert(TE, HeaderValue::from_static("trailers"));
         }
-        add_forwarded(&mut parts.headers, peer, host.as_ref());
+        if self.forwarded_headers {
+            add_forwarded(&mut parts.headers, peer, host.as_ref());
+        }
         append_via(&mut parts.headers, parts.version);
         let host = match &self.host {
             HostMode::Upstream => HeaderValue::from_str(self.authority.as_str()).ok(),
