@@ -879,11 +879,12 @@ impl Admission {
         })
     }
 
-    /// Cancelled when the drain gives up: whatever still waits ends.
+    /// Whether the pacer thread is alive and taking messages.
     pub async fn pacer_answers(&self) -> bool {
         self.shaper.answers().await
     }
 
+    /// Cancelled when the drain gives up: whatever still waits ends.
     pub fn closing(&self) -> &CancellationToken {
         &self.closing
     }

@@ -794,10 +794,10 @@ impl Validator {
             None => None,
         };
         let password_file = password_file.map(PathBuf::from);
-        // Read, not only looked at: a file `check` can see but the service's
-        // user cannot read would pass here and fail at start.
+        // Opened, not only looked at: a file `check` can see but the
+        // service's user cannot read would pass here and fail at start.
         if let Some(path) = &password_file
-            && let Err(e) = std::fs::read(path)
+            && let Err(e) = std::fs::File::open(path)
         {
             self.problem(
                 "cluster.password_file",

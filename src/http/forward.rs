@@ -42,7 +42,6 @@ use tracing::debug;
 
 use super::ServeError;
 use super::client::{self, IDLE_TIMEOUT, MAX_IDLE};
-use super::grpc;
 use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
 use super::headers::{
@@ -437,6 +436,7 @@ impl Upstream {
         parts: Parts,
         body: OutBody,
         permit: Option<CallSlot>,
+        deadline: Option<Instant>,
     ) -> (
         Response<ProxyBody>,
         Outcome,
@@ -447,11 +447,8 @@ impl Upstream {
         // A gRPC call with a deadline waits for its answer as long as the
         // deadline says (a server sends a streamed upload's or a long
         // call's headers late, with its answer), not request_timeout.
-        let limit = match grpc::is_grpc(&parts.headers)
-            .then(|| grpc::timeout(&parts.headers))
-            .flatten()
-        {
-            Some(deadline) => (deadline + GRPC_GRACE).min(GRPC_LONGEST),
+        let limit = match deadline {
+            Some(d) => (d.saturating_duration_since(started) + GRPC_GRACE).min(GRPC_LONGEST),
             None => self.request_timeout,
         };
         let result = tokio::time::timeout(limit, self.send(parts, body)).await;

@@ -86,6 +86,10 @@ impl Body {
     }
 }
 
+/// A departed request as forwarding needs it: its key, cost, arrival and
+/// (a gRPC call's) `grpc-timeout`.
+type Departed<'a> = (&'a Key, u32, Instant, Option<Duration>);
+
 /// A wait that is boxed (not the common one).
 type Waits<'a> = Pin<Box<dyn Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a>>;
 
@@ -444,7 +448,7 @@ impl Handler {
                         let body = take(&mut a.body);
                         let waiting: Waits<'_> = match (hold, a.grpc) {
                             (Some(hold), Some(timeout)) => {
-                                let deadline = timeout.map(|d| a.arrival + d);
+                                let deadline = timeout.and_then(|d| a.arrival.checked_add(d));
                                 Box::pin(self.call(route, hold, body, deadline))
                             }
                             (Some(hold), None) => Box::pin(self.wait(route, hold, body)),
@@ -502,7 +506,7 @@ impl Handler {
                 // Boxed: the forwarding state (upstream connect, TLS, the
                 // call) is large and only exists once the request departs,
                 // so a waiting request holds none of it.
-                let departed = (&a.key, a.cost, a.arrival);
+                let departed = (&a.key, a.cost, a.arrival, a.grpc.flatten());
                 Box::pin(self.forward(route, upstream, parts, body, departed, a.switch)).await
             };
             let route = &a.app.routes[a.route];
@@ -676,23 +680,27 @@ impl Handler {
         upstream: &Upstream,
         parts: Parts,
         body: Body,
-        (key, cost, arrival): (&Key, u32, Instant),
+        departed: Departed<'_>,
         switch: Option<Box<Switch>>,
     ) -> Response<ProxyBody> {
+        let (_, _, arrival, grpc_timeout) = departed;
+        let call = grpc_timeout.map(|t| (arrival, t));
         let replay = body.out().map(|b| (parts.clone(), b));
         let out = match body {
             Body::Stream(b) => OutBody::Stream(b),
             Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
         };
         let mut parts = parts;
-        let permit = match self.in_flight_slot(upstream, &mut parts).await {
+        let permit = match self.in_flight_slot(upstream, &mut parts, call).await {
             Ok(p) => p,
             Err(response) => {
                 route.rule.count(Outcome::Expired);
                 return response;
             }
         };
-        let (response, outcome, throttle, switched) = upstream.forward(parts, out, permit).await;
+        let deadline = call.and_then(|(arrival, t)| arrival.checked_add(t));
+        let (response, outcome, throttle, switched) =
+            upstream.forward(parts, out, permit, deadline).await;
         if let Some((client, slot)) = switch.map(|s| *s) {
             if let Some(theirs) = switched {
                 self.shared.tunnels.join(
@@ -725,7 +733,7 @@ impl Handler {
         // Boxed: a throttled answer is rare, and its second send would
         // otherwise double this future's size.
         let throttled = (response, outcome, until);
-        Box::pin(self.again(route, upstream, throttled, replay, (key, cost, arrival))).await
+        Box::pin(self.again(route, upstream, throttled, replay, departed)).await
     }
 
     /// The upstream throttled its `response` until `until`: send the
@@ -737,8 +745,9 @@ impl Handler {
         upstream: &Upstream,
         (response, outcome, until): (Response<ProxyBody>, Outcome, Instant),
         replay: Option<(Parts, OutBody)>,
-        (key, cost, arrival): (&Key, u32, Instant),
+        (key, cost, arrival, grpc_timeout): Departed<'_>,
     ) -> Response<ProxyBody> {
+        let call = grpc_timeout.map(|t| (arrival, t));
         let admission = &self.shared.admission;
         let max_wait = route.rule.policy().max_wait.map(Duration::from_nanos);
         let deadline = max_wait.map(|mw| arrival + mw);
@@ -786,14 +795,15 @@ impl Handler {
             route.rule.count(outcome);
             return kept;
         }
-        let permit = match self.in_flight_slot(upstream, &mut parts).await {
+        let permit = match self.in_flight_slot(upstream, &mut parts, call).await {
             Ok(p) => p,
             Err(response) => {
                 route.rule.count(Outcome::Expired);
                 return response;
             }
         };
-        let (response, outcome, throttle, _) = upstream.forward(parts, out, permit).await;
+        let deadline = call.and_then(|(arrival, t)| arrival.checked_add(t));
+        let (response, outcome, throttle, _) = upstream.forward(parts, out, permit, deadline).await;
         // Throttled again: the next releases wait too (this one is not
         // sent a third time).
         if let Some(until) = throttle {
@@ -815,6 +825,7 @@ impl Handler {
         &self,
         upstream: &Upstream,
         head: &mut Parts,
+        call: Option<(Instant, Duration)>,
     ) -> Result<Option<CallSlot>, Response<ProxyBody>> {
         let Some(cap) = upstream.concurrency() else {
             return Ok(None);
@@ -826,11 +837,10 @@ impl Handler {
         let Some(_room) = admission.reserve_wait() else {
             return Err(self.shared.overloaded(Overload::Queued));
         };
-        let since = Instant::now();
-        let deadline = grpc::is_grpc(&head.headers)
-            .then(|| grpc::timeout(&head.headers))
-            .flatten();
-        let (limit, why) = match deadline {
+        let left = call
+            .and_then(|(arrival, t)| arrival.checked_add(t))
+            .map(|d| d.saturating_duration_since(Instant::now()));
+        let (limit, why) = match left {
             Some(d) if d < upstream.request_timeout() => (
                 d,
                 "the call's deadline (grpc-timeout) passed while it waited for an upstream slot (max_concurrency)",
@@ -856,8 +866,8 @@ impl Handler {
             problem(StatusCode::BAD_REQUEST, detail, None)
         })?;
         let slot = slot?;
-        if let Some(d) = deadline
-            && grpc::spend(&mut head.headers, since, d).is_err()
+        if let Some((arrival, t)) = call
+            && grpc::spend(&mut head.headers, arrival, t).is_err()
         {
             let detail = "the call's deadline (grpc-timeout) passed while it waited for an upstream slot (max_concurrency)";
             return Err(problem(StatusCode::GATEWAY_TIMEOUT, detail, None));

@@ -128,18 +128,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Shared {
-    /// The routing table of worker `i` (the first for callers that are not
-    /// a worker).
     /// How long calls and relays in flight get once the drain gives up:
-    /// the longest `request_timeout` or SMTP `relay_timeout`, and a second
-    /// (an SMTP relay cut after its end of data could be delivered twice).
+    /// the longest `request_timeout`, or what a relay under way may still
+    /// take, and a second.
     fn in_flight_grace(&self) -> Duration {
         self.app(0)
             .longest_request_timeout()
-            .max(self.smtp.longest_relay_timeout())
+            .max(self.smtp.longest_relay())
             + Duration::from_secs(1)
     }
 
+    /// The routing table of worker `i` (the first for callers that are not
+    /// a worker).
     fn app(&self, worker: usize) -> Arc<App> {
         self.apps
             .get(worker)

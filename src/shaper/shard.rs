@@ -799,18 +799,15 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             // Its heap entry goes stale (it leaves when it reaches the
             // top, or when enough have piled up); the next one takes the
             // same slot.
-            let capped = self
-                .client(slot)
-                .and_then(|c| self.routes.get(c.route.0 as usize))
-                .is_some_and(|r| r.cap.is_some());
+            // The caller passes the cap exactly when the route is capped.
             match cap {
-                Some(cap) if capped => {
+                Some(cap) => {
                     cap.stale += 1;
                     self.promote(slot, now, 0, Some(cap), budget);
                 }
-                cap => {
+                None => {
                     self.stale += 1;
-                    self.promote(slot, now, 0, cap, budget);
+                    self.promote(slot, now, 0, None, budget);
                     if over_stale(self.stale, self.heads.len()) {
                         self.prune_heads();
                     }

@@ -38,7 +38,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::admission::{Admission, Policy, Protocol, Rule, RuleSpec, StageBudget};
-use crate::config::{Config, SmtpListener};
+use crate::config::{Config, MAX_HOLD, SmtpListener};
 use pool::Pool;
 
 /// One listener as sessions see it: its config, admission rule, upstream
@@ -281,16 +281,15 @@ impl Front {
             .collect()
     }
 
-    /// The longest an upstream's relay may take (the drain's grace for
-    /// relays in flight when it gives up).
-    pub fn longest_relay_timeout(&self) -> Duration {
-        self.table
-            .load()
-            .pools
-            .iter()
-            .map(|p| p.config().relay_timeout)
-            .max()
-            .unwrap_or_default()
+    /// The longest a relay under way may still take (the drain's grace
+    /// for relays in flight when it gives up): its reply to the end of
+    /// data is waited for until 9 minutes after the client's end of data
+    /// ([`MAX_HOLD`]), past the upstream's `relay_timeout` if need be, since
+    /// a relay cut after its end of data could be delivered twice.
+    pub fn longest_relay(&self) -> Duration {
+        let pools = &self.table.load().pools;
+        let timeout = pools.iter().map(|p| p.config().relay_timeout).max();
+        timeout.map_or(Duration::ZERO, |t| t.max(MAX_HOLD))
     }
 
     /// Every upstream, with how long it stays paused if it is.

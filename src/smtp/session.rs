@@ -474,7 +474,6 @@ impl Session {
             admitted_at: Instant::now(),
         };
         if cfg.cost == SmtpCost::Message {
-            tx.admitted_at = Instant::now();
             match self.admit(&tx).await? {
                 Some(admitted) => tx.admitted = Some(admitted),
                 None => return Ok(()),
