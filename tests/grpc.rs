@@ -398,3 +398,91 @@ async fn a_calls_deadline_not_request_timeout_bounds_its_wait_for_an_answer() {
     let bare = support::get(&c, &s.url("/slow/bare"), &grpc(None)).await;
     assert_eq!(bare.headers["grpc-status"], "4", "{:?}", bare.headers);
 }
+
+/// Calls waiting their turn do not stall the other calls on their HTTP/2
+/// connection: what a waiting call sends is read, so its bytes do not
+/// hold the connection's flow-control window (1 MiB), which every call on
+/// the connection shares. Twenty 64 KiB calls wait on one key at 1/min;
+/// another key's call on the same connection is answered at once, whole.
+/// And what waiting calls sent reaches the upstream intact once they
+/// depart (a second route at 4/s, its bodies echoed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_calls_do_not_stall_their_connection() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+
+    let ds = support::Downstream::start().await;
+    let s = Sluice::start(&format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstream]]
+name = "api"
+url = "http://{}"
+
+[[route]]
+name = "echo"
+match = {{ path_prefix = "/echo" }}
+upstream = "api"
+key = "header:X-Client"
+rate = "4/s"
+capacity = 10
+
+[[route]]
+name = "slow"
+upstream = "api"
+key = "header:X-Client"
+rate = "1/m"
+capacity = 30
+"#,
+        ds.addr
+    ));
+    let (h2, _driver) = support::h2_connect::<Full<Bytes>>(s.addr).await;
+    let call = |path: &str, key: &str, body: Bytes| {
+        let req = http::Request::post(format!("http://{}{path}", s.addr))
+            .header("x-client", key)
+            .header("content-type", "application/grpc")
+            .body(Full::new(body))
+            .unwrap();
+        let mut h2 = h2.clone();
+        tokio::spawn(async move {
+            let answer = h2.send_request(req).await?;
+            let status = answer.status();
+            let body = answer.into_body().collect().await?.to_bytes();
+            Ok::<_, hyper::Error>((status, body))
+        })
+    };
+    let body = |tag: u8| Bytes::from(vec![tag; 64 * 1024]);
+    // The first goes at once; the other nineteen (1.2 MiB) wait.
+    let waiting: Vec<_> = (0..20).map(|_| call("/w", "a", body(b'a'))).collect();
+    s.wait_queued(19).await;
+    let other = tokio::time::timeout(Duration::from_secs(10), call("/b", "b", body(b'b'))).await;
+    let (status, _) = other
+        .expect("another key's call was not stalled behind the waiting ones")
+        .unwrap()
+        .unwrap();
+    assert_eq!(status, http::StatusCode::OK);
+    let seen = ds.seen();
+    let b = seen.iter().find(|r| r.path == "/b").expect("forwarded");
+    assert_eq!(b.body_len, 64 * 1024);
+    drop(waiting);
+
+    // Four at once at 4/s: three wait (their bodies read meanwhile), and
+    // each reaches the upstream whole.
+    let echoes: Vec<_> = (0..4u8)
+        .map(|i| call("/echo", "e", body(b'0' + i)))
+        .collect();
+    for (i, echo) in echoes.into_iter().enumerate() {
+        let (status, echoed) = tokio::time::timeout(Duration::from_secs(10), echo)
+            .await
+            .expect("answered")
+            .unwrap()
+            .unwrap();
+        assert_eq!(status, http::StatusCode::OK);
+        assert_eq!(echoed, body(b'0' + i as u8), "call {i}'s body");
+    }
+}

@@ -50,6 +50,7 @@ use super::headers::{
 };
 use super::in_flight::{CallSlot, InFlight};
 use super::response::{ProxyBody, problem};
+use super::stage::Begun;
 use super::stall::Stalls;
 use crate::config::{self, HostMode, OnThrottle, UpstreamProtocol};
 use crate::metrics::{self as m, Outcome};
@@ -871,6 +872,8 @@ pub enum OutBody {
         data: Option<Bytes>,
         trailers: Option<Box<HeaderMap>>,
     },
+    /// A gRPC call's body: what it sent while it waited, then the rest.
+    Begun(Box<Begun>, RequestBody),
 }
 
 impl OutBody {
@@ -898,6 +901,11 @@ impl Body for OutBody {
                     .map(|d| Ok(Frame::data(d)))
                     .or_else(|| trailers.take().map(|t| Ok(Frame::trailers(*t)))),
             ),
+            OutBody::Begun(first, rest) => match first.next_frame() {
+                Some(frame) => Poll::Ready(Some(Ok(frame))),
+                None if first.ended() => Poll::Ready(None),
+                None => Pin::new(rest).poll_frame(cx),
+            },
         }
     }
 
@@ -905,6 +913,9 @@ impl Body for OutBody {
         match self {
             OutBody::Stream(body) => body.is_end_stream(),
             OutBody::Staged { data, trailers } => data.is_none() && trailers.is_none(),
+            OutBody::Begun(first, rest) => {
+                first.is_empty() && (first.ended() || rest.is_end_stream())
+            }
         }
     }
 
@@ -913,6 +924,19 @@ impl Body for OutBody {
             OutBody::Stream(body) => body.size_hint(),
             OutBody::Staged { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            OutBody::Begun(first, rest) => {
+                let read = first.len() as u64;
+                if first.ended() {
+                    return SizeHint::with_exact(read);
+                }
+                let rest = rest.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower().saturating_add(read));
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper.saturating_add(read));
+                }
+                hint
             }
         }
     }

@@ -43,7 +43,7 @@ use super::key;
 use super::path;
 use super::response::{ProxyBody, full, problem};
 use super::route::{App, Route};
-use super::stage::{Refused, StageError, Staged, linger, stage};
+use super::stage::{Begun, Refused, StageError, Staged, linger, stage};
 use super::tunnel::Slot;
 use crate::admission::{Hold, HoldError, Key, Overload, Refusal, Verdict};
 use crate::metrics::Outcome;
@@ -72,6 +72,8 @@ enum Body {
     Stream(RequestBody),
     /// Read in full while it waited.
     Staged(Staged),
+    /// A gRPC call's: what it sent while it waited, and the rest.
+    Begun(Box<Begun>, RequestBody),
 }
 
 impl Body {
@@ -80,7 +82,7 @@ impl Body {
     fn out(&self) -> Option<OutBody> {
         match self {
             Body::Stream(b) if b.is_end_stream() => Some(OutBody::staged(Bytes::new(), None)),
-            Body::Stream(_) => None,
+            Body::Stream(_) | Body::Begun(..) => None,
             Body::Staged(s) => Some(OutBody::staged(s.data.clone(), s.trailers.clone())),
         }
     }
@@ -577,7 +579,10 @@ impl Handler {
     }
 
     /// A gRPC call's wait: refused at once when its deadline ends before
-    /// its departure; its body is streamed once it departs.
+    /// its departure. What it sends meanwhile is read (its connection's
+    /// flow-control window, which its other calls share, stays open; see
+    /// [`Begun`]) and forwarded first once it departs, then the rest of
+    /// its stream.
     #[expect(
         clippy::manual_async_fn,
         reason = "an async fn keeps a second copy of each argument in a held request's state"
@@ -585,8 +590,8 @@ impl Handler {
     fn call<'a>(
         &'a self,
         route: &'a Route,
-        hold: Hold,
-        body: RequestBody,
+        mut hold: Hold,
+        mut body: RequestBody,
         deadline: Option<Instant>,
     ) -> impl Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a {
         async move {
@@ -601,9 +606,28 @@ impl Handler {
                     Some(departure - deadline),
                 ));
             }
-            match hold.departed().await {
-                Ok(()) => Ok(Body::Stream(body)),
-                Err(e) => Err(self.hold_failed(route, e)),
+            let max = self.shared.staging.max_body();
+            let mut first = Box::new(Begun::new(&self.shared.staging));
+            loop {
+                tokio::select! {
+                    d = hold.wait() => match d {
+                        Ok(()) => return Ok(Body::Begun(first, body)),
+                        Err(e) => return Err(self.hold_failed(route, e)),
+                    },
+                    read = first.read(&mut body), if first.wants(max) => match read {
+                        Ok(()) => {}
+                        Err(error @ StageError::Gone) => {
+                            drop(hold);
+                            let refused = Refused { error, rest: None };
+                            return Err(self.stage_failed(route, refused, false));
+                        }
+                        Err(error) => {
+                            hold.withdraw();
+                            let refused = Refused { error, rest: None };
+                            return Err(self.stage_failed(route, refused, true));
+                        }
+                    },
+                }
             }
         }
     }
@@ -689,6 +713,7 @@ impl Handler {
         let out = match body {
             Body::Stream(b) => OutBody::Stream(b),
             Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
+            Body::Begun(first, rest) => OutBody::Begun(first, rest),
         };
         let mut parts = parts;
         let permit = match self.in_flight_slot(upstream, &mut parts, call).await {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body_util::BodyExt;
-use hyper::body::Body;
+use hyper::body::{Body, Frame};
 
 use super::h1::RequestBody;
 
@@ -189,4 +189,103 @@ async fn read(
         trailers,
         _room: room,
     })
+}
+
+/// The most a body read hands over at once: an HTTP/2 DATA frame at
+/// hyper's default `max_frame_size` (and more than an HTTP/1.1 read).
+const FRAME: usize = 16 * 1024;
+
+/// What a gRPC call sent while it waited, read as it came (within
+/// `max_staged_body` and the budget) and forwarded before the rest of its
+/// stream once it departs. Left unread, a waiting call's messages would
+/// hold its HTTP/2 connection's flow-control window, which the client's
+/// other calls share: a backlog on one key would stall every call on the
+/// connection. Unlike a staged body, the end is not waited for (a
+/// streaming call's body may only end after its answer).
+#[derive(Debug)]
+pub struct Begun {
+    data: BytesMut,
+    trailers: Option<Box<HeaderMap>>,
+    /// The end of the body was read.
+    ended: bool,
+    /// Reading stopped: `max_staged_body` or the budget reached; the rest
+    /// waits in flow control until the call departs.
+    stopped: bool,
+    /// Given back once the data is handed on.
+    room: Option<Room>,
+}
+
+impl Begun {
+    pub fn new(budget: &Arc<StageBudget>) -> Begun {
+        Begun {
+            data: BytesMut::new(),
+            trailers: None,
+            ended: false,
+            stopped: false,
+            room: Some(budget.room()),
+        }
+    }
+
+    /// Whether to read another part: not at the end, and room for one
+    /// more (the buffer as it may grow for it: twice its size, or its
+    /// length and a frame).
+    pub fn wants(&mut self, max: usize) -> bool {
+        if self.ended || self.stopped {
+            return false;
+        }
+        let (len, cap) = (self.data.len(), self.data.capacity());
+        let next = cap.saturating_mul(2).max(len.saturating_add(FRAME));
+        let fits = len < max && self.room.as_mut().is_some_and(|r| r.grow_to(next));
+        self.stopped = !fits;
+        fits
+    }
+
+    /// Read the next part of `body` into this.
+    pub async fn read(&mut self, body: &mut RequestBody) -> Result<(), StageError> {
+        match body.frame().await {
+            None => self.ended = true,
+            Some(frame) => match frame.map_err(body_error)?.into_data() {
+                Ok(part) => {
+                    self.data.extend_from_slice(&part);
+                    // A part larger than a frame: counted (or the reading
+                    // stops) after the fact.
+                    let cap = self.data.capacity();
+                    self.stopped = !self.room.as_mut().is_some_and(|r| r.grow_to(cap));
+                }
+                Err(frame) => {
+                    if let Ok(t) = frame.into_trailers() {
+                        self.trailers = Some(Box::new(t));
+                    }
+                }
+            },
+        }
+        Ok(())
+    }
+
+    /// The next frame to forward from what was read, if any; then, unless
+    /// the end was read, the rest of the stream follows.
+    pub fn next_frame(&mut self) -> Option<Frame<Bytes>> {
+        if !self.data.is_empty() {
+            let data = self.data.split().freeze();
+            self.data = BytesMut::new();
+            self.room = None;
+            return Some(Frame::data(data));
+        }
+        self.trailers.take().map(|t| Frame::trailers(*t))
+    }
+
+    /// Nothing left to forward from what was read.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty() && self.trailers.is_none()
+    }
+
+    /// The end of the body was read.
+    pub fn ended(&self) -> bool {
+        self.ended
+    }
+
+    /// Bytes read and not yet forwarded.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
 }
