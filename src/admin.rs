@@ -58,7 +58,9 @@ pub async fn serve(
 
 /// Bind the admin address.
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(addr).await
+    let socket = crate::http::listener(addr)?;
+    socket.set_nonblocking(true)?;
+    TcpListener::from_std(socket)
 }
 
 fn text(

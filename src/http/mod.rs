@@ -45,7 +45,7 @@ use crate::admission::{Admission, AdmissionError, ClientView, Key, Probe, Protoc
 use crate::config::Config;
 use crate::metrics::{self as m, Outcome};
 use route::{App, Concurrency};
-pub use serve::Server;
+pub use serve::{Server, listener};
 
 /// Errors starting or reloading the server.
 #[derive(Debug, thiserror::Error)]

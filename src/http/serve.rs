@@ -93,10 +93,29 @@ fn worker_count(configured: Option<usize>) -> usize {
     configured.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
+/// An unbound socket for `addr`. An IPv6 one takes IPv6 only (nginx's
+/// `ipv6only=on`): on Linux's default, `[::]:P` would also take IPv4 and
+/// clash with a `0.0.0.0:P` listener beside it, which `check` accepts.
+fn socket_for(addr: SocketAddr) -> std::io::Result<Socket> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    socket.set_reuse_address(true)?;
+    Ok(socket)
+}
+
+/// A listening socket on `addr` (not shared with other sockets).
+pub fn listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = socket_for(addr)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
 /// A listening socket on `addr` that other workers may share.
 fn reuseport_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    socket.set_reuse_address(true)?;
+    let socket = socket_for(addr)?;
     socket.set_reuse_port(true)?;
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
@@ -114,7 +133,7 @@ fn reuseport_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener
 /// usual instead of being shared with it; a port 0 becomes the port the
 /// first socket got.
 fn bind_group(addr: SocketAddr, workers: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
-    let probe = std::net::TcpListener::bind(addr)?;
+    let probe = listener(addr)?;
     let addr = probe.local_addr()?;
     drop(probe);
     (0..workers).map(|_| reuseport_listener(addr)).collect()
@@ -561,5 +580,18 @@ async fn log_refusals(handle: Handle) {
             };
             warn!(%route, refused, interval = ?REFUSAL_LOG_INTERVAL, "requests refused ({answers})");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipv6_listeners_take_ipv6_only() {
+        let v6 = socket_for("[::1]:0".parse().unwrap()).unwrap();
+        assert!(v6.only_v6().unwrap());
+        let v4 = socket_for("127.0.0.1:0".parse().unwrap()).unwrap();
+        assert!(v4.reuse_address().unwrap());
     }
 }

@@ -112,7 +112,7 @@ impl Front {
         let mut addrs = Vec::new();
         for l in &config.smtp {
             for &addr in &l.listen {
-                let socket = std::net::TcpListener::bind(addr)
+                let socket = crate::http::listener(addr)
                     .and_then(|s| s.set_nonblocking(true).map(|()| s))
                     .map_err(|source| crate::http::ServeError::Bind { addr, source })?;
                 addrs.push((l.name.clone(), socket.local_addr().unwrap_or(addr)));
