@@ -495,6 +495,15 @@ impl Validator {
                 DEFAULT_MAX_STAGED_BYTES,
             ),
         };
+        if limits.max_staged_body > limits.max_staged_bytes {
+            self.problem(
+                "limits",
+                format!(
+                    "max_staged_body ({} bytes) is more than max_staged_bytes ({} bytes): a waiting request that large could never be staged, and would get 503 on every retry instead of 413",
+                    limits.max_staged_body, limits.max_staged_bytes
+                ),
+            );
+        }
 
         if raw.routes.is_empty() && raw.smtp.is_empty() {
             self.problem(
@@ -1346,13 +1355,29 @@ impl Validator {
             }
             p => p,
         };
-        let host = match matcher.host {
-            Some(h) if h.trim().is_empty() || h.contains('/') => {
-                self.problem(&path, format!("match.host '{h}' is not a host name"));
+        // Requests are matched by their normalized path: a value that
+        // normalizes to something else could never match.
+        for (field, value) in [
+            ("path_prefix", Some(&path_prefix)),
+            ("path", exact.as_ref()),
+        ] {
+            if let Some(v) = value.filter(|v| v.starts_with('/'))
+                && let Some(normal) = normal_path(v)
+            {
+                self.problem(
+                    &path,
+                    format!("match.{field} '{v}' would never match: requests are matched by their normalized path ({normal})"),
+                );
+                match_ok = false;
+            }
+        }
+        let host = match matcher.host.map(|h| route_host(&h)) {
+            Some(Err(why)) => {
+                self.problem(&path, why);
                 match_ok = false;
                 None
             }
-            h => h.map(|h| h.trim().to_ascii_lowercase()),
+            h => h.and_then(Result::ok),
         };
         let methods = match matcher.methods {
             None => None,
@@ -1439,11 +1464,15 @@ impl Validator {
                 self.problem(&path, format!("strip_prefix '{p}' must start with '/'"));
                 None
             }
-            Some(p) if !path_prefix.starts_with(p.trim_end_matches('/')) => {
+            Some(p)
+                if !path_prefix
+                    .strip_prefix(p.trim_end_matches('/'))
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with('/')) =>
+            {
                 self.problem(
                     &path,
                     format!(
-                        "strip_prefix '{p}' must begin match.path_prefix '{path_prefix}', so every request it takes has it"
+                        "strip_prefix '{p}' must begin match.path_prefix '{path_prefix}' and end where a path segment does, so every request it takes has it whole"
                     ),
                 );
                 None
@@ -1728,3 +1757,45 @@ impl Validator {
 
 #[cfg(test)]
 mod tests;
+
+/// A route's `match.host` as requests are compared with it: lower case,
+/// an IPv6 literal without brackets, no root dot; `*.example.com` for any
+/// name under example.com. A port is refused (a request's is ignored).
+fn route_host(raw: &str) -> Result<String, String> {
+    let h = raw.trim().to_ascii_lowercase();
+    let not = |why: &str| Err(format!("match.host '{raw}' {why}"));
+    if h.is_empty() || h.contains(['/', '@', ' ']) {
+        return not("is not a host name");
+    }
+    if let Some(inner) = h.strip_prefix('[') {
+        return match inner
+            .strip_suffix(']')
+            .map(str::parse::<std::net::Ipv6Addr>)
+        {
+            Some(Ok(ip)) => Ok(ip.to_string()),
+            _ => not("is not an IPv6 address in brackets (a port is not part of the match)"),
+        };
+    }
+    if let Ok(ip) = h.parse::<std::net::Ipv6Addr>() {
+        return Ok(ip.to_string());
+    }
+    if h.contains(':') {
+        return not("has a port: a request's port is ignored, give the host alone");
+    }
+    let h = h.strip_suffix('.').unwrap_or(&h);
+    let name = h.strip_prefix("*.").unwrap_or(h);
+    if name.is_empty() || name.contains('*') || name.split('.').any(str::is_empty) {
+        return not("is not a host name (a wildcard may only start it: '*.example.com')");
+    }
+    Ok(h.to_owned())
+}
+
+/// What a route's path becomes when normalized as a request's is, if
+/// that is something else.
+fn normal_path(p: &str) -> Option<String> {
+    match crate::http::path::normalize(p) {
+        Ok(n) if n == p => None,
+        Ok(n) => Some(format!("'{n}'")),
+        Err(e) => Some(format!("refused: {e}")),
+    }
+}

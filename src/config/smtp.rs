@@ -204,14 +204,24 @@ fn system_hostname() -> String {
 }
 
 /// A name a greeting or EHLO may carry: a domain of letters, digits, '-'
-/// and '.', or an address literal.
+/// and '.', or an address literal (RFC 5321 4.1.3: `[192.0.2.1]`,
+/// `[IPv6:2001:db8::1]`).
 fn valid_hostname(name: &str) -> bool {
+    let literal = |inner: &str| match inner.get(..5) {
+        Some(tag) if tag.eq_ignore_ascii_case("IPv6:") => inner
+            .get(5..)
+            .is_some_and(|a| a.parse::<std::net::Ipv6Addr>().is_ok()),
+        _ => inner.parse::<std::net::Ipv4Addr>().is_ok(),
+    };
     !name.is_empty()
         && name.len() <= 255
         && (name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "-.".contains(c))
-            || (name.starts_with('[') && name.ends_with(']')))
+            || name
+                .strip_prefix('[')
+                .and_then(|n| n.strip_suffix(']'))
+                .is_some_and(literal))
 }
 
 impl Validator {

@@ -242,6 +242,46 @@ fn strip_prefix_must_begin_the_routes_path_prefix() {
         &route("stripe"),
         "strip_prefix 'stripe' must start with '/'",
     );
+    // Stripping must end where a segment does: '/str' would leave 'ipe/'.
+    assert_problem(
+        &route("/str"),
+        "strip_prefix '/str' must begin match.path_prefix '/stripe/' and end where a path segment does",
+    );
+}
+
+#[test]
+fn a_route_match_that_could_never_match_is_refused() {
+    let with =
+        |m: &str| MINIMAL.replace("key = \"ip\"", &format!("key = \"ip\"\nmatch = {{ {m} }}"));
+    let host = |h: &str| {
+        Config::from_toml(&with(&format!("host = \"{h}\"")))
+            .map(|c| c.routes[0].host.clone())
+            .map_err(|p| p.iter().map(ToString::to_string).collect::<Vec<_>>())
+    };
+    assert_eq!(
+        host("API.Example.com."),
+        Ok(Some("api.example.com".to_owned()))
+    );
+    assert_eq!(host("[::1]"), Ok(Some("::1".to_owned())));
+    assert_eq!(host("*.example.com"), Ok(Some("*.example.com".to_owned())));
+    assert_problem(&with("host = \"api.example.com:8443\""), "has a port");
+    assert_problem(
+        &with("host = \"api.*.com\""),
+        "a wildcard may only start it",
+    );
+    assert_problem(
+        &with("host = \"[::1]:80\""),
+        "is not an IPv6 address in brackets",
+    );
+    assert_problem(
+        &with("path_prefix = \"/a//b\""),
+        "match.path_prefix '/a//b' would never match: requests are matched by their normalized path ('/a/b')",
+    );
+    assert_problem(
+        &with("path = \"/x/../y\""),
+        "match.path '/x/../y' would never match",
+    );
+    assert!(Config::from_toml(&with("path_prefix = \"/api/\", path = \"/api/v1\"")).is_ok());
 }
 
 #[test]
@@ -1041,4 +1081,30 @@ fn an_https_host_tls_cannot_name_is_invalid() {
             Vec::<String>::new()
         );
     }
+}
+
+#[test]
+fn greeting_names_are_host_names_or_address_literals() {
+    let with = |line: &str| SMTP.replace("key = \"global\"", &format!("key = \"global\"\n{line}"));
+    for ok in ["mx.example.com", "[192.0.2.1]", "[IPv6:2001:db8::1]"] {
+        assert_eq!(
+            problems(&with(&format!("hostname = \"{ok}\""))),
+            Vec::<String>::new()
+        );
+    }
+    // A CR LF inside brackets would put a line of its own in the greeting.
+    assert_problem(
+        &with("hostname = \"[x\\r\\n250 forged]\""),
+        "hostname '[x\r\n250 forged]' is not a host name",
+    );
+    assert_problem(&with("hostname = \"[example.com]\""), "is not a host name");
+    assert_problem(&with("hostname = \"[2001:db8::1]\""), "is not a host name");
+}
+
+#[test]
+fn a_body_limit_past_the_staging_total_is_invalid() {
+    assert_problem(
+        &format!("{MINIMAL}\n[limits]\nmax_staged_body = \"2MiB\"\nmax_staged_bytes = \"1MiB\"\n"),
+        "max_staged_body (2097152 bytes) is more than max_staged_bytes (1048576 bytes)",
+    );
 }

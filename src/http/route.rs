@@ -103,7 +103,7 @@ impl Route {
         }
         match &self.host {
             None => true,
-            Some(host) => request_host(req).is_some_and(|h| h.eq_ignore_ascii_case(host)),
+            Some(host) => request_host(req).is_some_and(|h| host_matches(host, h)),
         }
     }
 
@@ -126,6 +126,21 @@ impl Route {
 
     pub fn path_prefix(&self) -> &str {
         &self.path_prefix
+    }
+}
+
+/// Whether a request for `host` matches a route's `pattern` (lower case;
+/// `*.example.com` takes any name under example.com, not example.com
+/// itself, as nginx's `server_name`).
+fn host_matches(pattern: &str, host: &str) -> bool {
+    match pattern.strip_prefix('*') {
+        Some(suffix) => {
+            host.len() > suffix.len()
+                && host
+                    .get(host.len() - suffix.len()..)
+                    .is_some_and(|tail| tail.eq_ignore_ascii_case(suffix))
+        }
+        None => host.eq_ignore_ascii_case(pattern),
     }
 }
 
@@ -272,5 +287,21 @@ fn rule_spec<'a>(config: &'a Config, r: &'a config::Route) -> RuleSpec<'a> {
                 .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
         },
         dry_run: r.dry_run,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_matches;
+
+    #[test]
+    fn a_wildcard_host_takes_names_under_it_only() {
+        assert!(host_matches("*.example.com", "api.example.com"));
+        assert!(host_matches("*.example.com", "a.b.EXAMPLE.com"));
+        assert!(!host_matches("*.example.com", "example.com"));
+        assert!(!host_matches("*.example.com", "badexample.com"));
+        assert!(!host_matches("*.example.com", ".example.com"));
+        assert!(host_matches("api.example.com", "API.example.com"));
+        assert!(!host_matches("api.example.com", "x.api.example.com"));
     }
 }
