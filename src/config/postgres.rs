@@ -38,9 +38,28 @@ pub struct Target {
     pub passfile: Option<PathBuf>,
 }
 
+/// Every parameter (what a reload compares), the password left out
+/// (tokio-postgres redacts it): [`Target::password_digest`] tells a
+/// changed one.
 impl fmt::Debug for Target {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{self}")
+        f.debug_struct("Target")
+            .field("pg", &self.pg)
+            .field("sslmode", &self.sslmode)
+            .field("root_cert", &self.root_cert)
+            .field("passfile", &self.passfile)
+            .finish()
+    }
+}
+
+impl Target {
+    /// A digest of the URL's password, to tell a changed one without
+    /// keeping or showing it.
+    pub fn password_digest(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.pg.get_password().hash(&mut h);
+        h.finish()
     }
 }
 
@@ -126,6 +145,31 @@ pub fn parse(url: &str) -> Result<Target, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a reload compares tells every parameter apart (a changed
+    /// sslmode used to be taken as no change), and never shows the
+    /// password.
+    #[test]
+    fn a_reload_sees_every_changed_parameter_and_no_password() {
+        let t = |url: &str| parse(url).expect("parses");
+        let base = t("postgres://app:secret@db:5432/shape?sslmode=prefer");
+        for changed in [
+            "postgres://app:secret@db:5432/shape?sslmode=verify-full",
+            "postgres://app:secret@db:5432/shape?sslmode=prefer&connect_timeout=3",
+            "postgres://app:secret@db,db2:5432/shape?sslmode=prefer",
+            "postgres://app:secret@db:5432/shape?sslmode=prefer&passfile=%2Fp",
+        ] {
+            assert_ne!(
+                format!("{base:?}"),
+                format!("{:?}", t(changed)),
+                "{changed}"
+            );
+        }
+        let other = t("postgres://app:hunter2@db:5432/shape?sslmode=prefer");
+        assert_eq!(format!("{base:?}"), format!("{other:?}"));
+        assert_ne!(base.password_digest(), other.password_digest());
+        assert!(!format!("{base:?}").contains("secret"));
+    }
 
     #[test]
     fn libpq_parameters_are_taken_out_and_the_rest_parsed() {

@@ -114,6 +114,13 @@ pub(crate) fn fixed_at_start(config: &Config) -> Vec<(&'static str, String)> {
         ("server.max_tunnels", s.max_tunnels.to_string()),
         ("admin.listen", format!("{:?}", config.admin)),
         ("[cluster]", format!("{:?}", config.cluster)),
+        (
+            "[cluster] password",
+            match config.cluster.as_ref().map(|c| &c.store) {
+                Some(crate::config::Store::Postgres(pg)) => pg.target.password_digest().to_string(),
+                _ => String::new(),
+            },
+        ),
     ]
 }
 
