@@ -369,6 +369,34 @@ fn cancellation_frees_the_place_and_the_slot() {
 }
 
 #[test]
+fn cancelling_the_head_after_a_late_release_keeps_half_an_interval() {
+    // DESIGN 1: after a late release no two departures of a client come
+    // closer than c·T/2, and a cancelled head's slot goes to the next in
+    // line. A1 leaves 500 ms late (at 700), so A2 is due at 800; A2
+    // cancels; A3 takes 800, not its grid time 400 (which would send it
+    // with the next release, 20 ms after A1).
+    let mut sim = Sim::new(policy("5/s", 10));
+    sim.arrive(1, 1, 0);
+    let (a1, _) = sim.arrive(1, 1, 0);
+    let (_, a2) = sim.arrive(1, 1, 0);
+    let (a3, _) = sim.arrive(1, 1, 0);
+    // Another client, whose release at 720 is the next the pacer makes.
+    assert_eq!(sim.e.admit(sim.route, 2, 1, 520 * MS, || 100), Admission::Depart);
+    let b1 = sim.e.admit(sim.route, 2, 1, 600 * MS, || 101);
+    assert_eq!(queued_at(&b1), 720 * MS);
+    let mut out = Vec::new();
+    sim.e.release_due(700 * MS, &mut out);
+    assert_eq!(out, vec![a1], "A1, late");
+    assert!(sim.e.cancel(ticket(&a2), 705 * MS).is_some());
+    out.clear();
+    sim.e.release_due(720 * MS, &mut out);
+    assert_eq!(out, vec![101], "B1 alone; not A3, 20 ms after A1");
+    out.clear();
+    sim.e.release_due(800 * MS, &mut out);
+    assert!(out.contains(&a3), "A3 takes A2's slot at 800: {out:?}");
+}
+
+#[test]
 fn cancelling_the_last_waiting_request_leaves_its_slot_to_the_next_arrival() {
     let mut sim = Sim::new(policy("5/s", 5));
     sim.arrive(1, 1, 0);

@@ -793,21 +793,25 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             return None;
         }
         let slot = e.client;
-        let was_head = self.client(slot).is_some_and(|c| c.head == ticket.entry);
+        // The head's due time, which the next one inherits.
+        let head_due = self
+            .client(slot)
+            .and_then(|c| (c.head == ticket.entry).then_some(c.due));
         let (_, payload) = self.take_entry(ticket.entry, budget)?;
-        if was_head {
+        if let Some(floor) = head_due {
             // Its heap entry goes stale (it leaves when it reaches the
             // top, or when enough have piled up); the next one takes the
-            // same slot.
+            // same slot: no earlier, which after a late release keeps the
+            // c·T/2 the departure before it put between them.
             // The caller passes the cap exactly when the route is capped.
             match cap {
                 Some(cap) => {
                     cap.stale += 1;
-                    self.promote(slot, now, 0, Some(cap), budget);
+                    self.promote(slot, now, floor, Some(cap), budget);
                 }
                 None => {
                     self.stale += 1;
-                    self.promote(slot, now, 0, None, budget);
+                    self.promote(slot, now, floor, None, budget);
                     if over_stale(self.stale, self.heads.len()) {
                         self.prune_heads();
                     }
