@@ -276,6 +276,32 @@ fn a_late_release_is_made_up_no_faster_than_twice_the_rate() {
 }
 
 #[test]
+fn with_burst_a_late_release_is_made_up_no_faster_than_twice_the_rate() {
+    // burst = 5: five of ten pass at once, the rest are due at 200, 400,
+    // 600 ms, ... The pacer comes back at 700 for the one due at 200:
+    // the client is not idle, so DESIGN 1's late-release rule holds as
+    // without burst (the ones due at 400 and 600 used to leave with it).
+    let t = T5;
+    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
+    let up = e.add_upstream(None);
+    let mut p = policy("5/s", 10);
+    p.burst = 5;
+    let r = e.add_route(p, up);
+    let at_once = (0..10)
+        .filter(|&id| e.admit(r, 1, 1, 0, || id) == Admission::Depart)
+        .count();
+    assert_eq!(at_once, 5);
+    let times = run_with_one_stall(&e, t, 5 * t / 2, 40 * t);
+    assert_eq!(times.len(), 5);
+    assert_eq!(times[0], 700 * MS);
+    let g = gaps(&times);
+    assert!(g.iter().all(|&gap| gap >= t / 2), "gaps {g:?} in {times:?}");
+    // Caught up: the last (due at 1000 ms) leaves on its grid time or
+    // half an interval after the one before.
+    assert!(times[4] <= 1100 * MS, "{times:?}");
+}
+
+#[test]
 fn a_stall_longer_than_the_whole_backlog_restarts_the_schedule() {
     // A release later than b·T: catching up would only burst, so the grid
     // restarts from the release.

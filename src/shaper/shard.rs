@@ -698,15 +698,16 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         // schedule (or the cap's slot) let it go: D = d + c·T (DESIGN 1),
         // never from `now`, so pacer jitter never drifts the grid and a
         // late release is made up by the next ones, no two of which come
-        // closer than c·T/2 (the floor below: only when the release came
-        // after the grid time D itself, so burst credit is never eaten).
+        // closer than c·T/2 (the floor below). Late is after the instant
+        // this head was released for (a stalled pacer), or after its own
+        // grid time when its own schedule held it (with `burst`, the grid
+        // is D − τ): not when only a cap held a request its burst credit
+        // would have let go, so burst credit is never eaten.
         // A release later than the whole backlog (b·T) restarts the
         // schedule from the release.
-        let floor = if now > c.tat {
-            now.saturating_add(gap / 2)
-        } else {
-            0
-        };
+        let grid = c.tat.saturating_sub(tau);
+        let late = now > at || (grid > arrival && now > grid);
+        let floor = if late { now.saturating_add(gap / 2) } else { 0 };
         let own = c.tat.saturating_sub(tau).max(arrival).max(slot_free);
         c.tat = if stalled(at, now, policy.capacity, step) {
             now.saturating_add(tau).saturating_add(gap)
