@@ -407,7 +407,10 @@ fn cancelling_the_head_after_a_late_release_keeps_half_an_interval() {
     let (_, a2) = sim.arrive(1, 1, 0);
     let (a3, _) = sim.arrive(1, 1, 0);
     // Another client, whose release at 720 is the next the pacer makes.
-    assert_eq!(sim.e.admit(sim.route, 2, 1, 520 * MS, || 100), Admission::Depart);
+    assert_eq!(
+        sim.e.admit(sim.route, 2, 1, 520 * MS, || 100),
+        Admission::Depart
+    );
     let b1 = sim.e.admit(sim.route, 2, 1, 600 * MS, || 101);
     assert_eq!(queued_at(&b1), 720 * MS);
     let mut out = Vec::new();

@@ -403,6 +403,10 @@ const MAX_QUEUED: usize = 10_000_000;
 const MAX_CAPACITY: u32 = 1_000_000_000;
 const MAX_COST: u32 = 1_000_000;
 const MAX_BURST: u32 = 1_000_000;
+/// The longest a burst, a full queue or one request's cost may span at its
+/// rate (about 100 years; the engine counts nanoseconds in a u64, 584
+/// years).
+const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 86_400);
 const MAX_INSTANCES: u32 = 10_000;
 /// Connections to PostgreSQL per instance, by default and at most.
 const DEFAULT_PG_POOL: usize = 8;
@@ -1447,6 +1451,13 @@ impl Validator {
         };
         let (rate, capacity, burst) = self.shape(&path, raw.rate, raw.capacity, raw.burst);
         let cost = self.cost(&path, raw.cost);
+        if let (Some(r), Some(c)) = (rate, &cost) {
+            let most = match c {
+                Cost::Fixed(n) => *n,
+                Cost::Header { max, .. } => *max,
+            };
+            self.within_span(&path, "cost", most, r);
+        }
         let max_wait = match raw.max_wait {
             None => Some(None),
             Some(text) => self
@@ -1626,7 +1637,34 @@ impl Validator {
                 None
             }
         };
+        if let Some(r) = rate {
+            if let Some(b) = burst {
+                self.within_span(path, "burst", b.saturating_sub(1), r);
+            }
+            if let Some(c) = capacity {
+                self.within_span(path, "capacity", c, r);
+            }
+        }
         (rate, capacity, burst)
+    }
+
+    /// `n` intervals of `rate` (a burst's credit, a full queue, one
+    /// request's cost) within [`MAX_SPAN`]: the schedule's arithmetic
+    /// saturates past it, which would let everything through or keep a
+    /// client's state for ever.
+    pub(crate) fn within_span(&mut self, path: &str, field: &str, n: u32, rate: Rate) {
+        let span = u128::from(n) * u128::from(rate.interval_nanos());
+        if span > MAX_SPAN.as_nanos() {
+            self.problem(
+                path,
+                format!(
+                    "{field} {n}: {n} intervals of {} (the rate's) span {} days, and the schedule holds at most {} days",
+                    humantime::format_duration(rate.interval()),
+                    span / 86_400_000_000_000,
+                    MAX_SPAN.as_secs() / 86_400
+                ),
+            );
+        }
     }
 
     /// An optional rate (an upstream's cap).

@@ -515,6 +515,10 @@ impl Validator {
         let max_recipients = raw.max_recipients.map_or(DEFAULT_MAX_RECIPIENTS, |n| {
             self.bounded(&format!("{path}: max_recipients"), n, 1, MAX_RECIPIENTS)
         });
+        if let (Some(r), Some(SmtpCost::Recipients)) = (rate, &cost) {
+            let most = u32::try_from(max_recipients).unwrap_or(u32::MAX);
+            self.within_span(&path, "cost (max_recipients)", most, r);
+        }
         let max_connections = raw
             .max_connections
             .map_or(DEFAULT_LISTENER_CONNECTIONS, |n| {

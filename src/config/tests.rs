@@ -1108,3 +1108,37 @@ fn a_body_limit_past_the_staging_total_is_invalid() {
         "max_staged_body (2097152 bytes) is more than max_staged_bytes (1048576 bytes)",
     );
 }
+
+#[test]
+fn a_burst_queue_or_cost_too_long_for_the_schedule_is_invalid() {
+    // 299,999 days of burst credit: the engine's tolerance saturated, and
+    // every request passed at once.
+    assert_problem(
+        &MINIMAL
+            .replace("\"5/s\"", "\"1/d\"")
+            .replace("capacity = 10", "capacity = 10\nburst = 300000"),
+        "route 'default': burst 299999: 299999 intervals of 1day (the rate's) span 299999 days, and the schedule holds at most 36500 days",
+    );
+    assert_problem(
+        &MINIMAL
+            .replace("\"5/s\"", "\"1/d\"")
+            .replace("capacity = 10", "capacity = 40000"),
+        "capacity 40000: 40000 intervals of 1day",
+    );
+    assert_problem(
+        &MINIMAL.replace("\"5/s\"", "\"1/d\"").replace(
+            "capacity = 10",
+            "capacity = 10\ncost = { header = \"X-Cost\", max = 1000000 }",
+        ),
+        "cost 1000000: 1000000 intervals of 1day",
+    );
+    assert_problem(
+        &SMTP.replace("\"5/s\"", "\"1/d\"").replace(
+            "capacity = 10",
+            "capacity = 10\ncost = \"recipients\"\nmax_recipients = 100000",
+        ),
+        "cost (max_recipients) 100000: 100000 intervals of 1day",
+    );
+    let fine = MINIMAL.replace("capacity = 10", "capacity = 1000000\nburst = 1000000");
+    assert_eq!(problems(&fine), Vec::<String>::new());
+}
