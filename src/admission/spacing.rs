@@ -33,12 +33,12 @@ struct Last {
 }
 
 /// Each client's latest release, for the clients released within their
-/// last c·T/2.
-pub struct Spacing<C>(Mutex<HashMap<C, Last>>);
+/// last c·T/2 (and the size past which the next prune comes).
+pub struct Spacing<C>(Mutex<(HashMap<C, Last>, usize)>);
 
 impl<C> Default for Spacing<C> {
     fn default() -> Self {
-        Spacing(Mutex::new(HashMap::new()))
+        Spacing(Mutex::new((HashMap::new(), PRUNE_AT)))
     }
 }
 
@@ -49,13 +49,18 @@ impl<C: Hash + Eq + Clone> Spacing<C> {
     /// that release's slot, if less (overdue releases may be taken in any
     /// order). Taken: the client's next release is spaced from it.
     pub fn release(&self, client: &C, now: Nanos, slot: Nanos, half: Nanos) -> Nanos {
-        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let (last, prune_at) = &mut *guard;
         let at = last.get(client).map_or(now, |prev| {
             let gap = half.min(slot.abs_diff(prev.slot));
             now.max(prev.at.saturating_add(gap))
         });
-        if last.len() >= PRUNE_AT {
+        // Pruned when it has doubled since the last prune: amortized O(1)
+        // per release even when every entry is still live (slow rates
+        // keep theirs for hours).
+        if last.len() >= *prune_at {
             last.retain(|_, prev| prev.until > now);
+            *prune_at = last.len().saturating_mul(2).max(PRUNE_AT);
         }
         let until = at.saturating_add(half);
         last.insert(client.clone(), Last { at, slot, until });
@@ -120,7 +125,22 @@ mod tests {
             let now = (i as Nanos) * MS;
             s.release(&client(&i.to_string()), now, now, MS);
         }
-        let held = s.0.lock().unwrap().len();
+        let held = s.0.lock().unwrap().0.len();
         assert!(held <= PRUNE_AT + 1, "{held} entries kept");
+    }
+
+    #[test]
+    fn live_entries_are_not_scanned_on_every_release() {
+        let s = Spacing::default();
+        // Entries that stay live (an hour of spacing each).
+        for i in 0..(PRUNE_AT + 10) {
+            s.release(&client(&i.to_string()), 0, 0, 3_600_000 * MS);
+        }
+        let (held, next) = {
+            let g = s.0.lock().unwrap();
+            (g.0.len(), g.1)
+        };
+        assert_eq!(held, PRUNE_AT + 10);
+        assert!(next >= 2 * PRUNE_AT, "the next prune waits for the map to double: {next}");
     }
 }
