@@ -99,16 +99,18 @@ impl Outcome {
     }
 }
 
-/// Seconds, for latency histograms: 10 µs to 60 s.
+/// Seconds, for latency histograms: 10 µs to an hour (queue waits at slow
+/// rates and SMTP holds run to minutes).
 const LATENCY_BUCKETS: &[f64] = &[
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
-    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1_800.0, 3_600.0,
 ];
 
-/// Seconds, for the pacer's release lag: 1 µs to 10 ms.
+/// Seconds, for the pacer's release lag: 1 µs to 1 s (a stalled machine's
+/// lag must show as what it was, not as "over 10 ms").
 const LAG_BUCKETS: &[f64] = &[
-    0.000_001, 0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.005,
-    0.01,
+    0.000_001, 0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001,
+    0.002_5, 0.005, 0.01, 0.025, 0.1, 0.5, 1.0,
 ];
 
 // === histograms ===

@@ -41,6 +41,10 @@ impl Style {
 }
 
 /// A frame redrawn in place: each `draw` moves back over the last one.
+/// Lines wider than the terminal are cut at its edge rather than wrapped
+/// (auto-wrap off while the frame is written, DECAWM): a wrapped line
+/// would take two rows where the next draw moves back over one, and the
+/// frames would pile up down an 80-column terminal.
 #[derive(Debug, Default)]
 pub struct Frame {
     drawn: usize,
@@ -48,6 +52,7 @@ pub struct Frame {
 
 impl Frame {
     pub fn draw(&mut self, out: &mut dyn Write, lines: &[String]) -> io::Result<()> {
+        write!(out, "\x1b[?7l")?;
         if self.drawn > 0 {
             write!(out, "\x1b[{}A\r", self.drawn)?;
         }
@@ -59,6 +64,7 @@ impl Frame {
             writeln!(out, "\x1b[2K")?;
         }
         self.drawn = lines.len().max(self.drawn);
+        write!(out, "\x1b[?7h")?;
         out.flush()
     }
 }
@@ -138,5 +144,9 @@ mod tests {
         assert!(text.contains("\x1b[3A\r"), "{text:?}");
         // The second frame clears the two lines it no longer uses.
         assert_eq!(text.matches("\x1b[2K").count(), 6);
+        // Each frame is written with auto-wrap off, and turns it back on.
+        assert!(text.starts_with("\x1b[?7l"), "{text:?}");
+        assert!(text.ends_with("\x1b[?7h"), "{text:?}");
+        assert_eq!(text.matches("\x1b[?7l").count(), 2);
     }
 }

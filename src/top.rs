@@ -314,6 +314,16 @@ fn rates(route: &RouteStatus, before: &Sample, now: &Sample) -> Rates {
     }
 }
 
+/// A release lag bound as shown: the bucket's bound, or, in the +Inf
+/// bucket, over the largest bound (1 s).
+fn lag_bound(le: f64) -> String {
+    if le.is_infinite() {
+        format!("> {}", seconds(1.0))
+    } else {
+        format!("<= {}", seconds(le))
+    }
+}
+
 /// The release lag p99 over the interval (an upper bound: the bucket it
 /// falls in), or `None` when nothing was released.
 fn lag_p99(before: &Sample, now: &Sample) -> Option<f64> {
@@ -387,7 +397,14 @@ impl View {
         routes: &[(&RouteStatus, Rates)],
         s: &Status,
     ) -> io::Result<()> {
-        let lag = lag.map_or("-".to_owned(), seconds);
+        // The +Inf bucket as Prometheus writes it.
+        let lag = lag.map_or("-".to_owned(), |l| {
+            if l.is_infinite() {
+                "+Inf".to_owned()
+            } else {
+                seconds(l)
+            }
+        });
         writeln!(
             out,
             "t={t:.1}s clients={} queued={} connections={} smtp_sessions={} release_lag_p99<={lag} draining={}",
@@ -439,7 +456,7 @@ impl View {
             s.queued,
             s.connections,
             s.smtp_sessions,
-            lag.map_or("-".to_owned(), |l| format!("<= {}", seconds(l))),
+            lag.map_or("-".to_owned(), lag_bound),
             if s.draining {
                 st.paint(RED, "   DRAINING")
             } else {

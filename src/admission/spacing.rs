@@ -141,6 +141,9 @@ mod tests {
             (g.0.len(), g.1)
         };
         assert_eq!(held, PRUNE_AT + 10);
-        assert!(next >= 2 * PRUNE_AT, "the next prune waits for the map to double: {next}");
+        assert!(
+            next >= 2 * PRUNE_AT,
+            "the next prune waits for the map to double: {next}"
+        );
     }
 }
