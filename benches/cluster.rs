@@ -200,6 +200,7 @@ fn main() {
             Cluster::new(&config(Store::Redis {
                 nodes: vec![format!("redis://127.0.0.1:{single}")],
                 mode: RedisMode::Standalone,
+                ca: None,
             }))
             .expect("standalone"),
         );
@@ -211,6 +212,7 @@ fn main() {
                     .map(|p| format!("redis://127.0.0.1:{p}"))
                     .collect(),
                 mode: RedisMode::Cluster,
+                ca: None,
             }))
             .expect("cluster"),
         );

@@ -546,3 +546,80 @@ async fn a_redis_password_is_never_logged_or_shown() {
     assert!(log.contains("cannot reach"), "{log}");
     assert!(!log.contains("TOPSECRET"), "{log}");
 }
+
+/// A redis-server that speaks only TLS (its plain port off), with a
+/// certificate for 127.0.0.1 from `ca`. Ended by PID when dropped.
+struct TlsRedis {
+    child: std::process::Child,
+    port: u16,
+    _files: (support::TempFile, support::TempFile),
+}
+
+impl TlsRedis {
+    fn start(ca: &support::TestCa) -> TlsRedis {
+        let (cert, key) = ca.leaf_files(&["127.0.0.1"]);
+        let port = support::closed_port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", "0", "--tls-port", &port.to_string()])
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--tls-cert-file")
+            .arg(&*cert)
+            .arg("--tls-key-file")
+            .arg(&*key)
+            .args(["--tls-auth-clients", "no"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server is needed (bash .ci/run installs it)");
+        let r = TlsRedis {
+            child,
+            port,
+            _files: (cert, key),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server (TLS) did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        r
+    }
+}
+
+impl Drop for TlsRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Redis over TLS (`rediss://`, a private CA in `cluster.ca_file`): two
+/// instances share one schedule through it, the seed example as over
+/// plain TCP. With `on_failure = "reject"`, a store sluice could not
+/// reach would answer 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_share_a_schedule_through_redis_over_tls() {
+    let ca = support::TestCa::new();
+    let redis = TlsRedis::start(&ca);
+    let ca_file = ca.write();
+    let ds = Downstream::start().await;
+    let toml = config(
+        ds.addr,
+        &format!("rediss://127.0.0.1:{}", redis.port),
+        "reject",
+        2,
+        "1s",
+    )
+    .replace(
+        "[cluster]\n",
+        &format!("[cluster]\nca_file = \"{}\"\n", ca_file.display()),
+    );
+    let fleet = [Sluice::start(&toml), Sluice::start(&toml)];
+    seed_burst_across(&fleet, &ds).await;
+    for s in &fleet {
+        let ready = get(&client(), &s.admin_url("/readyz"), &[]).await;
+        assert_eq!(ready.status, StatusCode::OK);
+    }
+}

@@ -153,7 +153,7 @@ pub struct Reservation {
 
 /// The store behind the facade.
 enum Backend {
-    Redis(redis::Redis),
+    Redis(Box<redis::Redis>),
     Postgres(Box<postgres::Postgres>),
 }
 
@@ -228,9 +228,12 @@ impl Cluster {
     /// after ([`Cluster::misconfigured`]).
     pub fn new(cfg: &ClusterConfig) -> Result<Cluster, ClusterError> {
         let store = match &cfg.store {
-            Store::Redis { nodes, mode } => {
-                Backend::Redis(redis::Redis::new(nodes, *mode, cfg.timeout))
-            }
+            Store::Redis { nodes, mode, ca } => Backend::Redis(Box::new(redis::Redis::new(
+                nodes,
+                *mode,
+                ca.clone(),
+                cfg.timeout,
+            ))),
             Store::Postgres(pg) => {
                 Backend::Postgres(Box::new(postgres::Postgres::new(pg, cfg.timeout)?))
             }

@@ -175,6 +175,8 @@ impl ConnectionLike for Conn {
 pub struct Redis {
     nodes: Vec<String>,
     mode: RedisMode,
+    /// CA certificates (PEM) for `rediss://` nodes, else the system's.
+    ca: Option<Vec<u8>>,
     timeout: Duration,
     /// Made at start (a standalone connection until `auto` has asked).
     conn: ArcSwap<Option<Conn>>,
@@ -210,11 +212,12 @@ struct Node {
 }
 
 impl Redis {
-    pub fn new(nodes: &[String], mode: RedisMode, timeout: Duration) -> Redis {
+    pub fn new(nodes: &[String], mode: RedisMode, ca: Option<Vec<u8>>, timeout: Duration) -> Redis {
         Redis {
             runtime: Handle::try_current().ok(),
             nodes: nodes.to_vec(),
             mode,
+            ca,
             timeout,
             conn: ArcSwap::from_pointee(None),
             admit: Lua::new(ADMIT),
@@ -223,12 +226,27 @@ impl Redis {
         }
     }
 
+    /// A client for `url`, trusting `ca` for TLS when given.
+    fn client(&self, url: &str) -> redis::RedisResult<redis::Client> {
+        match &self.ca {
+            Some(ca) => redis::Client::build_with_tls(url, self.certs(ca)),
+            None => redis::Client::open(url),
+        }
+    }
+
+    fn certs(&self, ca: &[u8]) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(ca.to_vec()),
+        }
+    }
+
     fn standalone(&self) -> Result<Conn, ClusterError> {
         let url = self
             .nodes
             .first()
             .ok_or_else(|| ClusterError::Setup("no redis node".into()))?;
-        let client = redis::Client::open(url.as_str())?;
+        let client = self.client(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout))
@@ -243,7 +261,11 @@ impl Redis {
     /// background. Retries are short (a pacer cannot wait seconds) and the
     /// whole call is bounded by the timeout.
     fn cluster(&self) -> Result<Conn, ClusterError> {
-        let client = ClusterClientBuilder::new(self.nodes.iter().map(String::as_str))
+        let mut builder = ClusterClientBuilder::new(self.nodes.iter().map(String::as_str));
+        if let Some(ca) = &self.ca {
+            builder = builder.certs(self.certs(ca));
+        }
+        let client = builder
             .connection_timeout(self.timeout)
             .response_timeout(self.timeout)
             .overall_response_timeout(Some(self.timeout))
@@ -268,7 +290,7 @@ impl Redis {
     /// Whether the node at `url` runs in cluster mode (`INFO cluster`), and
     /// whether it is a replica (`INFO replication`).
     async fn node_info(&self, url: &str) -> Result<Node, ClusterError> {
-        let client = redis::Client::open(url)?;
+        let client = self.client(url)?;
         let mut c = tokio::time::timeout(
             self.timeout.max(Duration::from_secs(1)),
             client.get_multiplexed_async_connection(),
@@ -292,7 +314,7 @@ impl Redis {
 
     /// `CLUSTER INFO` of one node: whether its cluster covers every slot.
     async fn cluster_state(&self, url: &str) -> Result<(), String> {
-        let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+        let client = self.client(url).map_err(|e| e.to_string())?;
         let mut c = client
             .get_multiplexed_async_connection()
             .await

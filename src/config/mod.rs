@@ -223,6 +223,9 @@ pub enum Store {
         /// server, or seed nodes of a Redis Cluster.
         nodes: Vec<String>,
         mode: RedisMode,
+        /// CA certificates (PEM) for `rediss://` nodes; the system's
+        /// roots when absent.
+        ca: Option<Vec<u8>>,
     },
     Postgres(Box<PostgresConfig>),
 }
@@ -676,11 +679,17 @@ impl Validator {
                         self.problem(name, "applies to postgres only");
                     }
                 }
-                self.redis_store(urls, raw.mode.as_deref())
+                self.redis_store(urls, raw.mode.as_deref(), raw.ca_file.as_deref())
             }
             (None, Some(url)) => {
                 if raw.mode.is_some() {
                     self.problem("cluster.mode", "applies to redis only");
+                }
+                if raw.ca_file.is_some() {
+                    self.problem(
+                        "cluster.ca_file",
+                        "applies to redis only (postgres takes sslrootcert in its URL)",
+                    );
                 }
                 self.postgres_store(&url, raw.password_file, raw.durable, raw.pool_size)
             }
@@ -741,7 +750,13 @@ impl Validator {
         }))
     }
 
-    fn redis_store(&mut self, urls: raw::RawUrls, mode: Option<&str>) -> Option<Store> {
+    fn redis_store(
+        &mut self,
+        urls: raw::RawUrls,
+        mode: Option<&str>,
+        ca_file: Option<&str>,
+    ) -> Option<Store> {
+        use redis::IntoConnectionInfo;
         let raw::RawUrls(urls) = urls;
         let mut ok = !urls.is_empty();
         if urls.is_empty() {
@@ -756,6 +771,13 @@ impl Validator {
                     "cluster.redis",
                     format!("'{url}' must start with redis://, rediss:// or unix://"),
                 );
+                ok = false;
+            } else if let Err(e) = url.as_str().into_connection_info() {
+                // What the client will make of it at start (a bad port,
+                // database number or fragment); the URL is not shown, for
+                // the password it may hold.
+                let n = urls.iter().position(|u| u == url).unwrap_or(0) + 1;
+                self.problem("cluster.redis", format!("node {n}: {e}"));
                 ok = false;
             }
         }
@@ -778,9 +800,21 @@ impl Validator {
             );
             ok = false;
         }
+        let ca = match ca_file {
+            None => Some(None),
+            Some(_) if !urls.iter().any(|u| u.starts_with("rediss://")) => {
+                self.problem("cluster.ca_file", "applies to rediss:// (TLS) nodes only");
+                None
+            }
+            Some(file) => self
+                .ca_file("cluster", "ca_file", file)
+                .and_then(|_| std::fs::read(file).ok())
+                .map(Some),
+        };
         Some(Store::Redis {
             nodes: ok.then_some(urls)?,
             mode: mode?,
+            ca: ca?,
         })
     }
 

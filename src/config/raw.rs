@@ -102,6 +102,7 @@ pub struct RawSmtp {
 #[serde(deny_unknown_fields)]
 pub struct RawCluster {
     pub redis: Option<RawUrls>,
+    pub ca_file: Option<String>,
     pub postgres: Option<String>,
     pub password_file: Option<String>,
     pub durable: Option<bool>,

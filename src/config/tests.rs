@@ -982,6 +982,29 @@ fn the_cluster_store_is_redis_or_postgres() {
         &cluster("postgres = \"postgres://u@h/db\"\nmode = \"cluster\""),
         "cluster.mode: applies to redis only",
     );
+    // Node URLs are parsed as the client will at start (never shown: they
+    // may hold a password); ca_file is for rediss:// nodes.
+    assert_problem(
+        &cluster("redis = [\"redis://127.0.0.1:6379\", \"redis://:pw@h:notaport\"]"),
+        "cluster.redis: node 2:",
+    );
+    assert!(
+        !problems(&cluster("redis = \"redis://:hunter2@h/x\""))
+            .iter()
+            .any(|p| p.contains("hunter2"))
+    );
+    assert_problem(
+        &cluster("redis = \"redis://127.0.0.1:6379\"\nca_file = \"/etc/ssl/ca.pem\""),
+        "cluster.ca_file: applies to rediss:// (TLS) nodes only",
+    );
+    assert_problem(
+        &cluster("postgres = \"postgres://u@h/db\"\nca_file = \"/etc/ssl/ca.pem\""),
+        "cluster.ca_file: applies to redis only",
+    );
+    assert_problem(
+        &cluster("redis = \"rediss://127.0.0.1:6379\"\nca_file = \"/nonexistent/ca.pem\""),
+        "ca_file '/nonexistent/ca.pem': cannot read",
+    );
     assert_problem(
         &cluster("redis = \"redis://127.0.0.1:6379\"\ndurable = true"),
         "cluster.durable: applies to postgres only",
