@@ -785,6 +785,72 @@ fn a_reload_applies_new_policy_and_refuses_moved_listeners() {
     );
 }
 
+/// A reload that lowers `max_connections` counts the sessions open across
+/// it: three open under a limit of 3, lowered to 2, then one closes, and a
+/// new session is still refused (two are open); once another closes, one
+/// is taken again. (Before, the new limit was a fresh count of zero.)
+#[test]
+fn a_reload_that_lowers_max_connections_counts_the_open_sessions() {
+    use std::io::{BufRead, BufReader};
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let toml = |n: u32| {
+        config(
+            up.port,
+            "tls = \"none\"",
+            &format!("key = \"global\"\nrate = \"5/s\"\ncapacity = 10\nmax_connections = {n}"),
+        )
+    };
+    let sluice = Sluice::start(&toml(3));
+    let addr = sluice.smtp.unwrap();
+    // The first line a new connection gets: 220, or 421 at the limit.
+    let greeting = || {
+        let stream = std::net::TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut line = String::new();
+        let _ = BufReader::new(stream).read_line(&mut line);
+        line
+    };
+    let mut open: Vec<Raw> = (0..3).map(|_| Raw::connect(addr)).collect();
+    assert!(greeting().starts_with("421 "), "a fourth at the limit");
+    std::fs::write(&sluice.config, toml(2)).unwrap();
+    sluice.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sluice.log().iter().any(|l| l.contains("config reloaded")) {
+        assert!(Instant::now() < deadline, "no reload");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        greeting().starts_with("421 "),
+        "three open under a limit of 2"
+    );
+    drop(open.pop());
+    // Its close has reached sluice once /status says so.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while smtp::status(sluice.admin.unwrap())["smtp_sessions"].as_u64() != Some(2) {
+        assert!(Instant::now() < deadline, "the session did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        greeting().starts_with("421 "),
+        "two open under a limit of 2"
+    );
+    drop(open.pop());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let line = greeting();
+        if line.starts_with("220 ") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no session after two closed: {line}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// DESIGN 1's late releases for mail: a message whose data comes after its
 /// slot is relayed late, and the next message of the same client, due
 /// 2 s after it, is relayed no sooner than c·T/2 (1 s) after it, not right

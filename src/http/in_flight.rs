@@ -1,5 +1,6 @@
-//! `max_concurrency`: an upstream's calls in flight, capped, and resized
-//! in place when a reload changes the cap.
+//! `max_concurrency` (an upstream's calls in flight) and an SMTP
+//! listener's `max_connections`: capped, and resized in place when a
+//! reload changes the cap.
 //!
 //! A cap is one semaphore for the life of the process (per upstream
 //! name), so the calls in flight across a reload count against the cap

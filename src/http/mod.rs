@@ -44,6 +44,7 @@ use metrics::Counter;
 use crate::admission::{Admission, AdmissionError, ClientView, Key, Probe, Protocol};
 use crate::config::Config;
 use crate::metrics::{self as m, Outcome};
+pub use in_flight::InFlight;
 use route::{App, Concurrency};
 pub use serve::{Server, listener};
 

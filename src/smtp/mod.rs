@@ -28,10 +28,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::http::InFlight;
 use arc_swap::ArcSwap;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -83,7 +83,7 @@ pub struct Front {
     sockets: Mutex<Vec<(String, std::net::TcpListener)>>,
     addrs: Vec<(String, SocketAddr)>,
     /// `max_connections` per listener, kept across reloads.
-    slots: Mutex<HashMap<String, (usize, Arc<Semaphore>)>>,
+    slots: Mutex<HashMap<String, (usize, Arc<InFlight>)>>,
     sessions: Arc<AtomicUsize>,
 }
 
@@ -215,12 +215,19 @@ impl Front {
             .collect();
         let table = Table { listeners, pools };
         let mut slots = lock(&self.slots);
+        // Resized in place: the sessions open across the reload count
+        // against the new limit (a fresh semaphore would not count them).
         for l in &table.listeners {
             let limit = l.cfg.max_connections;
-            match slots.get(&l.cfg.name) {
-                Some((n, _)) if *n == limit => {}
-                _ => {
-                    slots.insert(l.cfg.name.clone(), (limit, Arc::new(Semaphore::new(limit))));
+            match slots.get_mut(&l.cfg.name) {
+                Some((n, cap)) => {
+                    if *n != limit {
+                        cap.resize(*n, limit);
+                        *n = limit;
+                    }
+                }
+                None => {
+                    slots.insert(l.cfg.name.clone(), (limit, InFlight::new(limit)));
                 }
             }
         }
@@ -236,7 +243,7 @@ impl Front {
             .cloned()
     }
 
-    fn slots(&self, name: &str) -> Option<Arc<Semaphore>> {
+    fn slots(&self, name: &str) -> Option<Arc<InFlight>> {
         lock(&self.slots).get(name).map(|(_, s)| s.clone())
     }
 
@@ -355,7 +362,7 @@ impl Front {
             let (Some(l), Some(slots)) = (self.listener(&name), self.slots(&name)) else {
                 continue;
             };
-            let Ok(permit) = slots.try_acquire_owned() else {
+            let Some(permit) = slots.try_take() else {
                 // At max_connections: said so, and closed (RFC 5321 3.1).
                 let hostname = l.cfg.hostname.clone();
                 sessions.spawn(async move {
