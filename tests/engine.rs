@@ -915,8 +915,10 @@ fn an_idle_client_under_a_free_cap_departs_at_once() {
 fn under_a_cap_a_queued_request_is_never_told_a_departure_before_its_arrival() {
     // DESIGN: a request arriving at a may depart at d = max(a, D). R =
     // 100/s, the client's own T = 1 ms. #1 takes the cap's slot at 0; #2
-    // and #3 wait for the cap (slots 10 and 20 ms). #4 at 5 ms is told
-    // 1 ms + 2 x 1 ms = 3 ms: before it arrived. It really leaves at 30 ms.
+    // and #3 wait for the cap (slots 10 and 20 ms); #4 at 5 ms leaves at
+    // 30 ms and is never told a departure before it arrived. Regression:
+    // the engine told it 1 ms + 2 x 1 ms = 3 ms, from the client's own
+    // schedule alone.
     let mut sim = Sim::with(policy("1000/s", 10), ROOMY, Some(rate("100/s")));
     sim.arrive(1, 1, 0);
     sim.arrive(1, 1, 0);
@@ -932,8 +934,8 @@ fn under_a_cap_max_wait_refuses_a_request_the_cap_holds_past_max_wait() {
     // R = 10/s: after client 1 departs at 0 no request reaches the upstream
     // before 100 ms. Client 2 (idle, max_wait 50 ms) arrives at 0: its
     // departure is at least 100 ms > 0 + 50 ms, so DESIGN refuses it at
-    // admission. The engine admits it (told departure 0) and it waits
-    // 100 ms.
+    // admission. Regression: the engine admitted it (told departure 0,
+    // its own schedule's) and it waited 100 ms.
     let mut p = policy("1000/s", 10);
     p.max_wait = Some(50 * MS);
     let mut sim = Sim::with(p, ROOMY, Some(rate("10/s")));
@@ -952,9 +954,9 @@ fn under_a_cap_retry_after_is_the_time_until_the_queue_accepts() {
     // R = 10/s (a slot every 100 ms), the client's own T = 1 ms, b = 2. #1
     // takes the slot at 0; #2 and #3 wait for the slots at 100 and 200
     // ms. #4 at 5 ms is refused; the queue accepts again when #2 leaves at
-    // 100 ms, so retry_after = 95 ms. The engine says 1 ns (its walk starts
-    // from #2's own due time, 1 ms, already past), and a retry then is
-    // refused again.
+    // 100 ms, so retry_after = 95 ms, and a retry then is queued.
+    // Regression: the engine said 1 ns (its walk started from #2's own due
+    // time, 1 ms, already past), and a retry then was refused again.
     let mut sim = Sim::with(policy("1000/s", 2), ROOMY, Some(rate("10/s")));
     sim.arrive(1, 1, 0);
     sim.arrive(1, 1, 0);

@@ -530,9 +530,14 @@ fn run_capped(
                         prop_assert!(before.is_none_or(|v| v.waiting == 0));
                         eng.departed.push((id, now));
                     }
-                    Admission::Queued { ticket, .. } => {
-                        // (The departure it is told may precede `now` under
-                        // a cap: see tests/engine.rs, ignored engine bugs.)
+                    Admission::Queued {
+                        ticket, departure, ..
+                    } => {
+                        // Never told a departure before its arrival, cap or
+                        // not (DESIGN: d = max(a, D)); the engine once told
+                        // one under a cap (tests/engine.rs has the
+                        // regression).
+                        prop_assert!(*departure >= now, "told {} at {}", departure, now);
                         tickets.push((id, *ticket));
                     }
                     Admission::Rejected(Rejection::Full { retry_after }) => {

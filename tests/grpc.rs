@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::{PyServer, Sluice, TempFile, TestCa, clients_dir, python_for};
+use support::{KillOnDrop, PyServer, Sluice, TempFile, TestCa, clients_dir, python_for};
 
 /// grpc_server.py: its port, and each call's arrival (ns, payload).
 struct GrpcServer(PyServer);
@@ -160,22 +160,49 @@ fn shaped_calls(sluice: &Sluice, server: &GrpcServer) {
     deadline_refused_at_once(sluice);
 }
 
-/// Queue 5 calls behind a sixth (r = 5/s, b = 10: 1 s of schedule, room
-/// for 5 more); then a call with a 100 ms deadline is refused at once for
-/// its deadline instead of expiring (not for want of room).
+/// Queue 8 calls behind a ninth (r = 5/s, b = 10: 1.6 s of schedule,
+/// room for 2 more); then a call with a 500 ms deadline is refused at once
+/// for its deadline instead of expiring (not for want of room). The late
+/// client connects before the queue is filled and starts its call on a
+/// signal, so neither Python's start-up nor the connection is in the
+/// deadline or the timing.
 fn deadline_refused_at_once(sluice: &Sluice) {
+    use std::io::{BufRead, BufReader, Write};
     let target = sluice.addr.to_string();
     std::thread::sleep(Duration::from_millis(300));
-    let mut fill = client_cmd(&target, &["unary", "--count", "6"])
+    let mut late = KillOnDrop::new(
+        client_cmd(
+            &target,
+            &["--wait-go", "unary", "--count", "1", "--deadline-ms", "500"],
+        )
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap(),
+    );
+    let mut late_out = BufReader::new(late.child().stdout.take().unwrap());
+    let mut line = String::new();
+    late_out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "ready", "the late client did not connect");
+    let _fill = KillOnDrop::new(
+        client_cmd(&target, &["unary", "--count", "9"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(sluice.wait_queued(5));
-    let late = client(&target, &["unary", "--count", "1", "--deadline-ms", "100"]);
+    // At least 8 waiting: the next free slot is more than 1.4 s away, well
+    // past the late call's 500 ms deadline.
+    rt.block_on(sluice.wait_queued_at_least(8));
+    let mut go = late.child().stdin.take().unwrap();
+    go.write_all(b"go\n").unwrap();
+    drop(go);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut late_out, &mut rest).unwrap();
+    let late = parse(&rest);
     assert_eq!(late.len(), 1, "{late:?}");
     assert_eq!(late[0]["code"], "RESOURCE_EXHAUSTED", "{late:?}");
     assert!(
@@ -185,10 +212,10 @@ fn deadline_refused_at_once(sluice: &Sluice) {
             .contains("deadline"),
         "{late:?}"
     );
-    assert!(late[0]["elapsed_ms"].as_f64().unwrap() < 100.0, "{late:?}");
+    // Refused at once; the bug (the call left to wait out its deadline)
+    // would end it at 500 ms or later.
+    assert!(late[0]["elapsed_ms"].as_f64().unwrap() < 400.0, "{late:?}");
     assert!(late[0]["trailers"].get("grpc-retry-pushback-ms").is_some());
-    let _ = fill.kill();
-    let _ = fill.wait();
 }
 
 #[test]

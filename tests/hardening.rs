@@ -176,9 +176,14 @@ max_staged_bytes = "1TiB"
     let a = get(&c, &s.url("/max"), &[("x-cost", "1000000")]).await;
     assert_eq!(a.status, StatusCode::OK);
     s.signal("HUP");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The reload is applied when /status says version 2 (polled: a fixed
+    // delay could end first on a busy machine).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.status().await["config"]["version"] != 2 {
+        assert!(Instant::now() < deadline, "the reload was not applied");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(get(&c, &s.url("/again"), &[]).await.status, StatusCode::OK);
-    assert_eq!(s.status().await["config"]["version"], 2);
     s.signal("TERM");
     let status = s.wait_exit(Duration::from_secs(20)).expect("exits");
     assert!(status.success(), "{status:?}");
@@ -189,6 +194,16 @@ max_staged_bytes = "1TiB"
     );
 }
 
+/// `sluice_config_reloads_total{result="error"}`, 0 while absent.
+async fn failed_reloads(s: &Sluice) -> u64 {
+    let text = String::from_utf8_lossy(&get(&client(), &s.admin_url("/metrics"), &[]).await.body)
+        .into_owned();
+    text.lines()
+        .find_map(|l| l.strip_prefix("sluice_config_reloads_total{result=\"error\"} "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
 /// A reload that fails (here: a file that no longer parses, then one with
 /// a value out of range) is logged and counted; the running config stays,
 /// and the next good reload still works.
@@ -197,13 +212,26 @@ async fn a_failed_reload_never_disables_reloading() {
     let ds = Downstream::start().await;
     let good = base(ds.addr, "", ONE_ROUTE);
     let s = Sluice::start(&good);
-    for bad in [
+    // Each failed reload is waited for (its count in /metrics) before the
+    // next signal: signals sent closer together could be taken as one.
+    for (failed, bad) in [
         good.replace("[[route]]", "[[route"),
         good.replace("capacity = 10", "capacity = 10\nburst = 99999999999"),
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         std::fs::write(&s.config, bad).unwrap();
         s.signal("HUP");
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while failed_reloads(&s).await < failed as u64 + 1 {
+            assert!(
+                Instant::now() < deadline,
+                "reload {} not counted",
+                failed + 1
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         assert_eq!(s.status().await["config"]["version"], 1);
     }
     std::fs::write(&s.config, good.replace("capacity = 10", "capacity = 11")).unwrap();

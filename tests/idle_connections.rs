@@ -1,7 +1,9 @@
-//! Idle and silent client connections (issue 12, point 1), on their own
-//! so that nothing else runs beside them: 10,000 silent sockets and 2,000
-//! idle HTTP/2 connections are closed within their timeouts, and a normal
-//! client is never locked out meanwhile.
+//! Idle and silent client connections (issue 12, point 1), in their own
+//! test binary so that no other binary's sluice shares their process
+//! limits (the other tests of this file do run beside them, and CI's
+//! machine is busy): 10,000 silent sockets and 2,000 idle HTTP/2
+//! connections are closed within their timeouts, and a normal client is
+//! never locked out meanwhile.
 
 mod support;
 
@@ -59,7 +61,8 @@ capacity = 10
 /// 10,000 sockets that never send a byte (the default max_connections)
 /// and 2,000 HTTP/2 connections that went idle after one request: all are
 /// closed within their timeouts, and a normal client keeps getting answers
-/// in under 100 ms throughout (a new connection evicts an idle one).
+/// throughout (a new connection evicts an idle one): 95% in under 500 ms,
+/// where a lock-out makes them wait for the 2 s header timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_and_idle_connections_are_closed_and_never_lock_clients_out() {
     raise_open_files();
@@ -133,7 +136,10 @@ async fn silent_and_idle_connections_are_closed_and_never_lock_clients_out() {
     // have lost one SYN while 10,000 connects filled the accept queue on
     // a loaded machine: the kernel retransmits it after 1 s (seen once in
     // CI, at 1.07 s, with three release builds running beside it).
-    assert!(p95 < Duration::from_millis(100), "p95 of probes {p95:?}");
+    // The p95 bound leaves room for a busy machine (12,000 connections
+    // being opened beside the probes) and stays far from the 2 s a
+    // lock-out gives.
+    assert!(p95 < Duration::from_millis(500), "p95 of probes {p95:?}");
     assert!(
         worst < Duration::from_millis(1500),
         "a probe took {worst:?}"

@@ -58,20 +58,22 @@ async fn top_shows_a_running_instance_as_plain_lines() {
     let ds = Downstream::start().await;
     let sluice = Sluice::start(&config(ds.addr, ""));
     let admin = sluice.admin.expect("admin address").to_string();
-    let top = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args([
-            "top",
-            "--admin",
-            &admin,
-            "--count",
-            "4",
-            "--interval",
-            "500ms",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start sluice top");
+    let top = support::KillOnDrop::new(
+        Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args([
+                "top",
+                "--admin",
+                &admin,
+                "--count",
+                "4",
+                "--interval",
+                "500ms",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start sluice top"),
+    );
     // Bursts of 10 every 250 ms while top watches (bounded: at most 10 s):
     // each one fills the queue of 5 (refusals) while it drains at 5/s.
     let http = client();
@@ -151,12 +153,14 @@ async fn top_fails_when_its_last_update_failed() {
     let ds = Downstream::start().await;
     let mut sluice = Sluice::start(&config(ds.addr, ""));
     let admin = sluice.admin.expect("admin address").to_string();
-    let top = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["top", "--admin", &admin, "--count", "1", "--interval", "3s"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start sluice top");
+    let top = support::KillOnDrop::new(
+        Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["top", "--admin", &admin, "--count", "1", "--interval", "3s"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start sluice top"),
+    );
     // The first poll (the baseline) is made at once; the update 3 s later
     // finds nothing.
     tokio::time::sleep(Duration::from_millis(1500)).await;

@@ -154,9 +154,13 @@ fn sigterm_closes_open_tunnels_after_the_drain_timeout() {
     let server = WsServer::start();
     let mut sluice = Sluice::start(&config(server.port(), "1s"));
     let url = format!("ws://{}/held", sluice.addr);
-    let client = ws_client(&url, &["--count", "2", "--hold", "8", "--timeout", "10"])
-        .spawn()
-        .unwrap();
+    // Held for 30 s unless closed: sluice ignoring drain_timeout (1 s)
+    // would wait for the clients and exit after about 30 s.
+    let client = support::KillOnDrop::new(
+        ws_client(&url, &["--count", "2", "--hold", "30", "--timeout", "10"])
+            .spawn()
+            .unwrap(),
+    );
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -198,4 +202,6 @@ fn sigterm_closes_open_tunnels_after_the_drain_timeout() {
     let rs = results(&out);
     assert_eq!(rs.len(), 2, "{rs:?}");
     assert!(rs.iter().all(|r| r["opened"] == true), "{rs:?}");
+    // Each client saw its tunnel closed before its 30 s hold ended.
+    assert!(rs.iter().all(|r| r["hold_cut"] == true), "{rs:?}");
 }

@@ -15,6 +15,8 @@ Modes:
 
 --target HOST:PORT; --tls-ca F for TLS (else h2c, prior knowledge);
 --authority NAME sets :authority (and the TLS name to check).
+--wait-go: connect first, print `ready`, and start the calls when a line
+comes on stdin (the start-up and the connection out of the timing).
 The deadline (default 10 s) bounds every call.
 
     python3 grpc_client.py --target 127.0.0.1:8080 unary --count 5
@@ -101,6 +103,7 @@ def main():
     p.add_argument("--target", required=True)
     p.add_argument("--tls-ca")
     p.add_argument("--authority")
+    p.add_argument("--wait-go", action="store_true")
     sub = p.add_subparsers(dest="mode", required=True)
     u = sub.add_parser("unary")
     u.add_argument("--count", type=int, default=1)
@@ -111,6 +114,10 @@ def main():
     s.add_argument("--deadline-ms", type=float, default=10000)
     a = p.parse_args()
     with channel(a) as ch:
+        if a.wait_go:
+            grpc.channel_ready_future(ch).result(timeout=10)
+            say("ready")
+            sys.stdin.readline()
         (unary if a.mode == "unary" else stream)(ch, a)
 
 

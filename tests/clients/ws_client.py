@@ -9,7 +9,8 @@ With --server-close each also sends `close-me` after the echo and adds
   "server_closed": bool (the close came within 2 s), "close_code".
 
 --url ws://HOST:PORT/path   --count N (default 1)
---hold S          keep each connection open S s after the echo
+--hold S          keep each connection open S s after the echo, or until
+                  the other side closes it (then adds "hold_cut": true)
 --timeout S       bound on the handshake and on each wait (default 10);
                   a handshake that times out takes up to 2 s more to tear
                   down (websockets waits close_timeout for the TCP close).
@@ -49,7 +50,13 @@ async def one(i, a, start):
         if echo != f"hello-{i}":
             r["error"] = f"echo was {echo!r}"
         if a.hold:
-            await asyncio.sleep(a.hold)
+            # Held until the hold ends or the other side closes, whichever
+            # comes first ("hold_cut": the close came first).
+            try:
+                await asyncio.wait_for(ws.wait_closed(), a.hold)
+                r["hold_cut"] = True
+            except asyncio.TimeoutError:
+                r["hold_cut"] = False
         if a.server_close:
             await ws.send("close-me")
             try:

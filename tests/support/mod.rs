@@ -336,6 +336,36 @@ impl Drop for Sluice {
     }
 }
 
+/// A child process killed (by PID) and reaped when dropped, so a test
+/// that panics leaves none behind.
+pub struct KillOnDrop(Option<Child>);
+
+impl KillOnDrop {
+    pub fn new(child: Child) -> KillOnDrop {
+        KillOnDrop(Some(child))
+    }
+
+    /// The child, for I/O and `try_wait`.
+    pub fn child(&mut self) -> &mut Child {
+        self.0.as_mut().expect("child taken")
+    }
+
+    /// Wait for it to exit and collect its output (as
+    /// [`Child::wait_with_output`]); it is no longer killed on drop.
+    pub fn wait_with_output(mut self) -> std::io::Result<std::process::Output> {
+        self.0.take().expect("child taken").wait_with_output()
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// Resident memory of a process, in KiB (from /proc).
 pub fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -368,6 +398,25 @@ impl Sluice {
             assert!(
                 Instant::now() < deadline,
                 "expected {n} queued, /status says {queued}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Sluice {
+    /// Wait (up to 10 s) until `/status` reports at least `n` requests
+    /// queued: for a backlog that starts draining while it builds.
+    pub async fn wait_queued_at_least(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let queued = self.status().await["queued"].as_u64().unwrap_or(0);
+            if queued >= n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "expected at least {n} queued, /status says {queued}"
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -624,17 +673,41 @@ pub struct RedisServer {
 
 impl RedisServer {
     pub fn start() -> RedisServer {
-        let mut r = RedisServer {
-            child: None,
-            port: closed_port(),
-        };
-        r.restart();
-        r
+        // A port another process took between our pick and the bind makes
+        // our redis-server exit: pick again.
+        for _ in 0..5 {
+            let mut r = RedisServer {
+                child: None,
+                port: closed_port(),
+            };
+            if r.try_launch() {
+                return r;
+            }
+        }
+        panic!("redis-server could not start on a free port in five tries");
     }
 
     /// Start (again) on the same port and wait until it answers PING.
     pub fn restart(&mut self) {
         self.stop();
+        assert!(
+            self.try_launch(),
+            "redis-server exited on restart: port {} taken by another process?",
+            self.port
+        );
+    }
+
+    /// Whether our own child still runs.
+    fn alive(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Start on `self.port` and wait until it answers PING; `false` if our
+    /// child exited (a PONG counts only while our child runs: another
+    /// process may answer on a port it took first).
+    fn try_launch(&mut self) -> bool {
         let child = Command::new("redis-server")
             .args([
                 "--port",
@@ -652,7 +725,15 @@ impl RedisServer {
             .expect("redis-server is needed (bash .ci/run installs it)");
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.ping() {
+        loop {
+            if !self.alive() {
+                self.stop();
+                return false;
+            }
+            if self.ping() {
+                std::thread::sleep(Duration::from_millis(50));
+                return self.alive();
+            }
             assert!(Instant::now() < deadline, "redis-server did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -1114,13 +1195,20 @@ pub async fn light_client_behind_a_backlog(
             get(&c, &url, &[("x-client", "a")]).await
         }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The backlog is there when at least 8 of a's requests wait in
+    // `heavy_on`'s queue (the first departs at once and the rest leave
+    // 200 ms apart while the others arrive, so "exactly 10" could be
+    // missed on a busy machine). Eight waiting hold cap slots at least
+    // 1.4 s ahead: the bug (the cap moved to a's last departure) makes b
+    // wait that long or longer, where b, fixed, waits about one cap
+    // interval (10 ms) plus a store round trip and the machine's delays.
+    heavy_on.wait_queued_at_least(8).await;
     let t = Instant::now();
     let b = get(&c, &light_on.url("/b"), &[("x-client", "b")]).await;
     assert_eq!(b.status, StatusCode::OK);
     let waited = t.elapsed();
     assert!(
-        waited < Duration::from_millis(400),
+        waited < Duration::from_millis(700),
         "the light client waited {waited:?}"
     );
     heavy

@@ -133,11 +133,28 @@ impl PostgresServer {
             password_file,
             ca_file,
         };
-        pg.launch();
-        pg
+        // A port another process took between our pick and the bind makes
+        // our postgres exit: pick again.
+        for _ in 0..5 {
+            if pg.try_launch() {
+                return pg;
+            }
+            pg.port = closed_port();
+        }
+        panic!("postgres could not start on a free port in five tries");
     }
 
-    fn launch(&mut self) {
+    /// Whether our own postmaster still runs.
+    fn alive(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Start on `self.port` and wait until it is ready; `false` if our
+    /// postmaster exited (readiness counts only while it runs: another
+    /// server may answer on a port it took first).
+    fn try_launch(&mut self) -> bool {
         let bin = bindir();
         let mut cmd = Command::new(bin.join("postgres"));
         cmd.arg("-D")
@@ -175,7 +192,14 @@ impl PostgresServer {
         as_user(&mut cmd, run_as());
         self.child = Some(cmd.spawn().expect("postgres"));
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !self.ready() {
+        loop {
+            if !self.alive() {
+                self.stop();
+                return false;
+            }
+            if self.ready() {
+                return self.alive();
+            }
             assert!(Instant::now() < deadline, "postgres did not start");
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -284,7 +308,11 @@ impl PostgresServer {
     /// Start again on the same port and data.
     pub fn restart(&mut self) {
         self.stop();
-        self.launch();
+        assert!(
+            self.try_launch(),
+            "postgres exited on restart: port {} taken by another process?",
+            self.port
+        );
     }
 }
 
