@@ -25,6 +25,7 @@ pub async fn serve(
     listener: std::sync::Arc<TcpListener>,
     server: Handle,
     metrics: PrometheusHandle,
+    show_keys: bool,
 ) {
     if let Ok(addr) = listener.local_addr() {
         info!(%addr, "admin listening");
@@ -42,7 +43,7 @@ pub async fn serve(
         let metrics = metrics.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
-                let response = answer(&req, &server, &metrics);
+                let response = answer(&req, &server, &metrics, show_keys);
                 async move { Ok::<_, Infallible>(response) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
@@ -127,6 +128,7 @@ fn bucket(req: &Request<Incoming>, path: &str, server: &Handle) -> Response<Full
             let doc = serde_json::json!({
                 "route": b.route,
                 "key": key,
+                "fingerprint": b.fingerprint,
                 "cost": cost,
                 "waiting": view.map_or(0, |v| v.waiting),
                 "waiting_cost": view.map_or(0, |v| v.waiting_cost),
@@ -147,10 +149,10 @@ fn bucket(req: &Request<Incoming>, path: &str, server: &Handle) -> Response<Full
 
 /// The `/status` document: routes, config version and load time, totals,
 /// and the 20 deepest queues.
-fn status(server: &Handle) -> serde_json::Value {
+fn status(server: &Handle, show_keys: bool) -> serde_json::Value {
     let (clients, queued) = server.stats();
     let (version, loaded_at) = server.version();
-    let (deepest, now) = server.deepest(20);
+    let (deepest, now) = server.deepest(20, show_keys);
     let deepest: Vec<serde_json::Value> = deepest
         .into_iter()
         .map(|q| {
@@ -243,6 +245,7 @@ fn answer(
     req: &Request<Incoming>,
     server: &Handle,
     metrics: &PrometheusHandle,
+    show_keys: bool,
 ) -> Response<Full<Bytes>> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
@@ -268,7 +271,7 @@ fn answer(
         "/status" => text(
             StatusCode::OK,
             "application/json",
-            status(server).to_string(),
+            status(server, show_keys).to_string(),
         ),
         path if path.starts_with("/buckets/") => bucket(req, path, server),
         _ => text(

@@ -118,12 +118,16 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
 
     let server = Server::bind(&config).await?;
     let handle = server.handle();
-    let admin = match config.admin {
-        Some(addr) => Some(
-            crate::admin::bind(addr)
+    let admin = match &config.admin {
+        Some(a) => Some((
+            crate::admin::bind(a.listen)
                 .await
-                .map_err(|source| DaemonError::Admin { addr, source })?,
-        ),
+                .map_err(|source| DaemonError::Admin {
+                    addr: a.listen,
+                    source,
+                })?,
+            a.show_keys,
+        )),
         None => None,
     };
     let mut background = Vec::new();
@@ -132,10 +136,15 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     for result in ["ok", "error"] {
         metrics::counter!(m::CONFIG_RELOADS_TOTAL, "result" => result).increment(0);
     }
-    if let Some(listener) = admin {
+    if let Some((listener, show_keys)) = admin {
         let (listener, handle) = (std::sync::Arc::new(listener), handle.clone());
         background.push(supervise("admin", move || {
-            crate::admin::serve(listener.clone(), handle.clone(), prometheus.clone())
+            crate::admin::serve(
+                listener.clone(),
+                handle.clone(),
+                prometheus.clone(),
+                show_keys,
+            )
         }));
     }
 

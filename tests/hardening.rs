@@ -283,7 +283,8 @@ async fn an_invalid_chunked_body_is_the_clients_error() {
 async fn bucket_query_knows_which_keys_exist() {
     let ds = Downstream::start().await;
     let routes = default_route("header:X-Client", "1/h", 5);
-    let s = Sluice::start(&base(ds.addr, "", &routes));
+    let toml = base(ds.addr, "", &routes).replace("[admin]\n", "[admin]\nshow_keys = true\n");
+    let s = Sluice::start(&toml);
     let c = client();
     let long = "a".repeat(257);
     for key in ["", long.as_str()] {
@@ -313,6 +314,41 @@ async fn bucket_query_knows_which_keys_exist() {
     let b = get(&c, &s.admin_url("/buckets/default/%25FF%25FE"), &[]).await;
     assert_eq!(b.status, StatusCode::OK);
     let doc: serde_json::Value = serde_json::from_slice(&b.body).unwrap();
+    assert_eq!(doc["waiting"], 1, "{doc}");
+    waiting.abort();
+}
+
+/// `/status` (open to whoever reaches the admin listener) does not show
+/// keys that may be secrets unless `admin.show_keys`: a header key is
+/// listed as a fingerprint, which the bucket query for the key names too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_masks_keys_unless_told() {
+    let ds = Downstream::start().await;
+    let routes = default_route("header:Authorization", "1/h", 5);
+    let s = Sluice::start(&base(ds.addr, "", &routes));
+    let c = client();
+    let token = [("authorization", "Bearer sk_live_0123456789")];
+    assert_eq!(get(&c, &s.url("/a"), &token).await.status, StatusCode::OK);
+    let waiting = tokio::spawn({
+        let (c, url) = (c.clone(), s.url("/b"));
+        async move { get(&c, &url, &token).await }
+    });
+    s.wait_queued(1).await;
+    let status = s.status().await;
+    let shown = status["deepest_queues"][0]["key"]
+        .as_str()
+        .expect("a key")
+        .to_owned();
+    assert!(!status.to_string().contains("sk_live"), "{status}");
+    assert!(shown.starts_with('#') && shown.len() == 13, "{shown}");
+    let b = get(
+        &c,
+        &s.admin_url("/buckets/default/Bearer%20sk_live_0123456789"),
+        &[],
+    )
+    .await;
+    let doc: serde_json::Value = serde_json::from_slice(&b.body).unwrap();
+    assert_eq!(doc["fingerprint"], shown.as_str(), "{doc}");
     assert_eq!(doc["waiting"], 1, "{doc}");
     waiting.abort();
 }

@@ -53,11 +53,29 @@ impl Key {
     /// value (lossily) for other tagged parts, `*` for the empty (global)
     /// key, composite parts joined by `|`.
     pub fn display(&self) -> String {
-        display(self.as_bytes())
+        display(self.as_bytes(), false)
+    }
+
+    /// The key as `/status` shows it unless told to show keys: addresses
+    /// as they are, every other part (a header's value: perhaps an API
+    /// token; a sender; a user name) as `#` and 12 hex digits of a hash
+    /// keyed at random for this process, the same for the same value
+    /// while it runs.
+    pub fn masked(&self) -> String {
+        display(self.as_bytes(), true)
     }
 }
 
-fn display(key: &[u8]) -> String {
+/// A part's fingerprint: 48 bits of SipHash under this process's key.
+fn fingerprint(value: &[u8]) -> String {
+    use std::hash::BuildHasher;
+    static SEED: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+        std::sync::OnceLock::new();
+    let hash = SEED.get_or_init(Default::default).hash_one(value);
+    format!("#{:012x}", hash >> 16)
+}
+
+fn display(key: &[u8], masked: bool) -> String {
     match key {
         [b'i', octets @ ..] if octets.len() == 4 => {
             std::net::IpAddr::from([octets[0], octets[1], octets[2], octets[3]]).to_string()
@@ -72,11 +90,12 @@ fn display(key: &[u8]) -> String {
             let mut parts = Vec::new();
             while let [hi, lo, tail @ ..] = rest {
                 let n = usize::from(u16::from_be_bytes([*hi, *lo])).min(tail.len());
-                parts.push(display(&tail[..n]));
+                parts.push(display(&tail[..n], masked));
                 rest = &tail[n..];
             }
             parts.join("|")
         }
+        [_, value @ ..] if masked => fingerprint(value),
         [_, value @ ..] => shown(value),
         [] => "*".to_owned(),
     }
@@ -212,6 +231,29 @@ mod tests {
     fn keys_that_are_not_text_are_shown_percent_encoded() {
         assert_eq!(Key::new(b"hacme").display(), "acme");
         assert_eq!(Key::new(b"h\xff\xfe|%").display(), "%FF%FE%7C%25");
+    }
+
+    #[test]
+    fn masked_keys_show_addresses_and_fingerprints() {
+        let token = Key::new(b"hBearer sk_live_0123456789");
+        let masked = token.masked();
+        assert!(!masked.contains("sk_live"), "{masked}");
+        assert_eq!(masked.len(), 13, "{masked}");
+        assert!(masked.starts_with('#'));
+        assert_eq!(masked, Key::new(b"hBearer sk_live_0123456789").masked());
+        assert_ne!(masked, Key::new(b"hBearer sk_live_0123456788").masked());
+        let composite = compose(&[0, 1], |&i, k| {
+            match i {
+                0 => k.text(b"acme"),
+                _ => k.ip("192.0.2.1".parse().unwrap()),
+            }
+            Ok::<(), ()>(())
+        })
+        .unwrap();
+        let shown = composite.masked();
+        assert!(shown.ends_with("|192.0.2.1"), "{shown}");
+        assert!(!shown.contains("acme"), "{shown}");
+        assert_eq!(Key::new(b"").masked(), "*");
     }
 
     proptest::proptest! {

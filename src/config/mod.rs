@@ -24,13 +24,22 @@ pub use smtp::{
     Credentials, MAX_HOLD, Secret, SmtpCost, SmtpKeyPart, SmtpListener, SmtpTls, SmtpUpstream,
 };
 
+/// `[admin]`: the admin listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admin {
+    pub listen: SocketAddr,
+    /// Show client keys in `/status` as they are; otherwise each part that
+    /// is not an address shows as a fingerprint (keys may be API tokens).
+    pub show_keys: bool,
+}
+
 /// A validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub server: Server,
     /// The admin listener (`/metrics`, `/healthz`, `/readyz`, `/status`);
     /// `None` without an `[admin]` table (opt-in, as in Envoy and HAProxy).
-    pub admin: Option<SocketAddr>,
+    pub admin: Option<Admin>,
     /// `[cluster]`: share schedules through Redis; `None`: local only.
     pub cluster: Option<ClusterConfig>,
     pub upstreams: Vec<Upstream>,
@@ -604,7 +613,7 @@ impl Validator {
     fn check_listeners(
         &mut self,
         server: &Option<Server>,
-        admin: &Option<Option<SocketAddr>>,
+        admin: &Option<Option<Admin>>,
         smtp: &[Option<SmtpListener>],
     ) {
         let mut all: Vec<(String, SocketAddr)> = Vec::new();
@@ -612,7 +621,7 @@ impl Validator {
             all.extend(s.listen.iter().map(|a| ("server.listen".to_owned(), *a)));
         }
         if let Some(Some(a)) = admin {
-            all.push(("admin.listen".to_owned(), *a));
+            all.push(("admin.listen".to_owned(), a.listen));
         }
         for l in smtp.iter().flatten() {
             let owner = format!("smtp '{}': listen", l.name);
@@ -871,13 +880,16 @@ impl Validator {
         })))
     }
 
-    fn admin(&mut self, raw: Option<raw::RawAdmin>) -> Option<Option<SocketAddr>> {
+    fn admin(&mut self, raw: Option<raw::RawAdmin>) -> Option<Option<Admin>> {
         let Some(raw) = raw else {
             return Some(None);
         };
         let text = raw.listen.as_deref().unwrap_or(DEFAULT_ADMIN_LISTEN);
         match text.parse::<SocketAddr>() {
-            Ok(addr) => Some(Some(addr)),
+            Ok(listen) => Some(Some(Admin {
+                listen,
+                show_keys: raw.show_keys.unwrap_or(false),
+            })),
             Err(_) => {
                 self.problem(
                     "admin.listen",

@@ -122,6 +122,7 @@ pub struct RawCluster {
 pub struct RawAdmin {
     #[serde(default, deserialize_with = "address")]
     pub listen: Option<String>,
+    pub show_keys: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]

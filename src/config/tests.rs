@@ -381,7 +381,13 @@ fn zero_limits_are_invalid() {
 #[test]
 fn admin_table_enables_the_admin_listener_on_its_default_address() {
     let c = Config::from_toml(&format!("[admin]\n{MINIMAL}")).unwrap();
-    assert_eq!(c.admin, Some("127.0.0.1:9090".parse().unwrap()));
+    assert_eq!(
+        c.admin,
+        Some(Admin {
+            listen: "127.0.0.1:9090".parse().unwrap(),
+            show_keys: false
+        })
+    );
 }
 
 #[test]

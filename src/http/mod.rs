@@ -113,7 +113,7 @@ pub(crate) fn fixed_at_start(config: &Config) -> Vec<(&'static str, String)> {
         ),
         ("server.max_header_size", s.max_header_size.to_string()),
         ("server.max_tunnels", s.max_tunnels.to_string()),
-        ("admin.listen", format!("{:?}", config.admin)),
+        ("[admin]", format!("{:?}", config.admin)),
         ("[cluster]", format!("{:?}", config.cluster)),
         (
             "[cluster] password",
@@ -193,6 +193,8 @@ pub struct QueueSummary {
 #[derive(Debug, Clone)]
 pub struct Bucket {
     pub route: String,
+    /// The key as `/status` shows it masked.
+    pub fingerprint: String,
     pub view: Option<ClientView>,
     pub probe: Probe,
     /// Nanoseconds on the engine's clock (to turn departures into waits).
@@ -402,8 +404,9 @@ impl Handle {
         http.chain(smtp).collect()
     }
 
-    /// The `n` deepest queues, deepest first, with the engine's clock.
-    pub fn deepest(&self, n: usize) -> (Vec<QueueSummary>, u64) {
+    /// The `n` deepest queues, deepest first, with the engine's clock;
+    /// their keys masked ([`Key::masked`]) unless `show_keys`.
+    pub fn deepest(&self, n: usize, show_keys: bool) -> (Vec<QueueSummary>, u64) {
         let admission = &self.0.admission;
         let app = self.0.app(0);
         let smtp = self.0.smtp.rules();
@@ -419,7 +422,11 @@ impl Handle {
                     .chain(&smtp)
                     .find(|r| admission.is_rule_route(r, id))
                     .map_or_else(|| "(removed)".to_owned(), |r| r.name().to_owned()),
-                key: key.display(),
+                key: if show_keys {
+                    key.display()
+                } else {
+                    key.masked()
+                },
                 view,
             })
             .collect();
@@ -436,6 +443,7 @@ impl Handle {
         let k: Key = key::from_display(&r.key, key)?;
         Some(Bucket {
             route: r.name.clone(),
+            fingerprint: k.masked(),
             view: admission.view(&r.rule, &k),
             probe: admission.probe(&r.rule, &k, cost),
             now: admission.now(),
