@@ -79,6 +79,17 @@ fn text(
 /// `GET /buckets/{route}/{key}?cost=N` (the key percent-encoded, as
 /// `/status` shows it).
 fn bucket(req: &Request<Incoming>, path: &str, server: &Handle) -> Response<Full<Bytes>> {
+    if let Some(store) = server.backend() {
+        // The schedule is the store's; this instance's engine would answer
+        // "idle, admitted now" for every client.
+        return text(
+            StatusCode::NOT_IMPLEMENTED,
+            "text/plain",
+            format!(
+                "cluster mode: each client's schedule is in {store}; the bucket query sees only one instance\n"
+            ),
+        );
+    }
     let rest = &path["/buckets/".len()..];
     let Some((route, key)) = rest.split_once('/') else {
         return text(

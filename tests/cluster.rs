@@ -625,5 +625,8 @@ async fn instances_share_a_schedule_through_redis_over_tls() {
     for s in &fleet {
         let ready = get(&client(), &s.admin_url("/readyz"), &[]).await;
         assert_eq!(ready.status, StatusCode::OK);
+        // The schedule is the store's: one instance cannot answer for it.
+        let bucket = get(&client(), &s.admin_url("/buckets/default/one"), &[]).await;
+        assert_eq!(bucket.status, StatusCode::NOT_IMPLEMENTED);
     }
 }
