@@ -263,7 +263,8 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
     /// Change a route's policy for new arrivals (waiting requests keep
     /// their place and their schedule).
     pub fn set_policy(&self, route: RouteId, policy: Policy) {
-        self.inner.engine.set_policy(route, policy);
+        let now = self.now();
+        self.inner.engine.set_policy(route, policy, now);
     }
 
     /// Change the global bounds on clients and queued requests.

@@ -319,6 +319,31 @@ fn a_stall_longer_than_the_whole_backlog_restarts_the_schedule() {
     assert!(gaps(&times).iter().all(|&g| g == t), "{times:?}");
 }
 
+#[test]
+fn a_faster_rate_on_reload_frees_idle_clients_served_at_the_old_one() {
+    // Client 1 was served at 1/d just before a reload to 100/s: its next
+    // request waits one new interval, not the rest of the day. Client 2
+    // has a request waiting: it keeps the departure it was given, and a
+    // new one follows it at the new pace.
+    const DAY: u64 = 86_400 * S;
+    let mut sim = Sim::new(policy("1/d", 10));
+    sim.arrive(1, 1, 0);
+    sim.arrive(2, 1, 0);
+    let (_, waiting) = sim.arrive(2, 1, 0);
+    assert_eq!(queued_at(&waiting), DAY);
+    sim.e.set_policy(sim.route, policy("100/s", 10), S);
+    let (_, next) = sim.arrive(1, 1, S);
+    let at = match next {
+        Admission::Depart => S,
+        queued => queued_at(&queued),
+    };
+    assert!(at <= S + 10 * MS, "client 1 waits until {at} ns");
+    let (_, behind) = sim.arrive(2, 1, S);
+    assert_eq!(queued_at(&behind), DAY + 10 * MS, "behind the one waiting");
+    sim.run_to(2 * DAY);
+    assert_eq!(sim.departure_of(3), Some(DAY));
+}
+
 // === Capacity ===
 
 #[test]

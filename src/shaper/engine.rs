@@ -372,15 +372,21 @@ impl<K: Hash + Eq, P> Engine<K, P> {
 
     /// Change a route's policy for future admissions; waiting requests keep
     /// their place and their interval.
-    pub fn set_policy(&self, route: RouteId, policy: Policy) {
+    pub fn set_policy(&self, route: RouteId, policy: Policy, now: Nanos) {
         let mut routes = lock(&self.routes);
         let Some(r) = routes.get_mut(route.0 as usize) else {
             return;
         };
+        let old = r.policy.rate.interval_nanos();
+        let new = policy.rate.interval_nanos();
         r.policy = policy;
         for shard in self.shards.iter() {
-            if let Some(r) = lock(shard).routes.get_mut(route.0 as usize) {
+            let mut shard = lock(shard);
+            if let Some(r) = shard.routes.get_mut(route.0 as usize) {
                 r.policy = policy;
+            }
+            if old != new {
+                shard.rescale(route, old, new, now);
             }
         }
     }

@@ -780,6 +780,28 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         }
     }
 
+    /// A rate change (reload) for `route`, from `old` to `new` nanoseconds
+    /// per unit: an idle client whose schedule is still ahead (served
+    /// recently) keeps that debt in intervals, not in time, so a client
+    /// served at 1/d just before a reload to 100/s is not held for a day.
+    /// Clients with requests waiting keep their schedule: those requests
+    /// depart at the pace they were admitted under, new ones follow them.
+    pub(super) fn rescale(&mut self, route: RouteId, old: Nanos, new: Nanos, now: Nanos) {
+        if old == 0 {
+            return;
+        }
+        for s in &mut self.slots {
+            if let Some(c) = s.client.as_mut()
+                && c.route == route
+                && c.head == NIL
+                && c.tat > now
+            {
+                let ahead = u128::from(c.tat - now) * u128::from(new) / u128::from(old);
+                c.tat = now.saturating_add(u64::try_from(ahead).unwrap_or(u64::MAX));
+            }
+        }
+    }
+
     /// Withdraw a waiting request; see [`super::Engine::cancel`]. `cap` is
     /// the ticket's route's cap, locked by the caller.
     pub(super) fn cancel(
