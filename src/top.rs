@@ -110,7 +110,8 @@ pub async fn run_with(args: &TopArgs, out: &mut dyn Write, style: Style) -> Resu
 struct Sample {
     at: Instant,
     status: Status,
-    /// `sluice_requests_total` by (route, protocol, outcome).
+    /// `sluice_requests_total` by (route, protocol, outcome), and
+    /// `sluice_arrivals_total` by (route, protocol, [`ARRIVED`]).
     requests: HashMap<(String, String, String), f64>,
     /// `sluice_release_lag_seconds` cumulative buckets: (le, count).
     lag: Vec<(f64, f64)>,
@@ -173,9 +174,11 @@ async fn fetch(addr: &str) -> Result<Sample, TopError> {
     let mut lag = Vec::new();
     let lag_bucket = format!("{}_bucket", m::RELEASE_LAG_SECONDS);
     for (name, labels, value) in text.lines().filter_map(sample_line) {
+        let get = |k: &str| label(&labels, k).unwrap_or_default().to_owned();
         if name == m::REQUESTS_TOTAL {
-            let get = |k: &str| label(&labels, k).unwrap_or_default().to_owned();
             requests.insert((get("route"), get("protocol"), get("outcome")), value);
+        } else if name == m::ARRIVALS_TOTAL {
+            requests.insert((get("route"), get("protocol"), ARRIVED.to_owned()), value);
         } else if name == lag_bucket {
             let le = match label(&labels, "le") {
                 Some("+Inf") => f64::INFINITY,
@@ -286,6 +289,9 @@ fn label<'a>(labels: &'a [(&str, String)], key: &str) -> Option<&'a str> {
 }
 
 /// One route's figures over the last interval, per second.
+/// The pseudo-outcome arrivals are kept under in [`Sample::requests`].
+const ARRIVED: &str = "(arrived)";
+
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Rates {
     input: f64,
@@ -305,9 +311,20 @@ fn rates(route: &RouteStatus, before: &Sample, now: &Sample) -> Rates {
         let b = now.requests.get(&key).copied().unwrap_or(0.0);
         (b - a).max(0.0)
     };
-    let all: f64 = m::Outcome::ALL.iter().map(|o| delta(o.as_str())).sum();
+    // In: what reached admission, and what was refused before it (no or a
+    // bad key); an instance without the arrivals counter: every answer.
+    let arrived = (
+        route.name.clone(),
+        route.protocol.clone(),
+        ARRIVED.to_owned(),
+    );
+    let input = if now.requests.contains_key(&arrived) {
+        delta(ARRIVED) + delta(m::Outcome::Invalid.as_str())
+    } else {
+        m::Outcome::ALL.iter().map(|o| delta(o.as_str())).sum()
+    };
     Rates {
-        input: all / dt,
+        input: input / dt,
         output: delta(m::Outcome::Forwarded.as_str()) / dt,
         refused: (delta(m::Outcome::Rejected.as_str()) + delta(m::Outcome::Overloaded.as_str()))
             / dt,
@@ -592,6 +609,28 @@ mod tests {
             requests: HashMap::new(),
             lag: lag.to_vec(),
         }
+    }
+
+    #[test]
+    fn in_counts_arrivals_not_answers() {
+        let t = Instant::now();
+        let route = RouteStatus {
+            name: "api".into(),
+            protocol: "http".into(),
+            rate_per_second: 1.0,
+            capacity: 10,
+        };
+        let mut a = sample(t, &[]);
+        let mut b = sample(t + std::time::Duration::from_secs(1), &[]);
+        let key = |o: &str| ("api".to_owned(), "http".to_owned(), o.to_owned());
+        // A burst of 10 in the second: one forwarded, nine waiting.
+        for (s, arrived, forwarded) in [(&mut a, 0.0, 0.0), (&mut b, 10.0, 1.0)] {
+            s.requests.insert(key(ARRIVED), arrived);
+            s.requests.insert(key("forwarded"), forwarded);
+        }
+        let r = rates(&route, &a, &b);
+        assert!((r.input - 10.0).abs() < 0.01, "{r:?}");
+        assert!((r.output - 1.0).abs() < 0.01, "{r:?}");
     }
 
     #[test]

@@ -96,6 +96,7 @@ pub struct Rule {
     pauses: Option<Counter>,
     dry_run: bool,
     outcomes: [Counter; Outcome::ALL.len()],
+    arrivals: Counter,
     dry_run_refusals: Counter,
     queue_wait: Arc<m::Histogram>,
     totals: Arc<Totals>,
@@ -565,6 +566,7 @@ impl Admission {
             }),
             dry_run: spec.dry_run,
             outcomes,
+            arrivals: metrics::counter!(m::ARRIVALS_TOTAL, "route" => name.clone(), "protocol" => protocol),
             dry_run_refusals: metrics::counter!(m::DRY_RUN_REFUSALS_TOTAL, "route" => name.clone(), "protocol" => protocol),
             queue_wait: m::histogram(
                 m::QUEUE_WAIT_SECONDS,
@@ -578,6 +580,7 @@ impl Admission {
     /// Decide an arrival of `cost` for `key` under `rule`, which came at
     /// `arrival` (a clock read the front end made anyway).
     pub async fn admit(&self, rule: &Arc<Rule>, key: Key, cost: u32, arrival: Instant) -> Verdict {
+        rule.arrivals.increment(1);
         let mut local = rule.local;
         if let Some(cluster) = &self.cluster {
             // Boxed: the shared store's round trip is a large future that
@@ -600,9 +603,10 @@ impl Admission {
         cost: u32,
         arrival: Instant,
     ) -> Option<Verdict> {
-        self.cluster
-            .is_none()
-            .then(|| self.admit_local(rule, rule.local, key, cost, arrival))
+        self.cluster.is_none().then(|| {
+            rule.arrivals.increment(1);
+            self.admit_local(rule, rule.local, key, cost, arrival)
+        })
     }
 
     /// The local engine's verdict, under the engine route `local`.
