@@ -30,6 +30,7 @@ pub async fn serve(
     if let Ok(addr) = listener.local_addr() {
         info!(%addr, "admin listening");
     }
+    let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(a) => a,
@@ -38,6 +39,12 @@ pub async fn serve(
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 continue;
             }
+        };
+        // Past the limit a connection is closed at once: the admin
+        // listener's descriptors come out of the proxy's.
+        let Ok(place) = open.clone().try_acquire_owned() else {
+            debug!(%peer, "admin connection refused: {MAX_CONNECTIONS} open");
+            continue;
         };
         let server = server.clone();
         let metrics = metrics.clone();
@@ -50,12 +57,21 @@ pub async fn serve(
                 .timer(TokioTimer::new())
                 .header_read_timeout(std::time::Duration::from_secs(10))
                 .serve_connection(TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                debug!(%peer, error = %e, "admin connection ended with an error");
+            match tokio::time::timeout(CONNECTION_LIFETIME, conn).await {
+                Ok(Err(e)) => debug!(%peer, error = %e, "admin connection ended with an error"),
+                Err(_) => debug!(%peer, "admin connection closed after its lifetime"),
+                Ok(Ok(())) => {}
             }
+            drop(place);
         });
     }
 }
+
+/// Admin connections open at once.
+const MAX_CONNECTIONS: usize = 64;
+/// The longest an admin connection stays open (a scraper reconnects; a
+/// client that never reads its answer is dropped).
+const CONNECTION_LIFETIME: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Bind the admin address.
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {

@@ -616,3 +616,55 @@ capacity = 10
     let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
     assert_eq!(paths, ["/a"]);
 }
+
+/// The admin listener holds at most 64 connections: past them a new one
+/// is closed at once (its descriptors are the proxy's), and once some
+/// close, it answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_bounds_its_connections() {
+    use tokio::io::AsyncReadExt;
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&base(ds.addr, "", ONE_ROUTE));
+    let admin = s.admin.expect("admin");
+    let mut idle = Vec::new();
+    for _ in 0..64 {
+        idle.push(tokio::net::TcpStream::connect(admin).await.unwrap());
+    }
+    // Accepted in order, after the 64: closed with nothing said (a read
+    // sees the end), not left to the 10 s header timeout.
+    let mut extra = tokio::net::TcpStream::connect(admin).await.unwrap();
+    let mut buf = [0u8; 16];
+    let read = tokio::time::timeout(Duration::from_secs(5), extra.read(&mut buf)).await;
+    assert!(
+        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+        "the 65th connection was kept: {read:?}"
+    );
+    idle.truncate(54);
+    // Until sluice has seen the closes, a probe may itself be closed.
+    let healthz = || async {
+        use tokio::io::AsyncWriteExt;
+        let mut c = tokio::net::TcpStream::connect(admin).await.ok()?;
+        c.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut answer = Vec::new();
+        c.read_to_end(&mut answer).await.ok()?;
+        Some(answer.starts_with(b"HTTP/1.1 200"))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let ok = tokio::time::timeout(Duration::from_secs(1), healthz())
+            .await
+            .ok()
+            .flatten()
+            == Some(true);
+        if ok {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no answer after 10 closed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
