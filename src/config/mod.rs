@@ -416,9 +416,9 @@ const MAX_CAPACITY: u32 = 1_000_000_000;
 const MAX_COST: u32 = 1_000_000;
 const MAX_BURST: u32 = 1_000_000;
 /// The longest a burst, a full queue or one request's cost may span at its
-/// rate (about 100 years; the engine counts nanoseconds in a u64, 584
-/// years).
-const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 86_400);
+/// rate (about 200 years; the engine counts nanoseconds in a u64, 584
+/// years, and adds such spans to each other).
+const MAX_SPAN: Duration = Duration::from_secs(200 * 365 * 86_400);
 const MAX_INSTANCES: u32 = 10_000;
 /// Connections to PostgreSQL per instance, by default and at most.
 const DEFAULT_PG_POOL: usize = 8;

@@ -1146,13 +1146,13 @@ fn a_burst_queue_or_cost_too_long_for_the_schedule_is_invalid() {
         &MINIMAL
             .replace("\"5/s\"", "\"1/d\"")
             .replace("capacity = 10", "capacity = 10\nburst = 300000"),
-        "route 'default': burst 299999: 299999 intervals of 1day (the rate's) span 299999 days, and the schedule holds at most 36500 days",
+        "route 'default': burst 299999: 299999 intervals of 1day (the rate's) span 299999 days, and the schedule holds at most 73000 days",
     );
     assert_problem(
         &MINIMAL
             .replace("\"5/s\"", "\"1/d\"")
-            .replace("capacity = 10", "capacity = 40000"),
-        "capacity 40000: 40000 intervals of 1day",
+            .replace("capacity = 10", "capacity = 80000"),
+        "capacity 80000: 80000 intervals of 1day",
     );
     assert_problem(
         &MINIMAL.replace("\"5/s\"", "\"1/d\"").replace(
