@@ -103,7 +103,7 @@ pub struct TopArgs {
 /// `sluice demo`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
-    /// How long the clients send (then queued requests drain).
+    /// How long the clients send (then queued requests drain); 1s to 10m.
     #[arg(long, value_parser = parse_duration, default_value = "15s")]
     pub duration: std::time::Duration,
 
@@ -149,10 +149,12 @@ pub struct SimulateArgs {
     pub out_svg: Option<PathBuf>,
 }
 
+/// `sluice demo --duration`: 1 s to 10 min (the demo keeps every request
+/// and sample it draws, and redraws from them each second).
 fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
-    if d < std::time::Duration::from_secs(1) {
-        return Err("must be at least 1s".into());
+    if d < std::time::Duration::from_secs(1) || d > std::time::Duration::from_secs(600) {
+        return Err("must be from 1s to 10m".into());
     }
     Ok(d)
 }

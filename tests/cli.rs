@@ -48,3 +48,18 @@ fn man_page_is_roff_for_sluice() {
     assert!(out.contains(".TH sluice 1"), "{out}");
     assert!(out.contains("check"), "subcommands are listed");
 }
+
+#[test]
+fn demo_durations_are_bounded() {
+    // The demo keeps every request it draws: a day of it would take
+    // hundreds of MB and rescans that grow with it.
+    for bad in ["500ms", "11m", "24h"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["demo", "--duration", bad])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("must be from 1s to 10m"), "{bad}: {err}");
+    }
+}
