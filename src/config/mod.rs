@@ -1504,6 +1504,17 @@ impl Validator {
             };
             self.within_span(&path, "cost", most, r);
         }
+        if let (Some(Cost::Fixed(n)), Some(b)) = (&cost, capacity)
+            && b > 0
+            && *n > b
+        {
+            self.problem(
+                &path,
+                format!(
+                    "cost {n} is more than capacity {b}: no request could ever wait; capacity = 0 says pure policing, or give at least {n}"
+                ),
+            );
+        }
         let max_wait = match raw.max_wait {
             None => Some(None),
             Some(text) => self

@@ -1171,3 +1171,17 @@ fn a_burst_queue_or_cost_too_long_for_the_schedule_is_invalid() {
     let fine = MINIMAL.replace("capacity = 10", "capacity = 1000000\nburst = 1000000");
     assert_eq!(problems(&fine), Vec::<String>::new());
 }
+
+#[test]
+fn a_fixed_cost_above_a_capacity_is_invalid() {
+    assert_problem(
+        &MINIMAL.replace("capacity = 10", "capacity = 5\ncost = 10"),
+        "route 'default': cost 10 is more than capacity 5: no request could ever wait",
+    );
+    for ok in ["capacity = 0\ncost = 10", "capacity = 10\ncost = 10"] {
+        assert_eq!(
+            problems(&MINIMAL.replace("capacity = 10", ok)),
+            Vec::<String>::new()
+        );
+    }
+}
