@@ -630,3 +630,89 @@ async fn instances_share_a_schedule_through_redis_over_tls() {
         assert_eq!(bucket.status, StatusCode::NOT_IMPLEMENTED);
     }
 }
+
+/// `on_failure = "allow"` (README: "or "allow" (forward unshaped)"; "While
+/// the store fails, /readyz answers 503 only with on_failure = "reject""):
+/// with the Redis store stopped (SIGSTOP), a burst of 15 from one client
+/// (r = 5/s, b = 10) is forwarded whole, unpaced, each within the store
+/// timeout plus slack, and /readyz stays 200; the fallback is counted
+/// under policy "allow"; after SIGCONT a fresh client is shaped through
+/// the store again. What a bug gives: shaped (as "local" would) 4 of the 15
+/// get 429 and the 11 others reach the downstream over 2 s (the bound is
+/// 1.2 s); "reject" would answer 503 and make /readyz 503; a fallback
+/// stuck on after recovery would forward the fresh client's second
+/// request at once (the bound is 150 ms of a 200 ms interval).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allow_forwards_unshaped_while_the_store_is_stopped() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&config(ds.addr, &redis.url(), "allow", 1, "150ms"));
+    let c = client();
+    assert_eq!(
+        get(&c, &s.url("/before"), &[("x-client", "k")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    redis.signal("STOP");
+    let sent = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..15 {
+        let (c, url) = (c.clone(), s.url(&format!("/stopped/{i}")));
+        tasks.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "k")]).await
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        let a = t.await.unwrap();
+        assert_eq!(a.status, StatusCode::OK, "request {i}");
+    }
+    let took = sent.elapsed();
+    let arrivals: Vec<Instant> = ds
+        .seen()
+        .iter()
+        .filter(|r| r.path.starts_with("/stopped/"))
+        .map(|r| r.at)
+        .collect();
+    assert_eq!(arrivals.len(), 15);
+    let spread = *arrivals.iter().max().unwrap() - *arrivals.iter().min().unwrap();
+    assert!(
+        spread < Duration::from_millis(1_200),
+        "the burst reached the downstream over {spread:?} (paced: 2 s); answered in {took:?}"
+    );
+    let ready = get(&c, &s.admin_url("/readyz"), &[]).await;
+    assert_eq!(
+        ready.status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&ready.body)
+    );
+    let metrics =
+        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
+    let fallbacks = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("sluice_cluster_fallbacks_total{backend=\"redis\",policy=\"allow\"} ")
+        })
+        .and_then(|v| v.parse::<f64>().ok());
+    assert!(fallbacks.is_some_and(|n| n >= 15.0), "{metrics}");
+
+    redis.signal("CONT");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while s.status().await["cluster"]["state"] != "ok" {
+        assert!(Instant::now() < deadline, "the store did not come back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Shaped again: a fresh client's second request waits its 200 ms.
+    let first = get(&c, &s.url("/after/1"), &[("x-client", "fresh")]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let second = get(&c, &s.url("/after/2"), &[("x-client", "fresh")]).await;
+    assert_eq!(second.status, StatusCode::OK);
+    let seen = ds.seen();
+    let at = |p: &str| seen.iter().find(|r| r.path == p).unwrap().at;
+    let apart = at("/after/2") - at("/after/1");
+    assert!(
+        apart >= Duration::from_millis(150),
+        "after recovery the second request went {apart:?} after the first"
+    );
+}

@@ -527,3 +527,56 @@ async fn forwarded_headers_can_be_kept_from_a_third_party() {
     assert_eq!(h["authorization"], "Bearer sk_test_1");
     assert_eq!(h["via"], "1.1 sluice");
 }
+
+/// README "Outbound calls": with `on_throttle = "pause"` every body is
+/// staged so that it can be sent again, and the refused request goes again
+/// after the pause when repeating it is safe, which for a POST means an
+/// `Idempotency-Key`. A 100 kB POST with `Idempotency-Key: k1` that the
+/// upstream answers 429 `Retry-After: 2` reaches it exactly twice, the
+/// second time at least 1.9 s after the first, with the same body length
+/// and the same key, and its client gets the second answer (200 "ok").
+/// What a bug gives: the upstream's 429 to the client (the key not taken
+/// as safe, or the body streamed and not kept); a second send with an
+/// empty or cut body (its length differs); one before the pause ends (the
+/// gap); a third send (the count).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_with_an_idempotency_key_is_sent_again_whole_after_the_pause() {
+    let ds = Downstream::start().await;
+    let config = queue_config(ds.addr, "")
+        .replace("url = ", "on_throttle = \"pause\"\nurl = ")
+        .replace("rate = \"2/s\"", "rate = \"100/s\"");
+    let s = Sluice::start(&config);
+    let c = client();
+    let body: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let answer = send(
+        &c,
+        "POST",
+        &s.url("/throttle/charge"),
+        &[("x-client", "i"), ("idempotency-key", "k1")],
+        Bytes::from(body.clone()),
+    )
+    .await;
+    assert_eq!(
+        answer.status,
+        StatusCode::OK,
+        "{:?}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    assert_eq!(&answer.body[..], b"ok");
+    let tries: Vec<Seen> = ds
+        .seen()
+        .into_iter()
+        .filter(|r| r.path == "/throttle/charge")
+        .collect();
+    assert_eq!(tries.len(), 2, "{tries:?}");
+    for t in &tries {
+        assert_eq!(t.method, "POST");
+        assert_eq!(t.body_len, body.len(), "a send with another body");
+        assert_eq!(t.headers["idempotency-key"], "k1");
+    }
+    let gap = tries[1].at - tries[0].at;
+    assert!(
+        gap >= Duration::from_millis(1_900),
+        "sent again {gap:?} after the 429 (Retry-After: 2)"
+    );
+}

@@ -538,3 +538,126 @@ async fn bucket_query_changes_nothing() {
     let unknown = get(&c, &s.admin_url("/buckets/nope/bob"), &[]).await;
     assert_eq!(unknown.status, StatusCode::NOT_FOUND);
 }
+
+/// Open a raw HTTP/1.1 connection and send a GET for `path` as client
+/// `key`; the request stays in flight until the stream is dropped.
+fn held_get(addr: SocketAddr, path: &str, key: &str) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: t\r\nX-Client: {key}\r\n\r\n"
+    )
+    .unwrap();
+    s
+}
+
+/// `limits.max_queued = 2` (README "What a client sees": `max_clients` or
+/// `max_queued` reached gives `503 Service Unavailable`, `Retry-After: 1`):
+/// with two requests waiting, a third that would wait gets 503 with
+/// `Retry-After: 1` and problem+json, is never forwarded, and counts as
+/// outcome `overloaded`, even though its client's own capacity (10) has
+/// room; an idle client still passes at once (it needs no queue room);
+/// and a waiting request that leaves gives its room back. A bug that
+/// ignored the bound would hold the third (no answer within the 60 s
+/// interval, so the test's bounded wait fails) or answer 429 from the
+/// client's capacity; one that leaked room would refuse the last request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_queued_refuses_with_503_and_counts_overloaded() {
+    let ds = Downstream::start().await;
+    let routes = route(
+        "default",
+        "key = \"header:X-Client\"\nrate = \"1/m\"\ncapacity = 10",
+    );
+    let s = Sluice::start(&format!(
+        "{}\n[limits]\nmax_queued = 2\n",
+        config(ds.addr, "", &routes)
+    ));
+    let c = client();
+    assert_eq!(
+        get(&c, &s.url("/first"), &[("x-client", "a")]).await.status,
+        StatusCode::OK
+    );
+    // 1/m: each of the next requests waits a minute; order by /status.
+    let one = held_get(s.addr, "/held/1", "a");
+    s.wait_queued(1).await;
+    let _two = held_get(s.addr, "/held/2", "a");
+    s.wait_queued(2).await;
+
+    let over = tokio::time::timeout(
+        Duration::from_secs(5),
+        get(&c, &s.url("/over"), &[("x-client", "a")]),
+    )
+    .await
+    .expect("the request past max_queued was held, not refused");
+    assert_eq!(over.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(over.headers["retry-after"], "1");
+    assert_eq!(over.headers["content-type"], "application/problem+json");
+
+    // An idle client departs at once: no queue room needed.
+    assert_eq!(
+        get(&c, &s.url("/idle"), &[("x-client", "b")]).await.status,
+        StatusCode::OK
+    );
+    // A waiting request that leaves frees its room for the next one.
+    drop(one);
+    s.wait_queued(1).await;
+    let _three = held_get(s.addr, "/held/3", "a");
+    s.wait_queued(2).await;
+
+    let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
+    assert_eq!(paths, vec!["/first", "/idle"]);
+    let text =
+        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
+    let line =
+        "sluice_requests_total{route=\"default\",protocol=\"http\",outcome=\"overloaded\"} 1";
+    assert!(text.contains(line), "missing {line}\n{text}");
+    assert!(
+        !text.contains("outcome=\"rejected\"} 1"),
+        "the 503 was counted as a 429's refusal\n{text}"
+    );
+    assert_eq!(s.status().await["totals"]["overloaded"], 1);
+}
+
+/// `limits.max_clients = 2`: while two clients' states are held (each
+/// departed once at 1/m, so its schedule runs a minute ahead), a third
+/// client gets 503 with `Retry-After: 1`, never forwarded, counted as
+/// `overloaded`; a known client is still answered by its own queue (429
+/// at capacity 0, not 503). A bug that ignored the bound forwards the
+/// third client (200); one that counted the refusal as a capacity refusal
+/// shows `rejected` 2 and `overloaded` 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_clients_refuses_new_clients_with_503_and_counts_overloaded() {
+    let ds = Downstream::start().await;
+    let routes = route(
+        "default",
+        "key = \"header:X-Client\"\nrate = \"1/m\"\ncapacity = 0",
+    );
+    let s = Sluice::start(&format!(
+        "{}\n[limits]\nmax_clients = 2\n",
+        config(ds.addr, "", &routes)
+    ));
+    let c = client();
+    for key in ["a", "b"] {
+        let a = get(&c, &s.url(&format!("/{key}")), &[("x-client", key)]).await;
+        assert_eq!(a.status, StatusCode::OK, "client {key}");
+    }
+    let third = get(&c, &s.url("/c"), &[("x-client", "c")]).await;
+    assert_eq!(third.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(third.headers["retry-after"], "1");
+    assert_eq!(third.headers["content-type"], "application/problem+json");
+    // A known client: its own queue answers (capacity 0: 429).
+    let again = get(&c, &s.url("/a-again"), &[("x-client", "a")]).await;
+    assert_eq!(again.status, StatusCode::TOO_MANY_REQUESTS);
+
+    let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
+    assert_eq!(paths, vec!["/a", "/b"]);
+    let text =
+        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
+    for (outcome, n) in [("overloaded", 1), ("rejected", 1), ("forwarded", 2)] {
+        let line = format!(
+            "sluice_requests_total{{route=\"default\",protocol=\"http\",outcome=\"{outcome}\"}} {n}"
+        );
+        assert!(text.contains(&line), "missing {line}\n{text}");
+    }
+}

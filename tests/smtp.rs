@@ -990,3 +990,88 @@ fn errors_count_until_a_message_is_delivered() {
     }
     assert!(raw.cmd("NOOP").starts_with("250"));
 }
+
+/// README "SMTP" table: `max_clients` / `max_queued` reached gives
+/// `421 4.3.2` and the connection is closed. With `limits.max_queued = 1`
+/// and one message held (1/m: it waits a minute), a third message's MAIL
+/// FROM, which its key's capacity (10) would take, gets `421 4.3.2` and
+/// the session ends; nothing of it reaches the upstream, and it counts as
+/// outcome `overloaded` (protocol smtp). A bug that ignored the bound
+/// answers 250 (held); one that took it for the key's capacity answers
+/// `451 4.7.0`; one that kept the session open leaves the socket readable
+/// without EOF (`closed` times out after 5 s).
+#[test]
+fn max_queued_gives_421_4_3_2_at_mail_and_closes_the_connection() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&format!(
+        "{}\n[limits]\nmax_queued = 1\n",
+        config(
+            up.port,
+            "tls = \"none\"",
+            "key = \"global\"\nrate = \"1/m\"\ncapacity = 10",
+        )
+    ));
+    let (addr, admin) = (sluice.smtp.unwrap(), sluice.admin.unwrap());
+    let mut first = Raw::connect(addr);
+    start_message(&mut first, "first");
+    assert!(first.cmd(".").starts_with("250 2.0.0"), "departs at once");
+    let mut held = Raw::connect(addr);
+    start_message(&mut held, "held");
+    held.send(".\r\n");
+    wait_queued(admin, 1);
+
+    let mut over = Raw::connect(addr);
+    assert!(over.cmd("EHLO raw.test").starts_with("250"));
+    let reply = over.cmd("MAIL FROM:<raw@example.com>");
+    assert!(reply.starts_with("421 4.3.2 "), "{reply}");
+    assert!(
+        over.closed(Duration::from_secs(5)),
+        "the connection stays open after 421"
+    );
+    // The held message still waits; only the first was relayed.
+    assert_eq!(smtp::status(admin)["queued"], 1);
+    let subjects: Vec<String> = up
+        .arrivals()
+        .iter()
+        .map(|a| a["subject"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(subjects, ["first"]);
+    let text = metrics(&sluice);
+    let line = r#"sluice_requests_total{route="mail",protocol="smtp",outcome="overloaded"} 1"#;
+    assert!(text.contains(line), "missing {line}\n{text}");
+    drop(held);
+}
+
+/// The same row for a listener's `max_connections`: a connection past it
+/// is greeted `421 4.3.2` (not 220) and closed, and one is taken again
+/// once a session ends. (The reload test above checks the count; this
+/// checks the reply's enhanced code and the close.)
+#[test]
+fn max_connections_greets_421_4_3_2_and_closes_the_connection() {
+    use std::io::Read;
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"5/s\"\ncapacity = 10\nmax_connections = 1",
+    ));
+    let addr = sluice.smtp.unwrap();
+    let open = Raw::connect(addr);
+    let mut over = std::net::TcpStream::connect(addr).unwrap();
+    over.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut said = Vec::new();
+    // read_to_end returns only at EOF: a connection left open times out.
+    over.read_to_end(&mut said)
+        .expect("the connection past max_connections was not closed");
+    let said = String::from_utf8_lossy(&said);
+    assert!(said.starts_with("421 4.3.2 "), "{said:?}");
+    assert_eq!(said.matches("\r\n").count(), 1, "{said:?}");
+    open.hang_up();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while smtp::status(sluice.admin.unwrap())["smtp_sessions"].as_u64() != Some(0) {
+        assert!(Instant::now() < deadline, "the session did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut again = Raw::connect(addr);
+    assert!(again.cmd("QUIT").starts_with("221"));
+}

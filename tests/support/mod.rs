@@ -234,8 +234,27 @@ impl Sluice {
 
     /// As [`Sluice::start`], with extra environment variables.
     pub fn start_with_env(toml: &str, env: &[(&str, &str)]) -> Sluice {
+        Self::launch(toml, env, None)
+    }
+
+    /// As [`Sluice::start_with_env`], with `var` set to sluice's own PID in
+    /// its environment, as systemd sets `WATCHDOG_PID`: a shell exports its
+    /// PID and execs sluice in its place (so the child is sluice itself).
+    pub fn start_with_own_pid_in(toml: &str, env: &[(&str, &str)], var: &str) -> Sluice {
+        Self::launch(toml, env, Some(var))
+    }
+
+    fn launch(toml: &str, env: &[(&str, &str)], pid_var: Option<&str>) -> Sluice {
         let config = write_config(toml);
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        let bin = env!("CARGO_BIN_EXE_sluice");
+        let mut cmd = match pid_var {
+            None => Command::new(bin),
+            Some(var) => {
+                let mut sh = Command::new("/bin/sh");
+                sh.args(["-c", &format!("export {var}=$$; exec \"$0\" \"$@\""), bin]);
+                sh
+            }
+        };
         cmd.args(["--log-level", "info", "run", "--config"])
             .arg(&config)
             .env_remove("RUST_LOG")
