@@ -12,6 +12,20 @@ use support::{
     seed_burst_across, store_stopped_then_resumed, throttled_then_another,
 };
 
+/// `sluice_cluster_fallbacks_total` for Redis under `policy`, and the
+/// whole `/metrics` text (for a failure message).
+async fn fallbacks(s: &Sluice, policy: &str) -> (Option<f64>, String) {
+    let body = get(&client(), &s.admin_url("/metrics"), &[]).await.body;
+    let metrics = String::from_utf8_lossy(&body).into_owned();
+    let series =
+        format!("sluice_cluster_fallbacks_total{{backend=\"redis\",policy=\"{policy}\"}} ");
+    let n = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .and_then(|v| v.parse::<f64>().ok());
+    (n, metrics)
+}
+
 fn config(ds: SocketAddr, redis: &str, on_failure: &str, instances: u32, timeout: &str) -> String {
     format!(
         r#"
@@ -91,15 +105,8 @@ async fn redis_restart_falls_back_locally_then_recovers() {
         paced >= Duration::from_millis(350) && paced < Duration::from_secs(3),
         "local pace: {paced:?}"
     );
-    let metrics =
-        String::from_utf8_lossy(&get(&c, &a.admin_url("/metrics"), &[]).await.body).into_owned();
     // Registered at 0 from the start: the fallbacks must have counted.
-    let fallbacks = metrics
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("sluice_cluster_fallbacks_total{backend=\"redis\",policy=\"local\"} ")
-        })
-        .and_then(|v| v.parse::<f64>().ok());
+    let (fallbacks, metrics) = fallbacks(&a, "local").await;
     assert!(fallbacks.is_some_and(|n| n >= 1.0), "{metrics}");
 
     redis.restart();
@@ -687,14 +694,7 @@ async fn allow_forwards_unshaped_while_the_store_is_stopped() {
         "{}",
         String::from_utf8_lossy(&ready.body)
     );
-    let metrics =
-        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
-    let fallbacks = metrics
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("sluice_cluster_fallbacks_total{backend=\"redis\",policy=\"allow\"} ")
-        })
-        .and_then(|v| v.parse::<f64>().ok());
+    let (fallbacks, metrics) = fallbacks(&s, "allow").await;
     assert!(fallbacks.is_some_and(|n| n >= 15.0), "{metrics}");
 
     redis.signal("CONT");
