@@ -383,6 +383,13 @@ async fn the_global_staging_limit_refuses_with_503_and_bounds_memory() {
 
 // === the upstream's own limit ===
 
+/// `queue_config` with `on_throttle = "pause"` and a route at 100/s.
+fn pausing_at_100(ds: SocketAddr) -> String {
+    queue_config(ds, "")
+        .replace("url = ", "on_throttle = \"pause\"\nurl = ")
+        .replace("rate = \"2/s\"", "rate = \"100/s\"")
+}
+
 /// The upstream answers 429 with `Retry-After: 2`: nothing reaches it for
 /// 2 s, the idempotent request that was refused goes again after the pause
 /// and succeeds, a request that arrived meanwhile waits the pause out, and
@@ -390,10 +397,7 @@ async fn the_global_staging_limit_refuses_with_503_and_bounds_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_429_pauses_it_and_retries_what_is_safe() {
     let ds = Downstream::start().await;
-    let config = queue_config(ds.addr, "")
-        .replace("url = ", "on_throttle = \"pause\"\nurl = ")
-        .replace("rate = \"2/s\"", "rate = \"100/s\"");
-    let s = Sluice::start(&config);
+    let s = Sluice::start(&pausing_at_100(ds.addr));
     let c = client();
     let t0 = Instant::now();
     let (retried, during, paused_at) = throttled_then_another(&s, &ds).await;
@@ -542,10 +546,7 @@ async fn forwarded_headers_can_be_kept_from_a_third_party() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_post_with_an_idempotency_key_is_sent_again_whole_after_the_pause() {
     let ds = Downstream::start().await;
-    let config = queue_config(ds.addr, "")
-        .replace("url = ", "on_throttle = \"pause\"\nurl = ")
-        .replace("rate = \"2/s\"", "rate = \"100/s\"");
-    let s = Sluice::start(&config);
+    let s = Sluice::start(&pausing_at_100(ds.addr));
     let c = client();
     let body: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
     let answer = send(
