@@ -128,14 +128,15 @@ impl Packed {
 /// `Keep-Alive`, `Proxy-Connection`, `TE`, `Transfer-Encoding`, `Upgrade`
 /// (RFC 9110 7.6.1).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    if headers.contains_key(CONNECTION) {
-        strip_connection_named(headers);
-    }
     // RFC 9112 6.3: Transfer-Encoding overrides Content-Length, and a
     // proxy must remove the latter (the body was read chunked; a length
-    // kept would cut it short on the way out).
+    // kept would cut it short on the way out). Seen before `Connection`
+    // may have named Transfer-Encoding away.
     if headers.contains_key(TRANSFER_ENCODING) {
         headers.remove(CONTENT_LENGTH);
+    }
+    if headers.contains_key(CONNECTION) {
+        strip_connection_named(headers);
     }
     for name in [
         CONNECTION,
@@ -144,10 +145,15 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         TE,
         TRANSFER_ENCODING,
         UPGRADE,
+        HTTP2_SETTINGS,
     ] {
         headers.remove(name);
     }
 }
+
+/// `HTTP2-Settings`: part of an `h2c` upgrade (RFC 7540 3.2.1), which is
+/// never passed on, so never meaningful beyond this hop.
+const HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 
 /// Whether a response's `Transfer-Encoding` names a coding other than
 /// `chunked` (`gzip`, say). Its body could only be passed on decoded or
@@ -162,8 +168,13 @@ pub fn foreign_transfer_coding(headers: &HeaderMap) -> bool {
     })
 }
 
-/// The protocol a request asks to switch to (`Connection: upgrade` with
-/// an `Upgrade` header), before the hop-by-hop headers go.
+/// The protocol switch a request asks for (`Connection: upgrade` with an
+/// `Upgrade` header), before the hop-by-hop headers go: WebSocket only.
+/// Any other (`h2c` above all: a backend that accepts it would take an
+/// unshaped HTTP/2 connection through the tunnel, every request on it
+/// past the routes and their rates) is not passed on: the request goes as
+/// a plain one, its `Upgrade` dropped, as nginx does without an upgrade
+/// configured.
 pub fn upgrade_to(headers: &HeaderMap) -> Option<HeaderValue> {
     let asks = headers
         .get_all(CONNECTION)
@@ -171,7 +182,21 @@ pub fn upgrade_to(headers: &HeaderMap) -> Option<HeaderValue> {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    asks.then(|| headers.get(UPGRADE).cloned()).flatten()
+    let websocket = |v: &HeaderValue| {
+        v.to_str().is_ok_and(|v| {
+            v.split(',').all(|p| {
+                p.trim()
+                    .split('/')
+                    .next()
+                    .is_some_and(|n| n.eq_ignore_ascii_case("websocket"))
+            })
+        })
+    };
+    let mut values = headers.get_all(UPGRADE).iter();
+    match (asks, values.next(), values.next()) {
+        (true, Some(v), None) if websocket(v) => Some(v.clone()),
+        _ => None,
+    }
 }
 
 /// Whether the client accepts trailers (`TE: trailers`, which gRPC
@@ -185,7 +210,9 @@ pub fn accepts_trailers(headers: &HeaderMap) -> bool {
         .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
 }
 
-/// Remove the headers `Connection` names.
+/// Remove the headers `Connection` names, except those that frame the
+/// message or name its host (`Connection: content-length` would unframe
+/// it; those are never hop-by-hop).
 fn strip_connection_named(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(CONNECTION)
@@ -193,6 +220,7 @@ fn strip_connection_named(headers: &mut HeaderMap) {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .filter(|name| ![CONTENT_LENGTH, http::header::HOST].contains(name))
         .collect();
     for name in named {
         headers.remove(name);
@@ -316,6 +344,58 @@ pub fn add_ratelimit_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn map(fields: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in fields {
+            h.append(*k, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn only_a_websocket_switch_is_passed_on() {
+        let ask =
+            |to: &'static str| upgrade_to(&map(&[("connection", "Upgrade"), ("upgrade", to)]));
+        assert_eq!(ask("websocket").unwrap(), "websocket");
+        assert_eq!(ask("WebSocket").unwrap(), "WebSocket");
+        // h2c through a tunnel would take every request past the routes.
+        assert!(ask("h2c").is_none());
+        assert!(ask("websocket, h2c").is_none());
+        assert!(ask("TLS/1.2").is_none());
+        assert!(upgrade_to(&map(&[("upgrade", "websocket")])).is_none());
+        let mut h = map(&[
+            ("connection", "Upgrade, HTTP2-Settings"),
+            ("upgrade", "h2c"),
+            ("http2-settings", "AAMAAABkAARAAAAAAAIAAAAA"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty(), "{h:?}");
+    }
+
+    #[test]
+    fn connection_cannot_unframe_a_message() {
+        // Connection naming Transfer-Encoding: the stale Content-Length
+        // still goes (it would cut the chunked body short).
+        let mut h = map(&[
+            ("connection", "transfer-encoding"),
+            ("transfer-encoding", "chunked"),
+            ("content-length", "5"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty(), "{h:?}");
+        // Connection naming Content-Length or Host: they stay.
+        let mut h = map(&[
+            ("connection", "content-length, host, x-trace"),
+            ("content-length", "5"),
+            ("host", "a"),
+            ("x-trace", "1"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.get("content-length").unwrap(), "5");
+        assert_eq!(h.get("host").unwrap(), "a");
+        assert!(h.get("x-trace").is_none());
+    }
 
     #[test]
     fn every_forwarded_for_line_is_kept_in_order_before_the_peer() {

@@ -69,7 +69,7 @@ pub fn extract(
             KeyPart::Ip => out.ip(peer),
             KeyPart::Forwarded => out.ip(forwarded_client(headers, peer, trusted)),
             KeyPart::Global => {}
-            KeyPart::Header(name) => match headers.get(name) {
+            KeyPart::Header(name) => match one_value(headers, name)? {
                 Some(v) if v.len() > MAX_KEY_LEN => {
                     return Err(format!(
                         "the {name} header is longer than {MAX_KEY_LEN} bytes"
@@ -84,6 +84,21 @@ pub fn extract(
         }
         Ok(())
     })
+}
+
+/// A key header's value: one at most. Two would let a client pick its own
+/// bucket with the first while an upstream that reads the last (or the
+/// list) sees the real one.
+fn one_value<'a>(
+    headers: &'a HeaderMap,
+    name: &http::HeaderName,
+) -> Result<Option<&'a http::HeaderValue>, String> {
+    let mut values = headers.get_all(name).iter();
+    let first = values.next();
+    match values.next() {
+        Some(_) => Err(format!("the {name} header must appear once")),
+        None => Ok(first),
+    }
 }
 
 /// The key for the displayed form `text` (as `/status` shows it: header
@@ -208,6 +223,16 @@ mod tests {
         // An untrusted peer's header is not believed at all.
         let stranger: IpAddr = "198.51.100.1".parse().unwrap();
         assert_eq!(forwarded_client(&h, stranger, &trusted), stranger);
+    }
+
+    #[test]
+    fn a_key_header_given_twice_is_refused() {
+        let s = spec(&[header("x-api-key")]);
+        let mut h = HeaderMap::new();
+        h.append("x-api-key", HeaderValue::from_static("random-1"));
+        h.append("x-api-key", HeaderValue::from_static("real"));
+        let e = extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap_err();
+        assert_eq!(e, "the x-api-key header must appear once");
     }
 
     #[test]
