@@ -922,6 +922,31 @@ fn under_a_cap_a_burst_still_lets_n_pass_without_the_clients_own_pacing() {
 }
 
 #[test]
+fn under_a_cap_a_burst_passes_with_a_pacer_a_little_late() {
+    // As above, with every release 1 µs after its instant, as a real
+    // pacer's are (it reads the clock again after waking): still 0, 10,
+    // 20 ms and T; no release counts as late, nor eats the burst.
+    let mut p = policy("5/s", 10);
+    p.burst = 3;
+    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
+    let up = e.add_upstream(Some(rate("100/s")));
+    let r = e.add_route(p, up);
+    let mut times = Vec::new();
+    for id in 0..4 {
+        if e.admit(r, 1, 1, 0, || id) == Admission::Depart {
+            times.push(0);
+        }
+    }
+    let mut out = Vec::new();
+    while let Some(at) = e.next_release() {
+        out.clear();
+        e.release_due(at + 1_000, &mut out);
+        times.extend(out.iter().map(|_| at));
+    }
+    assert_eq!(times, vec![0, 10 * MS, 20 * MS, T5]);
+}
+
+#[test]
 fn an_idle_client_under_a_free_cap_departs_at_once() {
     let mut sim = Sim::with(policy("5/s", 5), ROOMY, Some(rate("100/s")));
     assert_eq!(sim.arrive(1, 1, 0).1, Admission::Depart);

@@ -698,15 +698,17 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         // schedule (or the cap's slot) let it go: D = d + c·T (DESIGN 1),
         // never from `now`, so pacer jitter never drifts the grid and a
         // late release is made up by the next ones, no two of which come
-        // closer than c·T/2 (the floor below). Late is after the instant
-        // this head was released for (a stalled pacer), or after its own
-        // grid time when its own schedule held it (with `burst`, the grid
-        // is D − τ): not when only a cap held a request its burst credit
-        // would have let go, so burst credit is never eaten.
+        // closer than c·T/2 (the floor below). Late is a release at least
+        // c·T/2 after the instant it was due (a stalled pacer; a smaller
+        // delay leaves the next grid time c·T/2 away or more), or one
+        // whose due time a floor set (a catch-up under way, or a cancelled
+        // head's inherited slot): never the release of a request that only
+        // a cap or pause held, so its burst credit is never eaten. (The
+        // grid is D − τ with `burst`.)
         // A release later than the whole backlog (b·T) restarts the
         // schedule from the release.
         let grid = c.tat.saturating_sub(tau);
-        let late = now > at || (grid > arrival && now > grid);
+        let late = now.saturating_sub(at) >= gap / 2 || head.due > grid.max(arrival);
         let floor = if late { now.saturating_add(gap / 2) } else { 0 };
         let own = c.tat.saturating_sub(tau).max(arrival).max(slot_free);
         c.tat = if stalled(at, now, policy.capacity, step) {
