@@ -498,6 +498,25 @@ capacity = 30
     assert_eq!(b.body_len, 64 * 1024);
     drop(waiting);
 
+    // What waiting calls hold is counted as what they sent: twenty more
+    // of 200 bytes (unary calls are small) add about 4 kB to the staging
+    // budget, not room for a frame each (16 kB).
+    let staged = || async { s.status().await["staged_bytes"].as_u64().unwrap_or(0) };
+    let before = staged().await;
+    let small: Vec<_> = (0..21)
+        .map(|_| call("/c", "c", Bytes::from(vec![b'c'; 200])))
+        .collect();
+    s.wait_queued(39).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut after = staged().await;
+    while after < before + 20 * 200 {
+        assert!(Instant::now() < deadline, "read ahead: {before} -> {after}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        after = staged().await;
+    }
+    assert!(after - before < 20 * 1024, "{before} -> {after}");
+    drop(small);
+
     // Four at once at 4/s: three wait (their bodies read meanwhile), and
     // each reaches the upstream whole.
     let echoes: Vec<_> = (0..4u8)

@@ -35,6 +35,11 @@ impl StageBudget {
         self.used.load(Ordering::Relaxed)
     }
 
+    /// Whether anything more fits now.
+    pub fn has_room(&self) -> bool {
+        self.used() < self.max_total.load(Ordering::Relaxed)
+    }
+
     /// The largest HTTP body a waiting request may stage.
     pub fn max_body(&self) -> usize {
         self.max_body.load(Ordering::Relaxed)
@@ -82,6 +87,24 @@ impl Room {
         true
     }
 
+    /// Hold exactly `total` bytes, past the budget's total if need be:
+    /// for bytes already read, which are held whatever the budget says
+    /// and must be counted as they are. `false` when the budget is over
+    /// its total now.
+    pub fn set_to(&mut self, total: usize) -> bool {
+        if total >= self.bytes {
+            self.budget
+                .used
+                .fetch_add(total - self.bytes, Ordering::AcqRel);
+        } else {
+            self.budget
+                .used
+                .fetch_sub(self.bytes - total, Ordering::AcqRel);
+        }
+        self.bytes = total;
+        self.budget.has_room()
+    }
+
     pub fn bytes(&self) -> usize {
         self.bytes
     }
@@ -111,5 +134,19 @@ mod tests {
         assert_eq!(b.used(), 50);
         assert!(second.grow_to(20), "shrinking is a no-op");
         assert_eq!(b.used(), 50);
+    }
+
+    #[test]
+    fn bytes_held_are_counted_as_they_are_even_past_the_total() {
+        let b = Arc::new(StageBudget::new(100, 150));
+        let mut r = b.room();
+        assert!(r.set_to(100));
+        assert!(!r.set_to(180), "over the total: read no more");
+        assert_eq!(b.used(), 180, "but what is held is counted");
+        assert!(!b.has_room());
+        assert!(r.set_to(40));
+        assert_eq!(b.used(), 40);
+        drop(r);
+        assert_eq!(b.used(), 0);
     }
 }

@@ -614,7 +614,7 @@ impl Handler {
                         Ok(()) => return Ok(Body::Begun(first, body)),
                         Err(e) => return Err(self.hold_failed(route, e)),
                     },
-                    read = first.read(&mut body), if first.wants(max) => match read {
+                    read = first.read(&mut body), if first.wants(max, &self.shared.staging) => match read {
                         Ok(()) => {}
                         Err(error @ StageError::Gone) => {
                             drop(hold);

@@ -191,10 +191,6 @@ async fn read(
     })
 }
 
-/// The most a body read hands over at once: an HTTP/2 DATA frame at
-/// hyper's default `max_frame_size` (and more than an HTTP/1.1 read).
-const FRAME: usize = 16 * 1024;
-
 /// What a gRPC call sent while it waited, read as it came (within
 /// `max_staged_body` and the budget) and forwarded before the rest of its
 /// stream once it departs. Left unread, a waiting call's messages would
@@ -226,18 +222,16 @@ impl Begun {
         }
     }
 
-    /// Whether to read another part: not at the end, and room for one
-    /// more (the buffer as it may grow for it: twice its size, or its
-    /// length and a frame).
-    pub fn wants(&mut self, max: usize) -> bool {
-        if self.ended || self.stopped {
-            return false;
+    /// Whether to read another part: not at the end, under `max`, and
+    /// the budget not full. (What is read is counted as it is held, after
+    /// the fact: a part read is held whatever the budget says, and room
+    /// taken ahead for parts that never come would be counted for
+    /// nothing: a unary call sends a few hundred bytes.)
+    pub fn wants(&mut self, max: usize, budget: &StageBudget) -> bool {
+        if !self.ended && !self.stopped && (self.data.len() >= max || !budget.has_room()) {
+            self.stopped = true;
         }
-        let (len, cap) = (self.data.len(), self.data.capacity());
-        let next = cap.saturating_mul(2).max(len.saturating_add(FRAME));
-        let fits = len < max && self.room.as_mut().is_some_and(|r| r.grow_to(next));
-        self.stopped = !fits;
-        fits
+        !self.ended && !self.stopped
     }
 
     /// Read the next part of `body` into this.
@@ -247,10 +241,12 @@ impl Begun {
             Some(frame) => match frame.map_err(body_error)?.into_data() {
                 Ok(part) => {
                     self.data.extend_from_slice(&part);
-                    // A part larger than a frame: counted (or the reading
-                    // stops) after the fact.
+                    // Counted as held; past the budget, reading stops (the
+                    // rest waits in flow control).
                     let cap = self.data.capacity();
-                    self.stopped = !self.room.as_mut().is_some_and(|r| r.grow_to(cap));
+                    if !self.room.as_mut().is_some_and(|r| r.set_to(cap)) {
+                        self.stopped = true;
+                    }
                 }
                 Err(frame) => {
                     if let Ok(t) = frame.into_trailers() {
