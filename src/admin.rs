@@ -57,10 +57,21 @@ pub async fn serve(
                 .timer(TokioTimer::new())
                 .header_read_timeout(std::time::Duration::from_secs(10))
                 .serve_connection(TokioIo::new(stream), svc);
-            match tokio::time::timeout(CONNECTION_LIFETIME, conn).await {
-                Ok(Err(e)) => debug!(%peer, error = %e, "admin connection ended with an error"),
-                Err(_) => debug!(%peer, "admin connection closed after its lifetime"),
-                Ok(Ok(())) => {}
+            tokio::pin!(conn);
+            let ended = tokio::select! {
+                r = conn.as_mut() => r,
+                () = tokio::time::sleep(CONNECTION_LIFETIME) => {
+                    // An answer under way is finished, then the
+                    // connection closes; one the client never reads is
+                    // dropped a little later.
+                    conn.as_mut().graceful_shutdown();
+                    tokio::time::timeout(CLOSE_GRACE, conn.as_mut())
+                        .await
+                        .unwrap_or(Ok(()))
+                }
+            };
+            if let Err(e) = ended {
+                debug!(%peer, error = %e, "admin connection ended with an error");
             }
             drop(place);
         });
@@ -69,9 +80,11 @@ pub async fn serve(
 
 /// Admin connections open at once.
 const MAX_CONNECTIONS: usize = 64;
-/// The longest an admin connection stays open (a scraper reconnects; a
-/// client that never reads its answer is dropped).
+/// How long an admin connection takes requests (a scraper reconnects),
+/// and how long it may then take to finish the answer under way (a client
+/// that never reads its answer is dropped).
 const CONNECTION_LIFETIME: std::time::Duration = std::time::Duration::from_secs(60);
+const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Bind the admin address.
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {

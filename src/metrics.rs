@@ -13,9 +13,10 @@ use metrics_exporter_prometheus::{BuildError, PrometheusBuilder, PrometheusHandl
 /// Requests by route, protocol and outcome (see [`Outcome`]), counted
 /// when answered.
 pub const REQUESTS_TOTAL: &str = "sluice_requests_total";
-/// Requests by route and protocol as they reach admission (before any
-/// wait): the arrival rate, where `sluice_requests_total` is the rate of
-/// answers.
+/// Requests by route and protocol as they arrive on their route (before
+/// any wait; those refused before admission, a missing key say,
+/// included): the arrival rate, where `sluice_requests_total` is the rate
+/// of answers.
 pub const ARRIVALS_TOTAL: &str = "sluice_arrivals_total";
 /// Requests a dry-run route would have refused (and forwarded anyway).
 pub const DRY_RUN_REFUSALS_TOTAL: &str = "sluice_dry_run_refusals_total";

@@ -311,15 +311,15 @@ fn rates(route: &RouteStatus, before: &Sample, now: &Sample) -> Rates {
         let b = now.requests.get(&key).copied().unwrap_or(0.0);
         (b - a).max(0.0)
     };
-    // In: what reached admission, and what was refused before it (no or a
-    // bad key); an instance without the arrivals counter: every answer.
+    // In: arrivals (refusals before admission included); an instance
+    // without the arrivals counter: every answer.
     let arrived = (
         route.name.clone(),
         route.protocol.clone(),
         ARRIVED.to_owned(),
     );
     let input = if now.requests.contains_key(&arrived) {
-        delta(ARRIVED) + delta(m::Outcome::Invalid.as_str())
+        delta(ARRIVED)
     } else {
         m::Outcome::ALL.iter().map(|o| delta(o.as_str())).sum()
     };

@@ -138,6 +138,13 @@ impl Rule {
         self.totals.add(outcome);
     }
 
+    /// Count a request refused on its route before it reached admission
+    /// (a missing key, a bad target): an arrival, and its outcome.
+    pub fn count_unadmitted(&self, outcome: Outcome) {
+        self.arrivals.increment(1);
+        self.count(outcome);
+    }
+
     /// Refusals since the last call (for one log line per interval).
     pub fn take_refused(&self) -> u64 {
         self.refused.swap(0, Ordering::Relaxed)

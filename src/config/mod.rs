@@ -811,8 +811,11 @@ impl Validator {
         }
         let ca = match ca_file {
             None => Some(None),
-            Some(_) if !urls.iter().any(|u| u.starts_with("rediss://")) => {
-                self.problem("cluster.ca_file", "applies to rediss:// (TLS) nodes only");
+            Some(_) if !urls.iter().all(|u| u.starts_with("rediss://")) => {
+                self.problem(
+                    "cluster.ca_file",
+                    "applies to rediss:// (TLS) nodes, and every node must be one",
+                );
                 None
             }
             Some(file) => self
@@ -1411,8 +1414,11 @@ impl Validator {
             ("path_prefix", Some(&path_prefix)),
             ("path", exact.as_ref()),
         ] {
+            // A prefix is matched by what follows it too: "/." takes
+            // "/.env", though "/." alone normalizes to "/".
+            let tail = if field == "path_prefix" { "x" } else { "" };
             if let Some(v) = value.filter(|v| v.starts_with('/'))
-                && let Some(normal) = normal_path(v)
+                && let Some(normal) = normal_path(v, tail)
             {
                 self.problem(
                     &path,
@@ -1502,7 +1508,7 @@ impl Validator {
                 Cost::Fixed(n) => *n,
                 Cost::Header { max, .. } => *max,
             };
-            self.within_span(&path, "cost", most, r);
+            self.within_span(&path, &format!("cost {most}"), most, r);
         }
         if let (Some(Cost::Fixed(n)), Some(b)) = (&cost, capacity)
             && b > 0
@@ -1696,10 +1702,11 @@ impl Validator {
         };
         if let Some(r) = rate {
             if let Some(b) = burst {
-                self.within_span(path, "burst", b.saturating_sub(1), r);
+                // Its credit: b − 1 intervals.
+                self.within_span(path, &format!("burst {b}"), b.saturating_sub(1), r);
             }
             if let Some(c) = capacity {
-                self.within_span(path, "capacity", c, r);
+                self.within_span(path, &format!("capacity {c}"), c, r);
             }
         }
         (rate, capacity, burst)
@@ -1715,7 +1722,7 @@ impl Validator {
             self.problem(
                 path,
                 format!(
-                    "{field} {n}: {n} intervals of {} (the rate's) span {} days, and the schedule holds at most {} days",
+                    "{field}: {n} intervals of {} (the rate's) span {} days, and the schedule holds at most {} days",
                     humantime::format_duration(rate.interval()),
                     span / 86_400_000_000_000,
                     MAX_SPAN.as_secs() / 86_400
@@ -1885,12 +1892,13 @@ fn route_host(raw: &str) -> Result<String, String> {
     Ok(h.to_owned())
 }
 
-/// What a route's path becomes when normalized as a request's is, if
-/// that is something else.
-fn normal_path(p: &str) -> Option<String> {
-    match crate::http::path::normalize(p) {
-        Ok(n) if n == p => None,
-        Ok(n) => Some(format!("'{n}'")),
+/// What a route's path (followed by `tail`) becomes when normalized as a
+/// request's is, if that is something else.
+fn normal_path(p: &str, tail: &str) -> Option<String> {
+    let whole = format!("{p}{tail}");
+    match crate::http::path::normalize(&whole) {
+        Ok(n) if n == whole => None,
+        Ok(n) => Some(format!("'{}'", n.strip_suffix(tail).unwrap_or(&n))),
         Err(e) => Some(format!("refused: {e}")),
     }
 }

@@ -517,7 +517,7 @@ impl Validator {
         });
         if let (Some(r), Some(SmtpCost::Recipients)) = (rate, &cost) {
             let most = u32::try_from(max_recipients).unwrap_or(u32::MAX);
-            self.within_span(&path, "cost (max_recipients)", most, r);
+            self.within_span(&path, &format!("cost (max_recipients) {most}"), most, r);
         }
         let max_connections = raw
             .max_connections

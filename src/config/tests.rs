@@ -282,6 +282,9 @@ fn a_route_match_that_could_never_match_is_refused() {
         "match.path '/x/../y' would never match",
     );
     assert!(Config::from_toml(&with("path_prefix = \"/api/\", path = \"/api/v1\"")).is_ok());
+    // "/." takes "/.env" and "/.git/config": a prefix, not a path.
+    assert!(Config::from_toml(&with("path_prefix = \"/.\"")).is_ok());
+    assert_problem(&with("path = \"/.\""), "match.path '/.' would never match");
 }
 
 #[test]
@@ -1001,7 +1004,13 @@ fn the_cluster_store_is_redis_or_postgres() {
     );
     assert_problem(
         &cluster("redis = \"redis://127.0.0.1:6379\"\nca_file = \"/etc/ssl/ca.pem\""),
-        "cluster.ca_file: applies to rediss:// (TLS) nodes only",
+        "cluster.ca_file: applies to rediss:// (TLS) nodes, and every node must be one",
+    );
+    assert_problem(
+        &cluster(
+            "redis = [\"rediss://a:6379\", \"redis://b:6379\"]\nca_file = \"/etc/ssl/ca.pem\"",
+        ),
+        "every node must be one",
     );
     assert_problem(
         &cluster("postgres = \"postgres://u@h/db\"\nca_file = \"/etc/ssl/ca.pem\""),
@@ -1146,7 +1155,7 @@ fn a_burst_queue_or_cost_too_long_for_the_schedule_is_invalid() {
         &MINIMAL
             .replace("\"5/s\"", "\"1/d\"")
             .replace("capacity = 10", "capacity = 10\nburst = 300000"),
-        "route 'default': burst 299999: 299999 intervals of 1day (the rate's) span 299999 days, and the schedule holds at most 73000 days",
+        "route 'default': burst 300000: 299999 intervals of 1day (the rate's) span 299999 days, and the schedule holds at most 73000 days",
     );
     assert_problem(
         &MINIMAL

@@ -314,7 +314,7 @@ impl Handler {
         };
         let route = &app.routes[index];
         let Some(upstream) = app.upstreams.get(route.upstream) else {
-            route.rule.count(Outcome::UpstreamError);
+            route.rule.count_unadmitted(Outcome::UpstreamError);
             return Err(problem(StatusCode::BAD_GATEWAY, "no such upstream", None));
         };
         let headers = req.headers();
@@ -328,7 +328,7 @@ impl Handler {
         let (key, cost) = match (key, route.cost(headers)) {
             (Ok(key), Ok(cost)) => (key, cost),
             (Err(detail), _) | (_, Err(detail)) => {
-                route.rule.count(Outcome::Invalid);
+                route.rule.count_unadmitted(Outcome::Invalid);
                 return Err(problem(StatusCode::BAD_REQUEST, &detail, None));
             }
         };
@@ -339,7 +339,7 @@ impl Handler {
             parts.uri = match http::Uri::from_parts(uri) {
                 Ok(u) => u,
                 Err(_) => {
-                    route.rule.count(Outcome::Invalid);
+                    route.rule.count_unadmitted(Outcome::Invalid);
                     return Err(problem(
                         StatusCode::BAD_REQUEST,
                         "the request target is invalid",
@@ -350,7 +350,7 @@ impl Handler {
         }
         let Some(origin) = upstream.retarget(&mut parts, peer, route.strip_prefix.as_deref())
         else {
-            route.rule.count(Outcome::Invalid);
+            route.rule.count_unadmitted(Outcome::Invalid);
             let detail = "the request target cannot be forwarded";
             return Err(problem(StatusCode::BAD_REQUEST, detail, None));
         };
