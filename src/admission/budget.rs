@@ -53,16 +53,16 @@ impl StageBudget {
         }
     }
 
-    /// Room for `n` more bytes, or `false` (nothing taken).
+    /// Room for `n` more bytes, or `false` (nothing taken, and nothing
+    /// seen taken meanwhile: a refused reservation never shows in `used`,
+    /// where [`StageBudget::has_room`] would read the budget as full).
     fn take(&self, n: usize) -> bool {
         let max = self.max_total.load(Ordering::Relaxed);
-        let before = self.used.fetch_add(n, Ordering::AcqRel);
-        if before.saturating_add(n) <= max {
-            true
-        } else {
-            self.used.fetch_sub(n, Ordering::AcqRel);
-            false
-        }
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(n).filter(|&total| total <= max)
+            })
+            .is_ok()
     }
 }
 

@@ -89,7 +89,7 @@ pub fn extract(
 /// A key header's value: one at most. Two would let a client pick its own
 /// bucket with the first while an upstream that reads the last (or the
 /// list) sees the real one.
-fn one_value<'a>(
+pub(crate) fn one_value<'a>(
     headers: &'a HeaderMap,
     name: &http::HeaderName,
 ) -> Result<Option<&'a http::HeaderValue>, String> {

@@ -108,24 +108,30 @@ impl Route {
     }
 
     /// The request's cost: fixed, or read from a header (400 when it is not
-    /// a whole number from 1 to the configured max).
+    /// a whole number from 1 to the configured max, or is given twice: a
+    /// client would pay the first while an upstream meters the last).
     pub fn cost(&self, headers: &HeaderMap) -> Result<u32, String> {
-        match &self.cost {
-            Cost::Fixed(n) => Ok(*n),
-            Cost::Header { name, default, max } => match headers.get(name) {
-                None => Ok(*default),
-                Some(v) => match v.to_str().ok().and_then(|t| t.trim().parse::<u32>().ok()) {
-                    Some(n) if (1..=*max).contains(&n) => Ok(n),
-                    _ => Err(format!(
-                        "the {name} header must be a whole number from 1 to {max}"
-                    )),
-                },
-            },
-        }
+        cost_of(&self.cost, headers)
     }
 
     pub fn path_prefix(&self) -> &str {
         &self.path_prefix
+    }
+}
+
+/// See [`Route::cost`].
+fn cost_of(cost: &Cost, headers: &HeaderMap) -> Result<u32, String> {
+    match cost {
+        Cost::Fixed(n) => Ok(*n),
+        Cost::Header { name, default, max } => match super::key::one_value(headers, name)? {
+            None => Ok(*default),
+            Some(v) => match v.to_str().ok().and_then(|t| t.trim().parse::<u32>().ok()) {
+                Some(n) if (1..=*max).contains(&n) => Ok(n),
+                _ => Err(format!(
+                    "the {name} header must be a whole number from 1 to {max}"
+                )),
+            },
+        },
     }
 }
 
@@ -292,7 +298,26 @@ fn rule_spec<'a>(config: &'a Config, r: &'a config::Route) -> RuleSpec<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::host_matches;
+    use super::*;
+
+    #[test]
+    fn a_cost_header_given_twice_is_refused() {
+        use http::HeaderValue;
+        let cost = Cost::Header {
+            name: http::HeaderName::from_static("x-units"),
+            default: 1,
+            max: 100,
+        };
+        let mut h = HeaderMap::new();
+        assert_eq!(cost_of(&cost, &h), Ok(1));
+        h.append("x-units", HeaderValue::from_static("1"));
+        assert_eq!(cost_of(&cost, &h), Ok(1));
+        h.append("x-units", HeaderValue::from_static("100"));
+        assert_eq!(
+            cost_of(&cost, &h),
+            Err("the x-units header must appear once".to_owned())
+        );
+    }
 
     #[test]
     fn a_wildcard_host_takes_names_under_it_only() {
