@@ -69,21 +69,50 @@ pub fn extract(
             KeyPart::Ip => out.ip(peer),
             KeyPart::Forwarded => out.ip(forwarded_client(headers, peer, trusted)),
             KeyPart::Global => {}
-            KeyPart::Header(name) => match one_value(headers, name)? {
-                Some(v) if v.len() > MAX_KEY_LEN => {
-                    return Err(format!(
-                        "the {name} header is longer than {MAX_KEY_LEN} bytes"
-                    ));
+            KeyPart::Header(name) => {
+                let joined;
+                let value = match one_value(headers, name) {
+                    Ok(v) => v,
+                    Err(twice) => {
+                        joined = cookies(headers, name).ok_or(twice)?;
+                        joined.as_ref()
+                    }
+                };
+                match value {
+                    Some(v) if v.len() > MAX_KEY_LEN => {
+                        return Err(format!(
+                            "the {name} header is longer than {MAX_KEY_LEN} bytes"
+                        ));
+                    }
+                    Some(v) if !v.is_empty() => out.text(v.as_bytes()),
+                    _ => match on_missing {
+                        OnMissingKey::Ip => out.ip(peer),
+                        OnMissingKey::Reject => {
+                            return Err(format!("the {name} header is required"));
+                        }
+                    },
                 }
-                Some(v) if !v.is_empty() => out.text(v.as_bytes()),
-                _ => match on_missing {
-                    OnMissingKey::Ip => out.ip(peer),
-                    OnMissingKey::Reject => return Err(format!("the {name} header is required")),
-                },
-            },
+            }
         }
         Ok(())
     })
+}
+
+/// `Cookie` sent as several fields (HTTP/2 clients split it, RFC 9113
+/// 8.2.3), joined with "; " as one value, as the upstream gets it; `None`
+/// for any other header.
+fn cookies(headers: &HeaderMap, name: &http::HeaderName) -> Option<Option<http::HeaderValue>> {
+    if name != http::header::COOKIE {
+        return None;
+    }
+    let mut joined = Vec::new();
+    for v in headers.get_all(name) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(v.as_bytes());
+    }
+    http::HeaderValue::from_bytes(&joined).ok().map(Some)
 }
 
 /// A key header's value: one at most. Two would let a client pick its own
@@ -233,6 +262,17 @@ mod tests {
         h.append("x-api-key", HeaderValue::from_static("real"));
         let e = extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap_err();
         assert_eq!(e, "the x-api-key header must appear once");
+    }
+
+    #[test]
+    fn cookies_split_over_fields_are_one_key() {
+        // HTTP/2 clients send Cookie as several fields (RFC 9113 8.2.3).
+        let s = spec(&[header("cookie")]);
+        let mut h = HeaderMap::new();
+        h.append("cookie", HeaderValue::from_static("a=1"));
+        h.append("cookie", HeaderValue::from_static("sid=x"));
+        let k = extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap();
+        assert_eq!(k.display(), "a=1; sid=x");
     }
 
     #[test]
