@@ -168,13 +168,12 @@ pub fn foreign_transfer_coding(headers: &HeaderMap) -> bool {
     })
 }
 
-/// The protocol switch a request asks for (`Connection: upgrade` with an
-/// `Upgrade` header), before the hop-by-hop headers go: WebSocket only.
-/// Any other (`h2c` above all: a backend that accepts it would take an
-/// unshaped HTTP/2 connection through the tunnel, every request on it
-/// past the routes and their rates) is not passed on: the request goes as
-/// a plain one, its `Upgrade` dropped, as nginx does without an upgrade
-/// configured.
+/// The protocol switch a request asks for (`Connection: upgrade` with one
+/// `Upgrade` header), before the hop-by-hop headers go; never to HTTP
+/// itself (`h2c`, `h2`, `HTTP/2.0`): a backend that accepts `h2c` would
+/// take an unshaped HTTP/2 connection through the tunnel, every request
+/// on it past the routes and their rates (h2c smuggling). Such a request
+/// goes as a plain one, its `Upgrade` dropped.
 pub fn upgrade_to(headers: &HeaderMap) -> Option<HeaderValue> {
     let asks = headers
         .get_all(CONNECTION)
@@ -182,19 +181,19 @@ pub fn upgrade_to(headers: &HeaderMap) -> Option<HeaderValue> {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    let websocket = |v: &HeaderValue| {
+    let not_http = |v: &HeaderValue| {
         v.to_str().is_ok_and(|v| {
             v.split(',').all(|p| {
-                p.trim()
-                    .split('/')
-                    .next()
-                    .is_some_and(|n| n.eq_ignore_ascii_case("websocket"))
+                let name = p.trim().split('/').next().unwrap_or_default();
+                !["h2c", "h2", "http"]
+                    .iter()
+                    .any(|h| name.eq_ignore_ascii_case(h))
             })
         })
     };
     let mut values = headers.get_all(UPGRADE).iter();
     match (asks, values.next(), values.next()) {
-        (true, Some(v), None) if websocket(v) => Some(v.clone()),
+        (true, Some(v), None) if not_http(v) => Some(v.clone()),
         _ => None,
     }
 }
@@ -354,15 +353,17 @@ mod tests {
     }
 
     #[test]
-    fn only_a_websocket_switch_is_passed_on() {
+    fn a_switch_to_http_itself_is_never_passed_on() {
         let ask =
             |to: &'static str| upgrade_to(&map(&[("connection", "Upgrade"), ("upgrade", to)]));
         assert_eq!(ask("websocket").unwrap(), "websocket");
         assert_eq!(ask("WebSocket").unwrap(), "WebSocket");
+        assert_eq!(ask("echo").unwrap(), "echo");
         // h2c through a tunnel would take every request past the routes.
         assert!(ask("h2c").is_none());
+        assert!(ask("H2C").is_none());
         assert!(ask("websocket, h2c").is_none());
-        assert!(ask("TLS/1.2").is_none());
+        assert!(ask("HTTP/2.0").is_none());
         assert!(upgrade_to(&map(&[("upgrade", "websocket")])).is_none());
         let mut h = map(&[
             ("connection", "Upgrade, HTTP2-Settings"),
