@@ -771,7 +771,7 @@ impl Validator {
         if urls.is_empty() {
             self.problem("cluster.redis", "the list of nodes must not be empty");
         }
-        for url in &urls {
+        for (i, url) in urls.iter().enumerate() {
             if !["redis://", "rediss://", "unix://", "redis+unix://"]
                 .iter()
                 .any(|s| url.starts_with(s))
@@ -785,8 +785,7 @@ impl Validator {
                 // What the client will make of it at start (a bad port,
                 // database number or fragment); the URL is not shown, for
                 // the password it may hold.
-                let n = urls.iter().position(|u| u == url).unwrap_or(0) + 1;
-                self.problem("cluster.redis", format!("node {n}: {e}"));
+                self.problem("cluster.redis", format!("node {}: {e}", i + 1));
                 ok = false;
             }
         }
@@ -818,10 +817,17 @@ impl Validator {
                 );
                 None
             }
-            Some(file) => self
-                .ca_file("cluster", "ca_file", file)
-                .and_then(|_| std::fs::read(file).ok())
-                .map(Some),
+            // Checked as the other CA files are; the client takes the PEM.
+            Some(file) => match self.ca_file("cluster", "ca_file", file) {
+                None => None,
+                Some(_) => match std::fs::read(file) {
+                    Ok(pem) => Some(Some(pem)),
+                    Err(e) => {
+                        self.problem("cluster", format!("ca_file '{file}': cannot read: {e}"));
+                        None
+                    }
+                },
+            },
         };
         Some(Store::Redis {
             nodes: ok.then_some(urls)?,

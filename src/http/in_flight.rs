@@ -10,6 +10,7 @@
 //! pays one instead of freeing it, so no new call starts until fewer
 //! than the new cap are in flight. Calls in flight are never cut.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -83,6 +84,49 @@ impl InFlight {
 impl Drop for CallSlot {
     fn drop(&mut self) {
         self.0.give_back();
+    }
+}
+
+/// Caps by name (`max_concurrency` by upstream, `max_connections` by
+/// SMTP listener), with the limit each was last given, kept across
+/// reloads so that what is in flight across a reload counts against the
+/// same cap. A reload works on a copy; the caps are resized only when it
+/// is committed.
+#[derive(Default, Clone)]
+pub struct Concurrency(HashMap<String, (usize, Arc<InFlight>)>);
+
+impl Concurrency {
+    /// `name`'s cap, planned at `limit` (resized at [`Concurrency::commit`]).
+    pub fn get(&mut self, upstream: &str, limit: usize) -> Arc<InFlight> {
+        match self.0.get_mut(upstream) {
+            Some((n, cap)) => {
+                *n = limit;
+                cap.clone()
+            }
+            None => {
+                let cap = InFlight::new(limit);
+                self.0.insert(upstream.to_owned(), (limit, cap.clone()));
+                cap
+            }
+        }
+    }
+
+    /// Make `next` (this copy, changed by a reload that succeeded) the
+    /// caps in force: each cap whose limit changed is resized in place.
+    pub fn commit(&mut self, next: Concurrency) {
+        for (name, (limit, cap)) in &next.0 {
+            if let Some(&(was, _)) = self.0.get(name)
+                && was != *limit
+            {
+                cap.resize(was, *limit);
+            }
+        }
+        *self = next;
+    }
+
+    /// `name`'s cap now, if it has one.
+    pub fn current(&self, name: &str) -> Option<Arc<InFlight>> {
+        self.0.get(name).map(|(_, cap)| cap.clone())
     }
 }
 

@@ -71,12 +71,11 @@ pub fn extract(
             KeyPart::Global => {}
             KeyPart::Header(name) => {
                 let joined;
-                let value = match one_value(headers, name) {
-                    Ok(v) => v,
-                    Err(twice) => {
-                        joined = cookies(headers, name).ok_or(twice)?;
-                        joined.as_ref()
-                    }
+                let value = if name == http::header::COOKIE {
+                    joined = cookie(headers);
+                    joined.as_ref()
+                } else {
+                    one_value(headers, name)?
                 };
                 match value {
                     Some(v) if v.len() > MAX_KEY_LEN => {
@@ -98,21 +97,21 @@ pub fn extract(
     })
 }
 
-/// `Cookie` sent as several fields (HTTP/2 clients split it, RFC 9113
-/// 8.2.3), joined with "; " as one value, as the upstream gets it; `None`
-/// for any other header.
-fn cookies(headers: &HeaderMap, name: &http::HeaderName) -> Option<Option<http::HeaderValue>> {
-    if name != http::header::COOKIE {
-        return None;
+/// The `Cookie` key header: its fields (HTTP/2 clients split it, RFC 9113
+/// 8.2.3) joined with "; " as one value, as the upstream gets it; `None`
+/// when there is none.
+fn cookie(headers: &HeaderMap) -> Option<http::HeaderValue> {
+    let mut fields = headers.get_all(http::header::COOKIE).iter().peekable();
+    let first = fields.next()?;
+    if fields.peek().is_none() {
+        return Some(first.clone());
     }
-    let mut joined = Vec::new();
-    for v in headers.get_all(name) {
-        if !joined.is_empty() {
-            joined.extend_from_slice(b"; ");
-        }
+    let mut joined = first.as_bytes().to_vec();
+    for v in fields {
+        joined.extend_from_slice(b"; ");
         joined.extend_from_slice(v.as_bytes());
     }
-    http::HeaderValue::from_bytes(&joined).ok().map(Some)
+    http::HeaderValue::from_bytes(&joined).ok()
 }
 
 /// A key header's value: one at most. Two would let a client pick its own

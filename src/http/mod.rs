@@ -44,8 +44,8 @@ use metrics::Counter;
 use crate::admission::{Admission, AdmissionError, ClientView, Key, Probe, Protocol};
 use crate::config::Config;
 use crate::metrics::{self as m, Outcome};
-pub use in_flight::InFlight;
-use route::{App, Concurrency};
+pub use in_flight::{Concurrency, InFlight};
+use route::App;
 pub use serve::{Server, listener};
 
 /// Errors starting or reloading the server.

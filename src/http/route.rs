@@ -2,7 +2,6 @@
 //! request path needs from it resolved once per config (admission rule,
 //! key spec, cost, pre-rendered refusals, upstream index).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use http::{HeaderMap, Method, Request, StatusCode};
@@ -10,7 +9,7 @@ use ipnet::IpNet;
 
 use super::ServeError;
 use super::forward::Upstream;
-use super::in_flight::InFlight;
+use super::in_flight::{Concurrency, InFlight};
 use super::response::Problem;
 use crate::admission::Policy;
 use crate::admission::{Admission, Protocol, Rule, RuleSpec};
@@ -38,42 +37,6 @@ pub struct Route {
     pub max_wait: Problem,
     /// 503 body for a request still queued when `max_wait` passed.
     pub expired: Problem,
-}
-
-/// `max_concurrency` caps by upstream name, with the limit each was last
-/// given, kept across reloads so that calls in flight across a reload
-/// count against the same cap. A reload works on a copy; the caps are
-/// resized only when it is committed.
-#[derive(Default, Clone)]
-pub struct Concurrency(HashMap<String, (usize, Arc<InFlight>)>);
-
-impl Concurrency {
-    fn get(&mut self, upstream: &str, limit: usize) -> Arc<InFlight> {
-        match self.0.get_mut(upstream) {
-            Some((n, cap)) => {
-                *n = limit;
-                cap.clone()
-            }
-            None => {
-                let cap = InFlight::new(limit);
-                self.0.insert(upstream.to_owned(), (limit, cap.clone()));
-                cap
-            }
-        }
-    }
-
-    /// Make `next` (this copy, changed by a reload that succeeded) the
-    /// caps in force: each cap whose limit changed is resized in place.
-    pub fn commit(&mut self, next: Concurrency) {
-        for (name, (limit, cap)) in &next.0 {
-            if let Some(&(was, _)) = self.0.get(name)
-                && was != *limit
-            {
-                cap.resize(was, *limit);
-            }
-        }
-        *self = next;
-    }
 }
 
 /// The routing table: swapped whole on reload; requests in flight keep

@@ -35,10 +35,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+use super::Concurrency;
 use super::conn::{Conns, Guarded, OwnedPermit, Reason};
 use super::h1::{self, RequestBody, Rewind};
 use super::handler::Handler;
-use super::route::{App, Concurrency};
+use super::route::App;
 use super::{Handle, ServeError, Shared, limits, lock, unix_now, unrouted_counter};
 use crate::admission::Admission;
 use crate::config::Config;

@@ -262,10 +262,8 @@ impl Begun {
     /// the end was read, the rest of the stream follows.
     pub fn next_frame(&mut self) -> Option<Frame<Bytes>> {
         if !self.data.is_empty() {
-            let data = self.data.split().freeze();
-            self.data = BytesMut::new();
             self.room = None;
-            return Some(Frame::data(data));
+            return Some(Frame::data(std::mem::take(&mut self.data).freeze()));
         }
         self.trailers.take().map(|t| Frame::trailers(*t))
     }

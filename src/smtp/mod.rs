@@ -22,13 +22,12 @@ mod pool;
 pub mod reply;
 mod session;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::http::InFlight;
+use crate::http::{Concurrency, InFlight};
 use arc_swap::ArcSwap;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
@@ -83,7 +82,7 @@ pub struct Front {
     sockets: Mutex<Vec<(String, std::net::TcpListener)>>,
     addrs: Vec<(String, SocketAddr)>,
     /// `max_connections` per listener, kept across reloads.
-    slots: Mutex<HashMap<String, (usize, Arc<InFlight>)>>,
+    slots: Mutex<Concurrency>,
     sessions: Arc<AtomicUsize>,
 }
 
@@ -134,7 +133,7 @@ impl Front {
                 .collect(),
             sockets: Mutex::new(sockets),
             addrs,
-            slots: Mutex::new(HashMap::new()),
+            slots: Mutex::new(Concurrency::default()),
             sessions: Arc::new(AtomicUsize::new(0)),
         };
         let pools = front
@@ -214,23 +213,14 @@ impl Front {
             })
             .collect();
         let table = Table { listeners, pools };
-        let mut slots = lock(&self.slots);
         // Resized in place: the sessions open across the reload count
         // against the new limit (a fresh semaphore would not count them).
+        let mut slots = lock(&self.slots);
+        let mut next = slots.clone();
         for l in &table.listeners {
-            let limit = l.cfg.max_connections;
-            match slots.get_mut(&l.cfg.name) {
-                Some((n, cap)) => {
-                    if *n != limit {
-                        cap.resize(*n, limit);
-                        *n = limit;
-                    }
-                }
-                None => {
-                    slots.insert(l.cfg.name.clone(), (limit, InFlight::new(limit)));
-                }
-            }
+            next.get(&l.cfg.name, l.cfg.max_connections);
         }
+        slots.commit(next);
         self.table.store(Arc::new(table));
     }
 
@@ -244,7 +234,7 @@ impl Front {
     }
 
     fn slots(&self, name: &str) -> Option<Arc<InFlight>> {
-        lock(&self.slots).get(name).map(|(_, s)| s.clone())
+        lock(&self.slots).current(name)
     }
 
     /// The addresses bound, by listener (useful with port 0).
