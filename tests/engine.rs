@@ -302,6 +302,40 @@ fn with_burst_a_late_release_is_made_up_no_faster_than_twice_the_rate() {
 }
 
 #[test]
+fn with_burst_an_arrival_after_a_late_release_keeps_half_an_interval() {
+    // burst = 5: five pass at once, the sixth is due at 200 ms. The pacer
+    // sends it at 700 ms and the queue is empty again. The client has
+    // burst credit left by then, but DESIGN 1 holds for late releases:
+    // a request arriving right after the late one departs no sooner than
+    // c·T/2 after it (it used to go at once, 1 ms after it).
+    let t = T5;
+    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
+    let up = e.add_upstream(None);
+    let mut p = policy("5/s", 10);
+    p.burst = 5;
+    let r = e.add_route(p, up);
+    let at_once = (0..6)
+        .filter(|&id| e.admit(r, 1, 1, 0, || id) == Admission::Depart)
+        .count();
+    assert_eq!(at_once, 5);
+    assert_eq!(e.next_release(), Some(t));
+    let mut out = Vec::new();
+    e.release_due(700 * MS, &mut out);
+    assert_eq!(out, vec![5]);
+    let next = e.admit(r, 1, 1, 701 * MS, || 6);
+    assert_eq!(
+        queued_at(&next),
+        700 * MS + t / 2,
+        "half an interval after the late release"
+    );
+    // Past that floor the burst credit is there again: it passes at once.
+    out.clear();
+    e.release_due(800 * MS, &mut out);
+    assert_eq!(out, vec![6]);
+    assert_eq!(e.admit(r, 1, 1, 1000 * MS, || 7), Admission::Depart);
+}
+
+#[test]
 fn a_stall_longer_than_the_whole_backlog_restarts_the_schedule() {
     // A release later than b·T: catching up would only burst, so the grid
     // restarts from the release.

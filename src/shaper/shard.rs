@@ -149,7 +149,10 @@ struct Client<K> {
     /// The schedule value D: the earliest time its next cost unit may go
     /// (pushed back by the burst tolerance τ when one is configured).
     tat: Nanos,
-    /// When the head is due (meaningful while the queue is not empty).
+    /// When the head is due while the queue is not empty; while it is
+    /// empty, the earliest instant a new arrival may depart (set after a
+    /// late release, so that a burst allowance never sends the next one
+    /// closer than c·T/2 to it; 0 otherwise).
     due: Nanos,
     waiting_cost: u64,
     waiting: u32,
@@ -234,6 +237,14 @@ pub(super) struct Shard<K, P> {
 /// from the release (DESIGN section 1, late releases).
 fn stalled(at: Nanos, now: Nanos, capacity: u32, step: Nanos) -> bool {
     now.saturating_sub(at) > u64::from(capacity.max(1)).saturating_mul(step)
+}
+
+/// When an arrival may depart if it finds its client's queue empty: the
+/// schedule less the burst tolerance, and not before the floor a late
+/// release left (`due`, read only while nothing waits).
+fn idle_earliest(tat: Nanos, due: Nanos, tau: Nanos, waiting: u32) -> Nanos {
+    let floor = if waiting == 0 { due } else { 0 };
+    tat.saturating_sub(tau).max(floor)
 }
 
 impl<K: Hash + Eq, P> Shard<K, P> {
@@ -340,7 +351,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             client.map_or((0, 0, 0, 0), |c| (c.tat, c.waiting, c.waiting_cost, c.due));
         // Idle (nothing waiting, schedule reached): depart at once if the
         // upstream's cap, if any, has a free slot.
-        let earliest = tat.saturating_sub(policy.tolerance()).max(now);
+        let earliest = idle_earliest(tat, due, policy.tolerance(), waiting).max(now);
         if waiting == 0 && earliest == now && cap.is_none_or(|c| c.free(now)) {
             return Decision::Depart;
         }
@@ -389,7 +400,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         let capacity = u64::from(ask.policy.capacity);
         let cost = u64::from(ask.cost);
         if client.waiting == 0 {
-            return client.tat.saturating_sub(ask.policy.tolerance());
+            return idle_earliest(client.tat, client.due, ask.policy.tolerance(), 0);
         }
         // When the units ahead of `done` units have left: on the client's
         // own grid, and (with a cap) on the upstream's.
@@ -751,6 +762,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         };
         if c.head == NIL {
             c.tat = c.tat.max(floor);
+            c.due = floor;
             if c.tat <= now {
                 self.remove(slot, budget);
             } else {
@@ -1011,9 +1023,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         let next_departure = if c.waiting > 0 {
             c.due.saturating_add(c.waiting_cost.saturating_mul(step))
         } else {
-            c.tat
-                .saturating_sub(policy.map_or(0, |p| p.tolerance()))
-                .max(now)
+            idle_earliest(c.tat, c.due, policy.map_or(0, |p| p.tolerance()), 0).max(now)
         };
         ClientView {
             waiting_cost: c.waiting_cost,
