@@ -283,3 +283,35 @@ async fn a_backlogged_client_does_not_hold_the_cap_for_everyone_on_a_cluster() {
         h.abort();
     }
 }
+
+/// The seeds are asked in turn: a first seed that is down (a master that
+/// failed over, a node taken out) leaves the store ready when the others
+/// answer. With `on_failure = "reject"`, asking only the first kept such a
+/// fleet from starting, and /readyz at 503 while it ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_seed_that_is_down_leaves_the_cluster_ready() {
+    let cluster = RedisCluster::start();
+    let ds = Downstream::start().await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("redis://{}", l.local_addr().unwrap())
+    };
+    let mut nodes = vec![dead];
+    nodes.extend(cluster.urls());
+    let s = Sluice::start(&config(
+        ds.addr,
+        &nodes,
+        "mode = \"cluster\"\non_failure = \"reject\"",
+        "rate = \"5/s\"\ncapacity = 10",
+    ));
+    let ready = get(&client(), &s.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.status, StatusCode::OK, "{:?}", ready.body);
+    let a = get(&client(), &s.url("/x"), &[("x-client", "seed")]).await;
+    assert_eq!(a.status, StatusCode::OK);
+    // Decided in the cluster, not by on_failure.
+    let m = metrics(&s).await;
+    assert!(
+        m.contains("sluice_cluster_calls_total{backend=\"redis\",result=\"ok\"} 1\n"),
+        "{m}"
+    );
+}

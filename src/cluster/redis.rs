@@ -30,7 +30,8 @@ use arc_swap::ArcSwap;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, ErrorKind, Pipeline, RedisFuture, ServerErrorKind, Value};
+use redis::io::tcp::{TcpSettings, socket2::TcpKeepalive};
+use redis::{Cmd, ErrorKind, IntoConnectionInfo, Pipeline, RedisFuture, ServerErrorKind, Value};
 use tokio::runtime::Handle;
 use tracing::info;
 
@@ -190,6 +191,26 @@ pub struct Redis {
 
 /// A node's URL as logs and `/status` show it: a password in it (the one
 /// place a Redis password can be given) replaced by `***`.
+/// Every connection to Redis: no Nagle delay on the small script calls
+/// (several share one connection), and a dead peer is noticed within
+/// seconds rather than after the kernel's 15 minutes of retransmissions.
+/// A host that vanished without a reset (powered off, a partition) leaves
+/// the calls that time out unanswered; without a TCP user timeout the
+/// connection manager would never see an error that makes it reconnect.
+/// The timeout covers unacknowledged data only, which a live server's
+/// kernel acknowledges at once even while Redis itself is busy.
+fn tcp_settings() -> TcpSettings {
+    TcpSettings::default()
+        .set_nodelay(true)
+        .set_user_timeout(Duration::from_secs(5))
+        .set_keepalive(
+            TcpKeepalive::new()
+                .with_time(Duration::from_secs(10))
+                .with_interval(Duration::from_secs(2))
+                .with_retries(3),
+        )
+}
+
 fn shown(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
@@ -228,9 +249,10 @@ impl Redis {
 
     /// A client for `url`, trusting `ca` for TLS when given.
     fn client(&self, url: &str) -> redis::RedisResult<redis::Client> {
+        let info = url.into_connection_info()?.set_tcp_settings(tcp_settings());
         match &self.ca {
-            Some(ca) => redis::Client::build_with_tls(url, self.certs(ca)),
-            None => redis::Client::open(url),
+            Some(ca) => redis::Client::build_with_tls(info, self.certs(ca)),
+            None => redis::Client::open(info),
         }
     }
 
@@ -261,7 +283,8 @@ impl Redis {
     /// background. Retries are short (a pacer cannot wait seconds) and the
     /// whole call is bounded by the timeout.
     fn cluster(&self) -> Result<Conn, ClusterError> {
-        let mut builder = ClusterClientBuilder::new(self.nodes.iter().map(String::as_str));
+        let mut builder = ClusterClientBuilder::new(self.nodes.iter().map(String::as_str))
+            .tcp_settings(tcp_settings());
         if let Some(ca) = &self.ca {
             builder = builder.certs(self.certs(ca));
         }
@@ -290,13 +313,15 @@ impl Redis {
     /// Whether the node at `url` runs in cluster mode (`INFO cluster`), and
     /// whether it is a replica (`INFO replication`).
     async fn node_info(&self, url: &str) -> Result<Node, ClusterError> {
+        let limit = self.timeout.max(Duration::from_secs(1));
+        tokio::time::timeout(limit, self.ask_node_info(url))
+            .await
+            .map_err(|_| ClusterError::Timeout(limit))?
+    }
+
+    async fn ask_node_info(&self, url: &str) -> Result<Node, ClusterError> {
         let client = self.client(url)?;
-        let mut c = tokio::time::timeout(
-            self.timeout.max(Duration::from_secs(1)),
-            client.get_multiplexed_async_connection(),
-        )
-        .await
-        .map_err(|_| ClusterError::Timeout(self.timeout))??;
+        let mut c = client.get_multiplexed_async_connection().await?;
         // One section each: INFO with several is Redis 7's.
         let cluster: String = redis::cmd("INFO")
             .arg("cluster")
@@ -314,6 +339,18 @@ impl Redis {
 
     /// `CLUSTER INFO` of one node: whether its cluster covers every slot.
     async fn cluster_state(&self, url: &str) -> Result<(), String> {
+        let limit = self.timeout.max(Duration::from_secs(1));
+        tokio::time::timeout(limit, self.ask_cluster_state(url))
+            .await
+            .map_err(|_| {
+                format!(
+                    "{} did not answer CLUSTER INFO within {limit:?}",
+                    shown(url)
+                )
+            })?
+    }
+
+    async fn ask_cluster_state(&self, url: &str) -> Result<(), String> {
         let client = self.client(url).map_err(|e| e.to_string())?;
         let mut c = client
             .get_multiplexed_async_connection()
@@ -350,11 +387,34 @@ impl Redis {
     /// store is what the config says: a standalone server for
     /// `standalone`, a cluster covering all 16384 slots for `cluster`.
     pub async fn check(&self) -> Result<(), String> {
-        let first = self.nodes.first().cloned().unwrap_or_default();
-        let node = shown(&first);
-        let cluster_node = match self.node_info(&first).await {
-            Ok(c) => Some(c),
-            Err(e) => {
+        // Ask the seeds in turn: with several (a cluster), the first one
+        // down (a master that failed over to its replica) says nothing
+        // about the store. Standalone connects to the first only.
+        let seeds = match self.mode {
+            RedisMode::Standalone => &self.nodes[..self.nodes.len().min(1)],
+            _ => &self.nodes[..],
+        };
+        let mut answered = None;
+        let mut failed = None;
+        for url in seeds {
+            match self.node_info(url).await {
+                Ok(n) => {
+                    answered = Some((url.clone(), n));
+                    break;
+                }
+                Err(e) => {
+                    failed.get_or_insert((url.clone(), e));
+                }
+            }
+        }
+        let (first, cluster_node) = match (answered, failed) {
+            (Some((url, n)), _) => (url, Some(n)),
+            (None, failed) => {
+                let (url, e) = failed.map_or_else(
+                    || (String::new(), "no redis node".to_string()),
+                    |(url, e)| (url, e.to_string()),
+                );
+                let node = shown(&url);
                 // Unreachable now: connect as configured (auto: as one
                 // server, or as a cluster when given several seeds) and
                 // let the background check decide again.
@@ -373,6 +433,7 @@ impl Redis {
                 ))));
             }
         };
+        let node = shown(&first);
         if let Some(Node {
             cluster: false,
             replica: true,
