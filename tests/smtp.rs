@@ -488,6 +488,22 @@ fn the_protocol_pipelining_limits_and_smuggling() {
     assert!(raw.cmd("MAIL FROM:<n@example.com>").starts_with("250"));
     assert!(raw.cmd("RCPT TO:<>").starts_with("501 5.1.3"));
     assert!(raw.cmd("RCPT TO:<Postmaster>").starts_with("250"));
+    // A quoted domain would reach the upstream's RCPT as parameters of
+    // the client's choosing (smtp-proto drops the quotes).
+    assert!(
+        raw.cmd("RCPT TO:<u@\"x.com> NOTIFY=NEVER ORCPT=rfc822;z\">")
+            .starts_with("501 5.1.3")
+    );
+    assert!(raw.cmd("RSET").starts_with("250"));
+    assert!(
+        raw.cmd("MAIL FROM:<a@\"x.com> RET=HDRS\">")
+            .starts_with("501 5.1.7")
+    );
+    // <postmaster> is a recipient, never a sender: the parser gives it as
+    // the null sender.
+    assert!(raw.cmd("MAIL FROM:<postmaster>").starts_with("501 5.1.7"));
+    assert!(raw.cmd("MAIL FROM:<>").starts_with("250"));
+    assert!(raw.cmd("RCPT TO:<u@example.org>").starts_with("250"));
     assert!(raw.cmd("RSET").starts_with("250"));
     assert!(
         raw.cmd("MAIL FROM:<a@example.com> SIZE=99999")
@@ -516,6 +532,19 @@ fn the_protocol_pipelining_limits_and_smuggling() {
     assert_eq!(arrivals.len(), 1);
     let body = arrivals[0]["body"].as_str().unwrap();
     assert!(body.contains("MAIL FROM:<smuggled@example.com>"), "{body}");
+    // Nor does a dot line with CRs before its LF (smtp-proto's reader
+    // ended the data there).
+    raw.send("MAIL FROM:<q@example.com>\r\nRCPT TO:<u@example.org>\r\nDATA\r\n");
+    assert!(raw.reply().starts_with("250 2.1.0"));
+    assert!(raw.reply().starts_with("250 2.1.5"));
+    assert!(raw.reply().starts_with("354"));
+    raw.send("Subject: cr\r\n\r\nline\r\n.\r\r\nMAIL FROM:<smuggled2@example.com>\r\n.\r\n");
+    let queued = raw.reply();
+    assert!(queued.starts_with("250 2.0.0 Ok: queued as"), "{queued}");
+    let arrivals = up.wait_arrivals(2, Duration::from_secs(5));
+    assert_eq!(arrivals.len(), 2);
+    let body = arrivals[1]["body"].as_str().unwrap();
+    assert!(body.contains("MAIL FROM:<smuggled2@example.com>"), "{body}");
 
     // Over max_message_size: read to the end, then 552; nothing relayed.
     assert!(raw.cmd("MAIL FROM:<big@example.com>").starts_with("250"));
@@ -539,7 +568,7 @@ fn the_protocol_pipelining_limits_and_smuggling() {
     assert!(raw.cmd("RSET").starts_with("250"));
     assert!(raw.cmd("QUIT").starts_with("221"));
     assert!(raw.closed(Duration::from_secs(5)));
-    assert_eq!(up.arrivals().len(), 1);
+    assert_eq!(up.arrivals().len(), 2);
 
     // /status lists the listener beside HTTP routes, with its address.
     let status = smtp::status(sluice.admin.unwrap());

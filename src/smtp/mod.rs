@@ -17,6 +17,7 @@
 //! messages a second, not the HTTP workers' load).
 
 mod client;
+mod data;
 mod io;
 mod pool;
 pub mod reply;

@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use smtp_proto::request::receiver::{DataReceiver, DummyDataReceiver};
 use smtp_proto::{
     AUTH_LOGIN, AUTH_PLAIN, MAIL_BODY_7BIT, MAIL_BODY_8BITMIME, MAIL_SMTPUTF8, MailFrom, RcptTo,
     Request,
@@ -36,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::client::Envelope;
+use super::data::DataReader;
 use super::io::{InBuf, Stream};
 use super::pool::{Pool, client_reply, throttled_error};
 use super::reply::{self, Reply};
@@ -291,6 +291,14 @@ impl Session {
                 Ok(Request::Rcpt { to }) if to.address.is_empty() && !names_postmaster(&line) => {
                     Err(smtp_proto::Error::InvalidRecipientAddress)
                 }
+                // A reverse-path is `<>` or a mailbox with a domain: a
+                // `<postmaster>` sender would go upstream as the null
+                // sender (no bounces).
+                Ok(Request::Mail { from })
+                    if from.address.is_empty() && names_postmaster(&line) =>
+                {
+                    Err(smtp_proto::Error::InvalidSenderAddress)
+                }
                 other => other,
             };
             let step = match parsed {
@@ -456,7 +464,7 @@ impl Session {
         if extra || (!self.esmtp && from.flags != 0) {
             return self.error(&reply::UNSUPPORTED_PARAMETER);
         }
-        if from.address.chars().any(char::is_control) {
+        if !sound_address(&from.address) {
             return self.error(&reply::BAD_SENDER);
         }
         if from.size > cfg.max_message_size {
@@ -554,7 +562,7 @@ impl Session {
         if to.orcpt.is_some() || to.flags != 0 || to.rrvs != 0 {
             return self.error(&reply::UNSUPPORTED_PARAMETER);
         }
-        if to.address.chars().any(char::is_control) {
+        if !sound_address(&to.address) {
             return self.error(&reply::BAD_RECIPIENT);
         }
         if tx.rcpts.len() >= max {
@@ -627,26 +635,17 @@ impl Session {
     /// staging budget, the refusal (after its end, as RFC 1870 wants).
     async fn read_data(&mut self, max: usize) -> Result<Result<(Vec<u8>, Room), Reply>, End> {
         let trace = self.trace_header();
-        let mut rx = DataReceiver::new();
+        let mut rx = DataReader::new();
         let mut message = Vec::new();
-        // The receiver does not know it starts at a line start: primed
-        // with a line end, an empty message and a first line starting
-        // with a dot are read right (the line end is taken off after).
-        rx.ingest(&mut b"\r\n".iter(), &mut message);
         let mut room = self.front.budget.room();
-        let mut refused: Option<(Reply, DummyDataReceiver)> = None;
+        let mut refused: Option<Reply> = None;
         loop {
             let unread = self.inbuf.unread();
-            let mut it = unread.iter();
-            let done = match &mut refused {
-                Some((_, discard)) => discard.ingest(&mut it),
-                None => rx.ingest(&mut it, &mut message),
-            };
-            let used = unread.len() - it.len();
+            let sink = refused.is_none().then_some(&mut message);
+            let used = rx.ingest(unread, sink);
             self.inbuf.consume(used);
             if refused.is_none() {
-                let size = message.len().saturating_sub(2);
-                let why = if size > max {
+                let why = if message.len() > max {
                     Some(reply::TOO_BIG)
                 } else if !room.grow_to(message.capacity() + trace.len()) {
                     Some(reply::NO_STORAGE)
@@ -655,19 +654,19 @@ impl Session {
                 };
                 if let Some(why) = why {
                     message = Vec::new();
-                    refused = Some((why, DummyDataReceiver::new_data(&rx)));
+                    refused = Some(why);
                 }
             }
-            if done {
+            if rx.done() {
                 break;
             }
             self.read_more().await?;
         }
-        if let Some((why, _)) = refused {
+        if let Some(why) = refused {
             return Ok(Err(why));
         }
         let mut out = trace.into_bytes();
-        out.extend_from_slice(message.get(2..).unwrap_or_default());
+        out.extend_from_slice(&message);
         Ok(Ok((out, room)))
     }
 
@@ -991,7 +990,55 @@ async fn watch(inbuf: &mut InBuf, stream: &mut Stream) {
     }
 }
 /// Whether a command line names `<postmaster>` (any case).
+/// Whether an address the parser gave can go into an upstream command
+/// as it is: no control characters, and a domain (after the last `@`)
+/// that is a name: letters, digits, hyphens, dots, or UTF-8. The parser
+/// accepts a quoted domain and drops its quotes, so
+/// `u@"x.com> NOTIFY=NEVER"` would otherwise reach the upstream as extra
+/// parameters of the command. (It refuses address literals itself.)
+fn sound_address(address: &str) -> bool {
+    if address.chars().any(char::is_control) {
+        return false;
+    }
+    let Some((_, domain)) = address.rsplit_once('@') else {
+        return true;
+    };
+    !domain.is_empty()
+        && domain
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || !c.is_ascii())
+}
+
 fn names_postmaster(line: &[u8]) -> bool {
     line.windows(12)
         .any(|w| w.eq_ignore_ascii_case(b"<postmaster>"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sound_address;
+
+    #[test]
+    fn an_address_goes_upstream_only_with_a_plain_domain() {
+        for ok in [
+            "",
+            "postmaster",
+            "a@example.com",
+            "a.b+c@mail-1.example.com",
+            "\"odd local\"@example.com",
+            "ü@bücher.example",
+        ] {
+            assert!(sound_address(ok), "{ok}");
+        }
+        for bad in [
+            "u@x.com> NOTIFY=NEVER",
+            "u@\"x.com\"",
+            "u@",
+            "u@[127.0.0.1]",
+            "u@x.com\r\nRSET",
+            "u@x,y",
+        ] {
+            assert!(!sound_address(bad), "{bad}");
+        }
+    }
 }
