@@ -435,6 +435,18 @@ async fn h2c_requests_are_forwarded() {
     assert_eq!(s.headers["via"], "2 sluice");
     assert_eq!(s.headers["x-forwarded-for"], "127.0.0.1");
     assert!(s.headers.contains_key("host"));
+    // Cookies split over fields reach the HTTP/1.1 upstream as one field
+    // (RFC 9113 8.2.3): a request with a body (hyper's client) and one
+    // without (sluice's own) alike.
+    for (method, path, body) in [("POST", "/h2-post", "x"), ("GET", "/h2-get", "")] {
+        let headers = [("x-client", "h2"), ("cookie", "a=1"), ("cookie", "b=2")];
+        let a = send(&h2, method, &sluice.url(path), &headers, Bytes::from(body)).await;
+        assert_eq!(a.status, StatusCode::OK, "{method}");
+        let seen = ds.seen();
+        let s = seen.iter().find(|s| s.path == path).unwrap();
+        let cookies: Vec<_> = s.headers.get_all("cookie").iter().collect();
+        assert_eq!(cookies, ["a=1; b=2"], "{method}");
+    }
 }
 
 /// A POST body of several MB streams through intact, with the forwarding

@@ -32,9 +32,7 @@ use std::task::{Context, Poll, Waker, ready};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use http::header::{
-    CONNECTION, CONTENT_LENGTH, COOKIE, HeaderName, HeaderValue, TRANSFER_ENCODING,
-};
+use http::header::{CONNECTION, CONTENT_LENGTH, HeaderName, HeaderValue, TRANSFER_ENCODING};
 use http::request::Parts;
 use http::{HeaderMap, Method, StatusCode, Version, response};
 use hyper::body::{Body, Frame, SizeHint};
@@ -240,28 +238,12 @@ fn put_head(out: &mut BytesMut, parts: &Parts) {
     out.put_u8(b' ');
     out.put_slice(target.as_bytes());
     out.put_slice(b" HTTP/1.1\r\n");
-    // A name's values come one after the other. Cookies (which HTTP/2
-    // clients send as one field per cookie) are joined into one field
-    // with "; " (RFC 9113 8.2.3), as an HTTP/1.1 server expects.
-    let mut cookies = false;
+    // A name's values come one after the other (split cookies were
+    // joined into one field at the departure: `Upstream::rewrite`).
     for (name, value) in &parts.headers {
-        if name == COOKIE && cookies {
-            out.put_slice(b"; ");
-            out.put_slice(value.as_bytes());
-            continue;
-        }
-        if cookies {
-            out.put_slice(b"\r\n");
-        }
         out.put_slice(name.as_str().as_bytes());
         out.put_slice(b": ");
         out.put_slice(value.as_bytes());
-        cookies = name == COOKIE;
-        if !cookies {
-            out.put_slice(b"\r\n");
-        }
-    }
-    if cookies {
         out.put_slice(b"\r\n");
     }
     out.put_slice(b"\r\n");
@@ -926,15 +908,12 @@ mod tests {
     }
 
     #[test]
-    fn a_head_is_written_as_the_request_has_it_with_cookies_joined() {
+    fn a_head_is_written_as_the_request_has_it() {
         let mut parts = request(Method::DELETE, "/a/b?c=%20d");
         parts
             .headers
-            .append(COOKIE, HeaderValue::from_static("a=1"));
+            .append(http::header::COOKIE, HeaderValue::from_static("a=1; b=2"));
         parts.headers.append("x-b", HeaderValue::from_static("2"));
-        parts
-            .headers
-            .append(COOKIE, HeaderValue::from_static("b=2"));
         parts.headers.append("x-b", HeaderValue::from_static("3"));
         let mut out = BytesMut::new();
         put_head(&mut out, &parts);
@@ -943,12 +922,6 @@ mod tests {
             "DELETE /a/b?c=%20d HTTP/1.1\r\nhost: up\r\nx-forwarded-for: 127.0.0.1\r\n\
              cookie: a=1; b=2\r\nx-b: 2\r\nx-b: 3\r\n\r\n"
         );
-        let mut last = request(Method::GET, "/");
-        last.headers.append(COOKIE, HeaderValue::from_static("c=3"));
-        last.headers.append(COOKIE, HeaderValue::from_static("d=4"));
-        let mut out = BytesMut::new();
-        put_head(&mut out, &last);
-        assert!(out.ends_with(b"\r\ncookie: c=3; d=4\r\n\r\n"));
     }
 
     #[test]

@@ -25,7 +25,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{CONNECTION, EXPECT, HOST, HeaderMap, HeaderValue, TE, UPGRADE};
+use http::header::{CONNECTION, COOKIE, EXPECT, HOST, HeaderMap, HeaderValue, TE, UPGRADE};
 use http::request::Parts;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
@@ -45,8 +45,8 @@ use super::client::{self, IDLE_TIMEOUT, MAX_IDLE};
 use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
 use super::headers::{
-    accepts_trailers, add_forwarded, append_via, foreign_transfer_coding, strip_hop_by_hop,
-    upgrade_to,
+    accepts_trailers, add_forwarded, append_via, foreign_transfer_coding, joined_cookie,
+    strip_hop_by_hop, upgrade_to,
 };
 use super::in_flight::{CallSlot, InFlight};
 use super::response::{ProxyBody, problem};
@@ -365,6 +365,15 @@ impl Upstream {
             parts
                 .headers
                 .insert(TE, HeaderValue::from_static("trailers"));
+        }
+        // Split cookies go to the upstream as one field: the HTTP/1.1
+        // client writes each field on a line of its own, and many servers
+        // read only the first `Cookie` line.
+        let cookies = parts.headers.get_all(COOKIE);
+        if cookies.iter().nth(1).is_some()
+            && let Some(one) = joined_cookie(&cookies)
+        {
+            parts.headers.insert(COOKIE, one);
         }
         if self.forwarded_headers {
             add_forwarded(&mut parts.headers, peer, host.as_ref());

@@ -13,8 +13,8 @@ use super::response::ceil_secs;
 use super::route::Route;
 use crate::admission::{ClientView, Nanos};
 use http::header::{
-    CONNECTION, CONTENT_LENGTH, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING, UPGRADE,
-    VIA,
+    CONNECTION, CONTENT_LENGTH, GetAll, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING,
+    UPGRADE, VIA,
 };
 
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
@@ -235,6 +235,23 @@ fn via_value(version: Version) -> HeaderValue {
         Version::HTTP_3 => "3 sluice",
         _ => "1.1 sluice",
     })
+}
+
+/// Cookie fields (HTTP/2 clients send one per cookie, RFC 9113 8.2.3)
+/// joined with "; " into the one value an HTTP/1.1 server reads; `None`
+/// when there is none.
+pub fn joined_cookie(fields: &GetAll<'_, HeaderValue>) -> Option<HeaderValue> {
+    let mut fields = fields.iter().peekable();
+    let first = fields.next()?;
+    if fields.peek().is_none() {
+        return Some(first.clone());
+    }
+    let mut joined = first.as_bytes().to_vec();
+    for v in fields {
+        joined.extend_from_slice(b"; ");
+        joined.extend_from_slice(v.as_bytes());
+    }
+    HeaderValue::from_bytes(&joined).ok()
 }
 
 /// Add this hop to `Via`.

@@ -72,7 +72,7 @@ pub fn extract(
             KeyPart::Header(name) => {
                 let joined;
                 let value = if name == http::header::COOKIE {
-                    joined = cookie(headers);
+                    joined = super::headers::joined_cookie(&headers.get_all(http::header::COOKIE));
                     joined.as_ref()
                 } else {
                     one_value(headers, name)?
@@ -95,23 +95,6 @@ pub fn extract(
         }
         Ok(())
     })
-}
-
-/// The `Cookie` key header: its fields (HTTP/2 clients split it, RFC 9113
-/// 8.2.3) joined with "; " as one value, as the upstream gets it; `None`
-/// when there is none.
-fn cookie(headers: &HeaderMap) -> Option<http::HeaderValue> {
-    let mut fields = headers.get_all(http::header::COOKIE).iter().peekable();
-    let first = fields.next()?;
-    if fields.peek().is_none() {
-        return Some(first.clone());
-    }
-    let mut joined = first.as_bytes().to_vec();
-    for v in fields {
-        joined.extend_from_slice(b"; ");
-        joined.extend_from_slice(v.as_bytes());
-    }
-    http::HeaderValue::from_bytes(&joined).ok()
 }
 
 /// A key header's value: one at most. Two would let a client pick its own
