@@ -244,3 +244,104 @@ async fn an_http2_client_that_takes_nothing_is_closed_after_send_timeout() {
     drop(response);
     conn.abort();
 }
+
+/// On HTTP/2, a stream the client holds back (it reads nothing of a large
+/// answer: flow control stops it) does not close the connection while
+/// another request on it waits its turn in the queue: that one is
+/// forwarded and answered when it comes due, long after `send_timeout`.
+/// Once nothing but the held-back stream is left, `send_timeout` closes
+/// the connection as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_back_http2_stream_does_not_cost_the_requests_queued_beside_it() {
+    let ds = Downstream::start().await;
+    let config = CONFIG
+        .replace("DOWNSTREAM", &ds.addr.to_string())
+        .replace(
+            "keepalive_timeout = \"3s\"",
+            "keepalive_timeout = \"60s\"\nsend_timeout = \"1s\"",
+        )
+        .replace(
+            "[[route]]\nname = \"default\"",
+            "[[route]]\nname = \"wait\"\nmatch = { path_prefix = \"/wait\" }\nupstream = \"api\"\nkey = \"ip\"\nrate = \"12/m\"\ncapacity = 2\n\n[[route]]\nname = \"default\"",
+        );
+    let s = Sluice::start(&config);
+    let (mut h2, conn) = h2_connect::<http_body_util::Empty<Bytes>>(s.addr).await;
+    let request = |path: &str| {
+        http::Request::get(format!("http://{}{path}", s.addr))
+            .body(http_body_util::Empty::new())
+            .unwrap()
+    };
+    // A large answer, never read: its stream's window closes.
+    let big = h2.send_request(request("/big")).await.unwrap();
+    assert_eq!(big.status(), StatusCode::OK);
+    // The route's one departure now goes to another connection, so the
+    // next request on this one waits an interval (5 s).
+    let first = get(&client(), &s.url("/wait/first"), &[]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let t = Instant::now();
+    let waited = h2.send_request(request("/wait/second")).await;
+    let waited = waited.expect("the connection stayed open while the request waited");
+    assert_eq!(waited.status(), StatusCode::OK);
+    assert!(
+        t.elapsed() > Duration::from_secs(2),
+        "it did wait: {:?}",
+        t.elapsed()
+    );
+    let body = http_body_util::BodyExt::collect(waited.into_body())
+        .await
+        .unwrap();
+    assert_eq!(&body.to_bytes()[..], b"ok");
+    // Now only the held-back stream is left: closed after send_timeout.
+    all_closed(&s, Instant::now(), "the connection").await;
+    drop(big);
+    conn.abort();
+}
+
+/// The kernel's timer for the server side of the connection from
+/// `client` to `server` (both 127.0.0.1): its kind (`/proc/net/tcp`'s
+/// `tr`: 2 is the keepalive timer) and when it fires, in seconds.
+fn server_side_timer(
+    server: std::net::SocketAddr,
+    client: std::net::SocketAddr,
+) -> Option<(u32, f64)> {
+    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    // Local and remote as the table writes them: 0100007F:PORT in hex.
+    let local = format!("0100007F:{:04X}", server.port());
+    let remote = format!("0100007F:{:04X}", client.port());
+    table.lines().skip(1).find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 6 || f[1] != local || f[2] != remote {
+            return None;
+        }
+        let (kind, when) = f[5].split_once(':')?;
+        let kind = u32::from_str_radix(kind, 16).ok()?;
+        // In clock ticks (USER_HZ, 100 a second on Linux).
+        let when = u64::from_str_radix(when, 16).ok()? as f64 / 100.0;
+        Some((kind, when))
+    })
+}
+
+/// Client connections carry TCP keepalive, first probe after 60 s of
+/// silence (the kernel's default is two hours): a client that vanished
+/// without a FIN or RST is found out, and its held requests leave the
+/// queue. HTTP and SMTP listeners are made the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_connections_are_probed_after_a_minute_of_silence() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&CONFIG.replace("DOWNSTREAM", &ds.addr.to_string()));
+    let conn = std::net::TcpStream::connect(s.addr).unwrap();
+    let me = conn.local_addr().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let timer = loop {
+        // Accepted (the server's side is in the table) and idle.
+        if let Some(t) = server_side_timer(s.addr, me) {
+            break t;
+        }
+        assert!(Instant::now() < deadline, "no server side for {me}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (kind, when) = timer;
+    assert_eq!(kind, 2, "the keepalive timer is armed");
+    assert!(when > 30.0 && when <= 60.0, "first probe in {when} s");
+    drop(conn);
+}

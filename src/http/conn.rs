@@ -283,9 +283,15 @@ impl Conns {
     }
 
     /// Whether `state`'s connection has answers waiting for the client to
-    /// take what it was sent, none of which moved for `send_timeout`.
+    /// take what it was sent, none of which moved for `send_timeout`, and
+    /// nothing else in hand. On HTTP/2 a stream the client holds back by
+    /// flow control (a paused server stream) owes a frame while requests
+    /// beside it wait their turn in the queue: they would lose their
+    /// places with the connection.
     pub fn stalled(&self, state: &ConnState) -> bool {
-        state.owed.load(Ordering::Acquire) > 0
+        let owed = state.owed.load(Ordering::Acquire);
+        owed > 0
+            && owed >= state.in_flight.load(Ordering::Acquire)
             && self
                 .now_ms()
                 .saturating_sub(state.progress_at.load(Ordering::Acquire))

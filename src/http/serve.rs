@@ -28,7 +28,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use socket2::{Domain, Protocol, Socket, Type};
+use socket2::{Domain, Protocol, Socket, TcpKeepalive, Type};
 use tokio::net::{TcpListener, TcpStream};
 
 use tokio_util::sync::CancellationToken;
@@ -49,6 +49,10 @@ use crate::metrics as m;
 const H2_STREAM_WINDOW: u32 = 256 * 1024;
 const H2_CONNECTION_WINDOW: u32 = 1024 * 1024;
 const H2_MAX_STREAMS: u32 = 256;
+/// How long an HTTP/2 client connection may be silent before sluice
+/// pings it, and how long it then has to answer.
+const H2_PING_INTERVAL: Duration = Duration::from_secs(30);
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// The protocols served, configured once.
 #[derive(Clone)]
@@ -103,7 +107,21 @@ fn socket_for(addr: SocketAddr) -> std::io::Result<Socket> {
         socket.set_only_v6(true)?;
     }
     socket.set_reuse_address(true)?;
+    // Accepted connections inherit it: a client that vanished without a
+    // FIN or RST (a NAT that forgot it, a machine switched off) is found
+    // out within about 90 s, so its held requests leave the queue instead
+    // of keeping their places and being forwarded when they come due.
+    socket.set_tcp_keepalive(&client_keepalive())?;
     Ok(socket)
+}
+
+/// TCP keepalive of client connections: probes after 60 s of silence,
+/// then every 10 s; three unanswered close the connection.
+fn client_keepalive() -> TcpKeepalive {
+    TcpKeepalive::new()
+        .with_time(Duration::from_secs(60))
+        .with_interval(Duration::from_secs(10))
+        .with_retries(3)
 }
 
 /// A listening socket on `addr` (not shared with other sockets).
@@ -201,7 +219,11 @@ impl Server {
             // sits in HTTP/2's own buffers meanwhile.
             .initial_stream_window_size(H2_STREAM_WINDOW)
             .initial_connection_window_size(H2_CONNECTION_WINDOW)
-            .max_concurrent_streams(H2_MAX_STREAMS);
+            .max_concurrent_streams(H2_MAX_STREAMS)
+            // A client gone silent (its held calls still queued) is found
+            // out sooner than TCP keepalive alone would.
+            .keep_alive_interval(Some(H2_PING_INTERVAL))
+            .keep_alive_timeout(H2_PING_TIMEOUT);
         let http = Protocols { http1, http2 };
 
         metrics::gauge!(m::CONFIG_LOADED_TIMESTAMP_SECONDS).set(unix_now() as f64);
