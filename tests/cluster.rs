@@ -716,3 +716,59 @@ async fn allow_forwards_unshaped_while_the_store_is_stopped() {
         "after recovery the second request went {apart:?} after the first"
     );
 }
+
+/// A reservation the store makes after sluice gave up on the call (Redis
+/// paused past the timeout; the request went on under `on_failure =
+/// "allow"`) is given back: the client's next request is not held for a
+/// departure nobody took. (It used to wait out the interval, a minute here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_made_after_the_timeout_is_given_back() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let cfg =
+        config(ds.addr, &url, "allow", 1, "100ms").replace("rate = \"5/s\"", "rate = \"1/m\"");
+    let s = Sluice::start(&cfg);
+    let c = client();
+    // The scripts are loaded (a first call).
+    let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
+    assert_eq!(warm.status, StatusCode::OK);
+    // Held by Redis for 700 ms, then run: after sluice's 100 ms.
+    let paused = std::process::Command::new("redis-cli")
+        .args([
+            "-p",
+            &redis.port.to_string(),
+            "CLIENT",
+            "PAUSE",
+            "700",
+            "ALL",
+        ])
+        .output()
+        .unwrap();
+    assert!(paused.status.success(), "{paused:?}");
+    let first = get(&c, &s.url("/first"), &[("x-client", "k")]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let (allowed, m) = fallbacks(&s, "allow").await;
+    assert_eq!(
+        allowed,
+        Some(1.0),
+        "the first went on under on_failure: {m}"
+    );
+    assert!(
+        m.contains("sluice_cluster_calls_total{backend=\"redis\",result=\"ok\"} 1\n"),
+        "the warm-up was decided by Redis: {m}"
+    );
+    // The pause ends, the script reserves, sluice gives it back.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let t = Instant::now();
+    let second = tokio::time::timeout(
+        Duration::from_secs(10),
+        get(&c, &s.url("/second"), &[("x-client", "k")]),
+    )
+    .await
+    .expect("the second was held for the reservation nobody took");
+    assert_eq!(second.status, StatusCode::OK);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    let (allowed, m) = fallbacks(&s, "allow").await;
+    assert_eq!(allowed, Some(1.0), "the second was decided by Redis: {m}");
+}

@@ -339,59 +339,92 @@ impl Cluster {
             .increment(1);
     }
 
-    /// One admission round trip, bounded by the configured timeout.
+    /// One admission round trip, bounded by the configured timeout. The
+    /// call runs in a task of its own: a reservation the store makes after
+    /// the caller gave up (the timeout, then `on_failure`; or its client
+    /// left) is given back, instead of holding a departure that nobody
+    /// takes and, after the timeout, counting the request twice.
     pub async fn admit(&self, ask: Ask) -> Result<Verdict, ClusterError> {
         let started = Instant::now();
-        let reply = match tokio::time::timeout(self.timeout, self.store.admit(&ask)).await {
-            Err(_) => {
-                self.record(started, false, "timeout");
-                return Err(ClusterError::Timeout(self.timeout));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (store, timeout) = (self.store.clone(), self.timeout);
+        tokio::spawn(async move {
+            // The store's own calls are bounded; this bounds the task.
+            let verdict = match tokio::time::timeout(orphan_limit(timeout), store.admit(&ask)).await
+            {
+                Ok(Ok(reply)) => decode(ask, &reply),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(ClusterError::Timeout(timeout)),
+            };
+            if let Err(Ok(Verdict::Go { reservation, .. })) = tx.send(verdict) {
+                withdraw(&store, timeout, &reservation).await;
             }
-            Ok(Err(e)) => {
-                let result = match e {
-                    ClusterError::Timeout(_) => "timeout",
-                    _ => "error",
-                };
-                self.record(started, false, result);
-                return Err(e);
-            }
-            Ok(Ok(r)) => r,
+        });
+        let verdict = match tokio::time::timeout(self.timeout, rx).await {
+            Ok(Ok(v)) => v,
+            Ok(Err(_)) => Err(ClusterError::Setup(
+                "the store call ended without an answer".into(),
+            )),
+            Err(_) => Err(ClusterError::Timeout(self.timeout)),
         };
-        self.record(started, true, "ok");
-        let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
-        match reply.as_slice() {
-            [1, delay, new_d, first_slot] => Ok(Verdict::Go {
-                delay: micros(*delay),
-                reservation: Reservation {
-                    key: ask.key,
-                    slots: ask.slots,
-                    new_d: *new_d,
-                    undo: i64::from(ask.cost)
-                        .saturating_mul(i64::try_from(ask.step_us.max(1)).unwrap_or(i64::MAX)),
-                    first_slot: *first_slot,
-                    cost: ask.cost,
-                },
-            }),
-            [0, retry, ..] => Ok(Verdict::Full {
-                retry_after: micros(*retry),
-            }),
-            [2, retry, ..] => Ok(Verdict::MaxWait {
-                retry_after: micros(*retry),
-            }),
-            _ => Err(ClusterError::Reply),
-        }
+        let result = match &verdict {
+            Ok(_) => "ok",
+            Err(ClusterError::Timeout(_)) => "timeout",
+            Err(_) => "error",
+        };
+        self.record(started, verdict.is_ok(), result);
+        verdict
     }
 
     /// Give a reservation back (the client left before its departure), in
     /// the background and bounded by the timeout.
     pub fn cancel(&self, r: Reservation) {
         let (store, timeout) = (self.store.clone(), self.timeout);
-        tokio::spawn(async move {
-            match tokio::time::timeout(timeout, store.cancel(&r)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => warn!(error = %e, "cannot withdraw a cluster reservation"),
-                Err(_) => warn!("withdrawing a cluster reservation timed out"),
-            }
-        });
+        tokio::spawn(async move { withdraw(&store, timeout, &r).await });
+    }
+}
+
+/// How long a store call may run on after its caller gave up (at
+/// `timeout`): long enough for a slow store to answer, so that a
+/// reservation it made is known and given back, bounded so that a store
+/// that never answers leaks no task. The Redis client's own response
+/// timeouts are this, not `timeout`: a reply it stopped waiting for could
+/// not be given back, and its cluster client retried a script that had
+/// run (a second reservation).
+pub(crate) fn orphan_limit(timeout: Duration) -> Duration {
+    timeout.saturating_mul(4).max(Duration::from_secs(2))
+}
+
+async fn withdraw(store: &Backend, timeout: Duration, r: &Reservation) {
+    match tokio::time::timeout(timeout, store.cancel(r)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "cannot withdraw a cluster reservation"),
+        Err(_) => warn!("withdrawing a cluster reservation timed out"),
+    }
+}
+
+/// A store's admission reply as a verdict.
+fn decode(ask: Ask, reply: &[i64]) -> Result<Verdict, ClusterError> {
+    let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
+    match reply {
+        [1, delay, new_d, first_slot] => Ok(Verdict::Go {
+            delay: micros(*delay),
+            reservation: Reservation {
+                key: ask.key,
+                slots: ask.slots,
+                new_d: *new_d,
+                undo: i64::from(ask.cost)
+                    .saturating_mul(i64::try_from(ask.step_us.max(1)).unwrap_or(i64::MAX)),
+                first_slot: *first_slot,
+                cost: ask.cost,
+            },
+        }),
+        [0, retry, ..] => Ok(Verdict::Full {
+            retry_after: micros(*retry),
+        }),
+        [2, retry, ..] => Ok(Verdict::MaxWait {
+            retry_after: micros(*retry),
+        }),
+        _ => Err(ClusterError::Reply),
     }
 }

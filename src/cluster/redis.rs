@@ -271,7 +271,7 @@ impl Redis {
         let client = self.client(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout))
+            .set_response_timeout(Some(super::orphan_limit(self.timeout)))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_secs(1));
         Ok(Conn::Single(ConnectionManager::new_lazy_with_config(
@@ -280,8 +280,9 @@ impl Redis {
     }
 
     /// A cluster connection from the seed nodes; connects in the
-    /// background. Retries are short (a pacer cannot wait seconds) and the
-    /// whole call is bounded by the timeout.
+    /// background. Retries are short (a pacer cannot wait seconds); the
+    /// caller waits for the timeout at most, the call itself runs on to
+    /// [`super::orphan_limit`].
     fn cluster(&self) -> Result<Conn, ClusterError> {
         let mut builder = ClusterClientBuilder::new(self.nodes.iter().map(String::as_str))
             .tcp_settings(tcp_settings());
@@ -290,15 +291,15 @@ impl Redis {
         }
         let client = builder
             .connection_timeout(self.timeout)
-            .response_timeout(self.timeout)
-            .overall_response_timeout(Some(self.timeout))
+            .response_timeout(super::orphan_limit(self.timeout))
+            .overall_response_timeout(Some(super::orphan_limit(self.timeout)))
             .retries(2)
             .min_retry_wait(5)
             .max_retry_wait(50)
             .build()?;
         let config = redis::cluster::ClusterConfig::new()
             .set_connection_timeout(self.timeout)
-            .set_response_timeout(self.timeout);
+            .set_response_timeout(super::orphan_limit(self.timeout));
         Ok(Conn::Cluster(
             client.get_pending_async_connection_with_config(config),
         ))
