@@ -380,9 +380,13 @@ fn interval_stats(times: &[u64], rate: u64, skip: usize) -> serde_json::Value {
     let intervals: Vec<u64> = times.windows(2).skip(skip).map(|w| w[1] - w[0]).collect();
     let mut dev: Vec<u64> = intervals.iter().map(|i| i.abs_diff(t)).collect();
     dev.sort_unstable();
-    let mean = match (times.first(), times.last()) {
-        (Some(first), Some(last)) if times.len() > 1 => {
-            (last - first) as f64 / (times.len() - 1) as f64
+    // Over the same intervals as the percentiles: the skipped first ones
+    // (the load tool's connections still opening, requests arriving
+    // slower than the rate) are arrivals, not the proxy's departures.
+    let kept = times.get(skip..).unwrap_or_default();
+    let mean = match (kept.first(), kept.last()) {
+        (Some(first), Some(last)) if kept.len() > 1 => {
+            (last - first) as f64 / (kept.len() - 1) as f64
         }
         _ => 0.0,
     };
