@@ -486,6 +486,26 @@ async fn a_held_request_is_retried_and_a_second_429_pauses_again() {
     );
 }
 
+/// A throttling answer larger than sluice keeps for a second send
+/// (64 KiB) goes to the client whole, as the upstream gave it, and is not
+/// sent again: reading it in used to cut it short, and the client got a
+/// 502 for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttling_answer_too_large_to_keep_is_passed_on_whole() {
+    let ds = Downstream::start().await;
+    let config = queue_config(ds.addr, "").replace("url = ", "on_throttle = \"pause\"\nurl = ");
+    let s = Sluice::start(&config);
+    let a = get(&client(), &s.url("/throttle-big/x"), &[("x-client", "b")]).await;
+    assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(a.body.len(), 100 << 10);
+    let tries = ds
+        .seen()
+        .iter()
+        .filter(|r| r.path == "/throttle-big/x")
+        .count();
+    assert_eq!(tries, 1);
+}
+
 /// An upstream that asks for a longer wait (Retry-After: 2) than
 /// `max_pause` (1 s) is paused for max_pause, but the refused request is
 /// not sent again when that shorter pause ends: it gets the upstream's 429.

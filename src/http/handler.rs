@@ -781,8 +781,11 @@ impl Handler {
         // upstream said, and a second send then would come too early.
         let honoured = super::throttle::asked(response.status(), response.headers())
             .is_none_or(|asked| asked <= upstream.max_pause());
+        // An answer too large to keep goes to the client as it is: read
+        // in, it would be cut short.
+        let keepable = response.body().size_hint().lower() <= MAX_KEPT_THROTTLE_BODY as u64;
         let Some((mut parts, out)) =
-            replay.filter(|(p, _)| safe_to_repeat(p) && within_max_wait && honoured)
+            replay.filter(|(p, _)| safe_to_repeat(p) && within_max_wait && honoured && keepable)
         else {
             route.rule.count(outcome);
             return response;

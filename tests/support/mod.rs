@@ -120,10 +120,16 @@ impl Downstream {
                 }
         };
         if throttle {
+            // `/throttle-big`: a 100 KiB error page.
+            let page = if path.starts_with("/throttle-big") {
+                Bytes::from(vec![b'z'; 100 << 10])
+            } else {
+                Bytes::from_static(b"slow down")
+            };
             return Response::builder()
                 .status(StatusCode::TOO_MANY_REQUESTS)
                 .header("retry-after", "2")
-                .body(Full::new(Bytes::from_static(b"slow down")))
+                .body(Full::new(page))
                 .unwrap();
         }
         let reply = if path.starts_with("/echo") {
