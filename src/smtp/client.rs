@@ -587,9 +587,25 @@ impl Session {
 /// the end of data when it answers it (the message may have been taken,
 /// so it is never sent again).
 fn parse_reply(raw: &[u8], after_dot: bool) -> Result<Reply, RelayError> {
-    smtp_proto::response::parser::ResponseReceiver::default()
-        .parse(&mut raw.iter())
-        .map(Reply::from_parsed)
+    let parse = |bytes: &[u8]| {
+        smtp_proto::response::parser::ResponseReceiver::default()
+            .parse(&mut bytes.iter())
+            .map(Reply::from_parsed)
+    };
+    parse(raw)
+        .or_else(|e| {
+            // smtp-proto reads 4,096 bytes of a reply at most. A longer
+            // one (many lines of policy text) is read by its last line,
+            // which carries the code: a long 250 to the end of data taken
+            // for a lost session told the client to send the message again.
+            match raw
+                .get(..raw.len().saturating_sub(1))
+                .and_then(|r| r.iter().rposition(|&b| b == b'\n'))
+            {
+                Some(i) => parse(&raw[i + 1..]),
+                None => Err(e),
+            }
+        })
         .map_err(|e| RelayError::Lost {
             after_dot,
             why: format!("the upstream's reply cannot be parsed: {e:?}"),
@@ -599,6 +615,26 @@ fn parse_reply(raw: &[u8], after_dot: bool) -> Result<Reply, RelayError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reply_longer_than_the_parser_takes_is_read_by_its_last_line() {
+        let mut raw = Vec::new();
+        for i in 0..100 {
+            raw.extend_from_slice(
+                format!("250-2.0.0 policy line {i} {}\r\n", "x".repeat(60)).as_bytes(),
+            );
+        }
+        raw.extend_from_slice(b"250 2.0.0 Ok: queued as ABC\r\n");
+        assert!(raw.len() > 4096);
+        let reply = parse_reply(&raw, true).expect("taken");
+        assert_eq!(reply.code, 250);
+        assert_eq!(reply.esc, [2, 0, 0]);
+        assert!(reply.text.contains("queued as ABC"), "{}", reply.text);
+        // A short one is parsed whole, as before.
+        let reply = parse_reply(b"550-5.7.1 no\r\n550 5.7.1 really\r\n", true).expect("parsed");
+        assert_eq!((reply.code, reply.text.lines().count()), (550, 2));
+        assert!(parse_reply(b"garbage\r\n", true).is_err());
+    }
 
     #[test]
     fn dots_are_doubled_at_every_line_start_and_the_end_is_added() {
