@@ -297,6 +297,50 @@ async fn a_held_back_http2_stream_does_not_cost_the_requests_queued_beside_it() 
     conn.abort();
 }
 
+/// Two streams held back are not borne, even with a request waiting
+/// beside them: a client that holds back many answers holds their
+/// upstream connections and buffers. The connection is closed after
+/// `send_timeout`, and the waiting request goes with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_held_back_http2_streams_close_the_connection_after_send_timeout() {
+    let ds = Downstream::start().await;
+    let config = CONFIG
+        .replace("DOWNSTREAM", &ds.addr.to_string())
+        .replace(
+            "keepalive_timeout = \"3s\"",
+            "keepalive_timeout = \"60s\"\nsend_timeout = \"1s\"",
+        )
+        .replace(
+            "[[route]]\nname = \"default\"",
+            "[[route]]\nname = \"wait\"\nmatch = { path_prefix = \"/wait\" }\nupstream = \"api\"\nkey = \"ip\"\nrate = \"6/m\"\ncapacity = 2\n\n[[route]]\nname = \"default\"",
+        );
+    let s = Sluice::start(&config);
+    let (mut h2, conn) = h2_connect::<http_body_util::Empty<Bytes>>(s.addr).await;
+    let request = |path: &str| {
+        http::Request::get(format!("http://{}{path}", s.addr))
+            .body(http_body_util::Empty::new())
+            .unwrap()
+    };
+    let big = [
+        h2.send_request(request("/big")).await.unwrap(),
+        h2.send_request(request("/big")).await.unwrap(),
+    ];
+    let first = get(&client(), &s.url("/wait/first"), &[]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    // Due 10 s on: the connection is closed long before.
+    let waited = h2.send_request(request("/wait/second")).await;
+    assert!(
+        waited.is_err(),
+        "answered on a connection that held back two streams"
+    );
+    assert!(
+        ds.seen().iter().all(|r| r.path != "/wait/second"),
+        "the waiting request left the queue with its connection"
+    );
+    drop(big);
+    conn.abort();
+}
+
 /// The kernel's timer for the server side of the connection from
 /// `client` to `server` (both 127.0.0.1): its kind (`/proc/net/tcp`'s
 /// `tr`: 2 is the keepalive timer) and when it fires, in seconds.
@@ -310,7 +354,8 @@ fn server_side_timer(
     let remote = format!("0100007F:{:04X}", client.port());
     table.lines().skip(1).find_map(|line| {
         let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 6 || f[1] != local || f[2] != remote {
+        // Established (01): a socket still in SYN_RECV has a timer of its own.
+        if f.len() < 6 || f[1] != local || f[2] != remote || f[3] != "01" {
             return None;
         }
         let (kind, when) = f[5].split_once(':')?;

@@ -283,19 +283,25 @@ impl Conns {
     }
 
     /// Whether `state`'s connection has answers waiting for the client to
-    /// take what it was sent, none of which moved for `send_timeout`, and
-    /// nothing else in hand. On HTTP/2 a stream the client holds back by
-    /// flow control (a paused server stream) owes a frame while requests
-    /// beside it wait their turn in the queue: they would lose their
-    /// places with the connection.
+    /// take what it was sent, none of which moved for `send_timeout`. On
+    /// HTTP/2 one stream the client holds back by flow control (a paused
+    /// server stream) owes a frame while requests beside it wait their
+    /// turn in the queue, which would lose their places with the
+    /// connection: one such stream is borne while something else is in
+    /// hand, for ten times `send_timeout` at most. Two or more are not (a
+    /// client holding back many answers holds their upstream connections
+    /// and buffers).
     pub fn stalled(&self, state: &ConnState) -> bool {
         let owed = state.owed.load(Ordering::Acquire);
+        let quiet = self
+            .now_ms()
+            .saturating_sub(state.progress_at.load(Ordering::Acquire));
+        let limit = u64::try_from(self.send_timeout.as_millis()).unwrap_or(u64::MAX);
         owed > 0
-            && owed >= state.in_flight.load(Ordering::Acquire)
-            && self
-                .now_ms()
-                .saturating_sub(state.progress_at.load(Ordering::Acquire))
-                > u64::try_from(self.send_timeout.as_millis()).unwrap_or(u64::MAX)
+            && quiet > limit
+            && (owed > 1
+                || owed >= state.in_flight.load(Ordering::Acquire)
+                || quiet > limit.saturating_mul(10))
     }
 
     /// A response body handed hyper a frame (`true`), or was polled again
