@@ -339,3 +339,53 @@ async fn tls_verify_full_checks_the_certificate() {
         "{status}"
     );
 }
+
+/// A composite key of sixteen header parts of 256 bytes is 4 KiB,
+/// 8 KiB in hex, past PostgreSQL's 2,704-byte limit for an index entry
+/// (compressed, as PostgreSQL does first). Such a key is stored by its digest, so its
+/// requests are shaped like any other: it used to fail every call, and
+/// under `on_failure = "reject"` every request with it got 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_composite_key_is_shaped_like_any_other() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let parts: Vec<String> = (0..16).map(|i| format!("\"header:X-K{i}\"")).collect();
+    let cfg = config(ds.addr, &pg, "reject", "").replace(
+        "key = \"header:X-Client\"",
+        &format!("key = [{}]", parts.join(", ")),
+    );
+    let s = Sluice::start(&cfg);
+    // Values that do not compress (PostgreSQL compresses a long index
+    // entry first): letters from a simple generator.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let values: Vec<String> = (0..16)
+        .map(|_| {
+            (0..256)
+                .map(|_| {
+                    x = x
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    char::from(b'a' + ((x >> 33) % 26) as u8)
+                })
+                .collect()
+        })
+        .collect();
+    let names: Vec<String> = (0..16).map(|i| format!("x-k{i}")).collect();
+    let headers: Vec<(&str, &str)> = names
+        .iter()
+        .zip(&values)
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    let c = client();
+    // 5/s, capacity 10: the first goes at once, the next waits 200 ms.
+    let t = Instant::now();
+    for i in 0..2 {
+        let a = get(&c, &s.url(&format!("/long/{i}")), &headers).await;
+        assert_eq!(a.status, StatusCode::OK, "request {i}");
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(150),
+        "paced: {:?}",
+        t.elapsed()
+    );
+}

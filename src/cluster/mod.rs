@@ -218,7 +218,30 @@ pub struct Cluster {
 
 /// Hex of a key's bytes, safe inside a store key name.
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    }
+    out
+}
+
+/// Client keys longer than this are named in the store by their digest.
+const LONGEST_STORED_KEY: usize = 256;
+
+/// A client key as the store names it: its bytes in hex; a longer key
+/// than [`LONGEST_STORED_KEY`], `#` and the hex of its SHA-256. A key made
+/// of several header parts can run to kilobytes, and PostgreSQL's index
+/// takes 2,704 bytes an entry at most: such a key could never be stored,
+/// and every request with it fell to `on_failure` (under `"allow"`,
+/// unshaped, and each one marked the store unhealthy).
+fn store_name(key: &[u8]) -> String {
+    if key.len() <= LONGEST_STORED_KEY {
+        return hex(key);
+    }
+    let digest = ring::digest::digest(&ring::digest::SHA256, key);
+    format!("#{}", hex(digest.as_ref()))
 }
 
 impl Cluster {
@@ -321,10 +344,10 @@ impl Cluster {
         let p = &self.prefix;
         match capped_upstream {
             Some(up) => (
-                format!("{p}{{u:{up}}}:c:{route}:{}", hex(key)),
+                format!("{p}{{u:{up}}}:c:{route}:{}", store_name(key)),
                 Some(format!("{p}{{u:{up}}}:slots")),
             ),
-            None => (format!("{p}{{c:{route}:{}}}", hex(key)), None),
+            None => (format!("{p}{{c:{route}:{}}}", store_name(key)), None),
         }
     }
 
@@ -348,10 +371,16 @@ impl Cluster {
         let started = Instant::now();
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (store, timeout) = (self.store.clone(), self.timeout);
+        let mut rx = Answer {
+            rx,
+            store: store.clone(),
+            timeout,
+        };
         tokio::spawn(async move {
-            // The store's own calls are bounded; this bounds the task.
-            let verdict = match tokio::time::timeout(orphan_limit(timeout), store.admit(&ask)).await
-            {
+            // The store's own calls give up at orphan_limit; this bounds
+            // the task, a little later so as not to lose their answer.
+            let limit = orphan_limit(timeout).saturating_add(timeout);
+            let verdict = match tokio::time::timeout(limit, store.admit(&ask)).await {
                 Ok(Ok(reply)) => decode(ask, &reply),
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(ClusterError::Timeout(timeout)),
@@ -360,7 +389,7 @@ impl Cluster {
                 withdraw(&store, timeout, &reservation).await;
             }
         });
-        let verdict = match tokio::time::timeout(self.timeout, rx).await {
+        let verdict = match tokio::time::timeout(self.timeout, &mut rx.rx).await {
             Ok(Ok(v)) => v,
             Ok(Err(_)) => Err(ClusterError::Setup(
                 "the store call ended without an answer".into(),
@@ -381,6 +410,25 @@ impl Cluster {
     pub fn cancel(&self, r: Reservation) {
         let (store, timeout) = (self.store.clone(), self.timeout);
         tokio::spawn(async move { withdraw(&store, timeout, &r).await });
+    }
+}
+
+/// The caller's end of an admission call. Dropped before it took the
+/// verdict (the client left while the call was answered), it gives back
+/// a reservation that had arrived.
+struct Answer {
+    rx: tokio::sync::oneshot::Receiver<Result<Verdict, ClusterError>>,
+    store: Arc<Backend>,
+    timeout: Duration,
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        self.rx.close();
+        if let Ok(Ok(Verdict::Go { reservation, .. })) = self.rx.try_recv() {
+            let (store, timeout) = (self.store.clone(), self.timeout);
+            tokio::spawn(async move { withdraw(&store, timeout, &reservation).await });
+        }
     }
 }
 
@@ -426,5 +474,27 @@ fn decode(ask: Ask, reply: &[i64]) -> Result<Verdict, ClusterError> {
             retry_after: micros(*retry),
         }),
         _ => Err(ClusterError::Reply),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{LONGEST_STORED_KEY, hex, store_name};
+
+    #[test]
+    fn a_key_is_named_by_its_hex_and_a_long_one_by_its_digest() {
+        assert_eq!(hex(b"\x00\x7f\xffk"), "007fff6b");
+        assert_eq!(store_name(b"hk"), "686b");
+        let short = vec![b'a'; LONGEST_STORED_KEY];
+        assert_eq!(store_name(&short), hex(&short));
+        let long = vec![b'a'; LONGEST_STORED_KEY + 1];
+        let mut other = long.clone();
+        other[LONGEST_STORED_KEY] = b'b';
+        let (a, b) = (store_name(&long), store_name(&other));
+        assert_eq!(a.len(), 65, "{a}");
+        assert!(a.starts_with('#'));
+        assert_ne!(a, b);
+        // Many kilobytes of key, one short name: PostgreSQL indexes it.
+        assert_eq!(store_name(&vec![7u8; 64 << 10]).len(), 65);
     }
 }

@@ -452,9 +452,13 @@ impl Postgres {
         Ok(())
     }
 
-    /// Run one statement on a pooled connection, on the store's runtime,
-    /// bounded by the timeout there too (the caller's own timeout drops
-    /// only its wait).
+    /// Run one statement on a pooled connection, on the store's runtime.
+    /// A connection is waited for up to the timeout; the statement runs
+    /// for the timeout at most (`statement_timeout`: past it, the server
+    /// rolls it back), and its answer is waited for up to
+    /// [`super::orphan_limit`], so that a statement that committed is
+    /// known even when the caller stopped waiting (its reservation is then
+    /// given back).
     async fn call(
         &self,
         sql: &'static str,
@@ -478,7 +482,7 @@ impl Postgres {
                     let refs = params.refs();
                     Ok::<_, ClusterError>(client.query_one(&statement, &refs).await?)
                 };
-                tokio::time::timeout_at(deadline, run).await
+                tokio::time::timeout(super::orphan_limit(timeout), run).await
             };
             match done {
                 Ok(result) => result,

@@ -189,8 +189,6 @@ pub struct Redis {
     runtime: Option<Handle>,
 }
 
-/// A node's URL as logs and `/status` show it: a password in it (the one
-/// place a Redis password can be given) replaced by `***`.
 /// Every connection to Redis: no Nagle delay on the small script calls
 /// (several share one connection), and a dead peer is noticed within
 /// seconds rather than after the kernel's 15 minutes of retransmissions.
@@ -211,6 +209,8 @@ fn tcp_settings() -> TcpSettings {
         )
 }
 
+/// A node's URL as logs and `/status` show it: a password in it (the one
+/// place a Redis password can be given) replaced by `***`.
 fn shown(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
@@ -397,11 +397,20 @@ impl Redis {
         };
         let mut answered = None;
         let mut failed = None;
-        for url in seeds {
+        for (i, url) in seeds.iter().enumerate() {
             match self.node_info(url).await {
-                Ok(n) => {
+                // A later seed stands in for the first only as a node of
+                // the same cluster: a standalone connection is made to
+                // the first seed.
+                Ok(n) if i == 0 || n.cluster => {
                     answered = Some((url.clone(), n));
                     break;
+                }
+                Ok(_) => {
+                    failed.get_or_insert((
+                        url.clone(),
+                        ClusterError::Setup("not a cluster node, and not the first seed".into()),
+                    ));
                 }
                 Err(e) => {
                     failed.get_or_insert((url.clone(), e));
