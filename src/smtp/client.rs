@@ -596,14 +596,16 @@ fn parse_reply(raw: &[u8], after_dot: bool) -> Result<Reply, RelayError> {
         .or_else(|e| {
             // smtp-proto reads 4,096 bytes of a reply at most. A longer
             // one (many lines of policy text) is read by its last line,
-            // which carries the code: a long 250 to the end of data taken
-            // for a lost session told the client to send the message again.
-            match raw
-                .get(..raw.len().saturating_sub(1))
-                .and_then(|r| r.iter().rposition(|&b| b == b'\n'))
-            {
-                Some(i) => parse(&raw[i + 1..]),
-                None => Err(e),
+            // which carries the code (the same as the first line's): a
+            // long 250 to the end of data taken for a lost session told
+            // the client to send the message again.
+            if !matches!(e, smtp_proto::Error::ResponseTooLong) {
+                return Err(e);
+            }
+            let body = raw.get(..raw.len().saturating_sub(1)).unwrap_or_default();
+            match body.iter().rposition(|&b| b == b'\n') {
+                Some(i) if raw.get(..3) == raw.get(i + 1..i + 4) => parse(&raw[i + 1..]),
+                _ => Err(e),
             }
         })
         .map_err(|e| RelayError::Lost {
@@ -634,6 +636,12 @@ mod tests {
         let reply = parse_reply(b"550-5.7.1 no\r\n550 5.7.1 really\r\n", true).expect("parsed");
         assert_eq!((reply.code, reply.text.lines().count()), (550, 2));
         assert!(parse_reply(b"garbage\r\n", true).is_err());
+        // A long reply whose last line's code differs from its first is
+        // not trusted; nor a short one that cannot be parsed.
+        let mut mixed = raw.clone();
+        mixed[..3].copy_from_slice(b"550");
+        assert!(parse_reply(&mixed, true).is_err());
+        assert!(parse_reply(b"xyz-junk\r\n250 ok\r\n", true).is_err());
     }
 
     #[test]

@@ -989,7 +989,7 @@ async fn watch(inbuf: &mut InBuf, stream: &mut Stream) {
         }
     }
 }
-/// Whether a command line names `<postmaster>` (any case).
+
 /// Whether an address the parser gave can go into an upstream command
 /// as it is: no control characters, and a domain (after the last `@`)
 /// that is a name: letters, digits, hyphens, dots, or UTF-8. The parser
@@ -1009,6 +1009,7 @@ fn sound_address(address: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || !c.is_ascii())
 }
 
+/// Whether a command line names `<postmaster>` (any case).
 fn names_postmaster(line: &[u8]) -> bool {
     line.windows(12)
         .any(|w| w.eq_ignore_ascii_case(b"<postmaster>"))
