@@ -812,6 +812,8 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             {
                 let ahead = u128::from(c.tat - now) * u128::from(new) / u128::from(old);
                 c.tat = now.saturating_add(u64::try_from(ahead).unwrap_or(u64::MAX));
+                // A late release's floor is never later than the schedule.
+                c.due = c.due.min(c.tat);
             }
         }
     }
