@@ -336,6 +336,35 @@ fn with_burst_an_arrival_after_a_late_release_keeps_half_an_interval() {
 }
 
 #[test]
+fn a_faster_rate_on_reload_also_shortens_a_late_releases_floor() {
+    // 1/s, burst 2: two go at once, the third is due at 1 s and the pacer
+    // sends it at 1.6 s, which leaves a floor at 2.1 s. A reload to 100/s
+    // then: the next arrival waits for the rescaled schedule (about 14 ms),
+    // not for the old floor.
+    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
+    let up = e.add_upstream(None);
+    let mut p = policy("1/s", 5);
+    p.burst = 2;
+    let r = e.add_route(p, up);
+    let at_once = (0..3)
+        .filter(|&id| e.admit(r, 1, 1, 0, || id) == Admission::Depart)
+        .count();
+    assert_eq!(at_once, 2);
+    let mut out = Vec::new();
+    e.release_due(1600 * MS, &mut out);
+    assert_eq!(out, vec![2]);
+    let mut faster = policy("100/s", 5);
+    faster.burst = 2;
+    e.set_policy(r, faster, 1600 * MS);
+    let next = e.admit(r, 1, 1, 1601 * MS, || 3);
+    let at = match next {
+        Admission::Depart => 1601 * MS,
+        queued => queued_at(&queued),
+    };
+    assert!(at <= 1620 * MS, "held until {at} ns");
+}
+
+#[test]
 fn a_stall_longer_than_the_whole_backlog_restarts_the_schedule() {
     // A release later than b·T: catching up would only burst, so the grid
     // restarts from the release.
