@@ -425,9 +425,13 @@ struct Answer {
 impl Drop for Answer {
     fn drop(&mut self) {
         self.rx.close();
-        if let Ok(Ok(Verdict::Go { reservation, .. })) = self.rx.try_recv() {
+        // (Outside a runtime, a runtime shutting down, there is nothing to
+        // run the withdrawal on: the reservation lapses with its D.)
+        if let Ok(Ok(Verdict::Go { reservation, .. })) = self.rx.try_recv()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
             let (store, timeout) = (self.store.clone(), self.timeout);
-            tokio::spawn(async move { withdraw(&store, timeout, &reservation).await });
+            runtime.spawn(async move { withdraw(&store, timeout, &reservation).await });
         }
     }
 }
