@@ -275,6 +275,21 @@ fn a_late_release_is_made_up_no_faster_than_twice_the_rate() {
     assert_eq!(times.iter().filter(|&&x| x <= 39 * t).count(), 39);
 }
 
+/// An engine with one uncapped route at `r`, capacity `capacity`, with
+/// `burst`, and `n` requests of client 1 arrived at 0; how many of them
+/// went at once.
+fn burst_route(r: &str, capacity: u32, burst: u32, n: u32) -> (Engine<u32, u32>, RouteId, usize) {
+    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
+    let up = e.add_upstream(None);
+    let mut p = policy(r, capacity);
+    p.burst = burst;
+    let route = e.add_route(p, up);
+    let at_once = (0..n)
+        .filter(|&id| e.admit(route, 1, 1, 0, || id) == Admission::Depart)
+        .count();
+    (e, route, at_once)
+}
+
 #[test]
 fn with_burst_a_late_release_is_made_up_no_faster_than_twice_the_rate() {
     // burst = 5: five of ten pass at once, the rest are due at 200, 400,
@@ -282,14 +297,7 @@ fn with_burst_a_late_release_is_made_up_no_faster_than_twice_the_rate() {
     // the client is not idle, so DESIGN 1's late-release rule holds as
     // without burst (the ones due at 400 and 600 used to leave with it).
     let t = T5;
-    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
-    let up = e.add_upstream(None);
-    let mut p = policy("5/s", 10);
-    p.burst = 5;
-    let r = e.add_route(p, up);
-    let at_once = (0..10)
-        .filter(|&id| e.admit(r, 1, 1, 0, || id) == Admission::Depart)
-        .count();
+    let (e, _, at_once) = burst_route("5/s", 10, 5, 10);
     assert_eq!(at_once, 5);
     let times = run_with_one_stall(&e, t, 5 * t / 2, 40 * t);
     assert_eq!(times.len(), 5);
@@ -309,14 +317,7 @@ fn with_burst_an_arrival_after_a_late_release_keeps_half_an_interval() {
     // a request arriving right after the late one departs no sooner than
     // c·T/2 after it (it used to go at once, 1 ms after it).
     let t = T5;
-    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
-    let up = e.add_upstream(None);
-    let mut p = policy("5/s", 10);
-    p.burst = 5;
-    let r = e.add_route(p, up);
-    let at_once = (0..6)
-        .filter(|&id| e.admit(r, 1, 1, 0, || id) == Admission::Depart)
-        .count();
+    let (e, r, at_once) = burst_route("5/s", 10, 5, 6);
     assert_eq!(at_once, 5);
     assert_eq!(e.next_release(), Some(t));
     let mut out = Vec::new();
@@ -341,14 +342,7 @@ fn a_faster_rate_on_reload_also_shortens_a_late_releases_floor() {
     // sends it at 1.6 s, which leaves a floor at 2.1 s. A reload to 100/s
     // then: the next arrival waits for the rescaled schedule (about 14 ms),
     // not for the old floor.
-    let e: Engine<u32, u32> = Engine::new(ROOMY, SHARDS);
-    let up = e.add_upstream(None);
-    let mut p = policy("1/s", 5);
-    p.burst = 2;
-    let r = e.add_route(p, up);
-    let at_once = (0..3)
-        .filter(|&id| e.admit(r, 1, 1, 0, || id) == Admission::Depart)
-        .count();
+    let (e, r, at_once) = burst_route("1/s", 5, 2, 3);
     assert_eq!(at_once, 2);
     let mut out = Vec::new();
     e.release_due(1600 * MS, &mut out);

@@ -245,6 +245,34 @@ async fn an_http2_client_that_takes_nothing_is_closed_after_send_timeout() {
     conn.abort();
 }
 
+/// The held-back stream tests' sluice: `send_timeout` 1 s, and a route
+/// `/wait` keyed by address at `rate` with room for two.
+async fn held_back_setup(rate: &str) -> (Downstream, Sluice) {
+    let ds = Downstream::start().await;
+    let wait = format!(
+        "[[route]]\nname = \"wait\"\nmatch = {{ path_prefix = \"/wait\" }}\nupstream = \"api\"\nkey = \"ip\"\nrate = \"{rate}\"\ncapacity = 2\n\n[[route]]\nname = \"default\""
+    );
+    let config = CONFIG
+        .replace("DOWNSTREAM", &ds.addr.to_string())
+        .replace(
+            "keepalive_timeout = \"3s\"",
+            "keepalive_timeout = \"60s\"\nsend_timeout = \"1s\"",
+        )
+        .replace("[[route]]\nname = \"default\"", &wait);
+    let s = Sluice::start(&config);
+    (ds, s)
+}
+
+/// A GET of `path` on `addr`, without a body.
+fn get_request(
+    addr: std::net::SocketAddr,
+    path: &str,
+) -> http::Request<http_body_util::Empty<Bytes>> {
+    http::Request::get(format!("http://{addr}{path}"))
+        .body(http_body_util::Empty::new())
+        .unwrap()
+}
+
 /// On HTTP/2, a stream the client holds back (it reads nothing of a large
 /// answer: flow control stops it) does not close the connection while
 /// another request on it waits its turn in the queue: that one is
@@ -253,24 +281,9 @@ async fn an_http2_client_that_takes_nothing_is_closed_after_send_timeout() {
 /// the connection as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_back_http2_stream_does_not_cost_the_requests_queued_beside_it() {
-    let ds = Downstream::start().await;
-    let config = CONFIG
-        .replace("DOWNSTREAM", &ds.addr.to_string())
-        .replace(
-            "keepalive_timeout = \"3s\"",
-            "keepalive_timeout = \"60s\"\nsend_timeout = \"1s\"",
-        )
-        .replace(
-            "[[route]]\nname = \"default\"",
-            "[[route]]\nname = \"wait\"\nmatch = { path_prefix = \"/wait\" }\nupstream = \"api\"\nkey = \"ip\"\nrate = \"12/m\"\ncapacity = 2\n\n[[route]]\nname = \"default\"",
-        );
-    let s = Sluice::start(&config);
+    let (_ds, s) = held_back_setup("12/m").await;
     let (mut h2, conn) = h2_connect::<http_body_util::Empty<Bytes>>(s.addr).await;
-    let request = |path: &str| {
-        http::Request::get(format!("http://{}{path}", s.addr))
-            .body(http_body_util::Empty::new())
-            .unwrap()
-    };
+    let request = |path: &str| get_request(s.addr, path);
     // A large answer, never read: its stream's window closes.
     let big = h2.send_request(request("/big")).await.unwrap();
     assert_eq!(big.status(), StatusCode::OK);
@@ -303,24 +316,9 @@ async fn a_held_back_http2_stream_does_not_cost_the_requests_queued_beside_it() 
 /// `send_timeout`, and the waiting request goes with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_held_back_http2_streams_close_the_connection_after_send_timeout() {
-    let ds = Downstream::start().await;
-    let config = CONFIG
-        .replace("DOWNSTREAM", &ds.addr.to_string())
-        .replace(
-            "keepalive_timeout = \"3s\"",
-            "keepalive_timeout = \"60s\"\nsend_timeout = \"1s\"",
-        )
-        .replace(
-            "[[route]]\nname = \"default\"",
-            "[[route]]\nname = \"wait\"\nmatch = { path_prefix = \"/wait\" }\nupstream = \"api\"\nkey = \"ip\"\nrate = \"6/m\"\ncapacity = 2\n\n[[route]]\nname = \"default\"",
-        );
-    let s = Sluice::start(&config);
+    let (ds, s) = held_back_setup("6/m").await;
     let (mut h2, conn) = h2_connect::<http_body_util::Empty<Bytes>>(s.addr).await;
-    let request = |path: &str| {
-        http::Request::get(format!("http://{}{path}", s.addr))
-            .body(http_body_util::Empty::new())
-            .unwrap()
-    };
+    let request = |path: &str| get_request(s.addr, path);
     let big = [
         h2.send_request(request("/big")).await.unwrap(),
         h2.send_request(request("/big")).await.unwrap(),
