@@ -506,6 +506,45 @@ async fn a_throttling_answer_too_large_to_keep_is_passed_on_whole() {
     assert_eq!(tries, 1);
 }
 
+/// The same for a chunked answer (no length to tell in advance): what was
+/// read, then the rest, reaches the client whole. An upstream of our own
+/// here, answering every request with a 100 KiB chunked 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_throttling_answer_too_large_to_keep_is_passed_on_whole() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = up.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = up.accept().await {
+            tokio::spawn(async move {
+                let (mut buf, mut head) = (vec![0u8; 8192], Vec::new());
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let mut out = b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 2\r\n\
+                    Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                    .to_vec();
+                for _ in 0..100 {
+                    out.extend_from_slice(b"400\r\n");
+                    out.extend_from_slice(&[b'z'; 1024]);
+                    out.extend_from_slice(b"\r\n");
+                }
+                out.extend_from_slice(b"0\r\n\r\n");
+                let _ = sock.write_all(&out).await;
+            });
+        }
+    });
+    let config = queue_config(addr, "").replace("url = ", "on_throttle = \"pause\"\nurl = ");
+    let s = Sluice::start(&config);
+    let a = get(&client(), &s.url("/x"), &[("x-client", "c")]).await;
+    assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(a.body.len(), 100 << 10);
+    assert!(a.body.iter().all(|&b| b == b'z'));
+}
+
 /// An upstream that asks for a longer wait (Retry-After: 2) than
 /// `max_pause` (1 s) is paused for max_pause, but the refused request is
 /// not sent again when that shorter pause ends: it gets the upstream's 429.

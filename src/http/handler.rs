@@ -24,12 +24,13 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::StreamExt as _;
 use futures_util::future::{Either, ready};
 use http::request::Parts;
 use http::uri::{InvalidUri, PathAndQuery};
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::BodyExt;
-use hyper::body::Body as _;
+use http_body_util::{BodyExt, BodyStream, StreamBody};
+use hyper::body::{Body as _, Frame};
 use hyper::upgrade::OnUpgrade;
 use tokio_util::task::TaskTracker;
 
@@ -791,13 +792,21 @@ impl Handler {
             return response;
         };
         // Keep the upstream's answer, to give it if the retry cannot go.
-        let Some(kept) = keep(response).await else {
-            route.rule.count(Outcome::UpstreamError);
-            return problem(
-                StatusCode::BAD_GATEWAY,
-                "the upstream's answer was cut short",
-                None,
-            );
+        let kept = match keep(response).await {
+            Some(Ok(kept)) => kept,
+            // Longer than it said (chunked): passed on as it comes.
+            Some(Err(whole)) => {
+                route.rule.count(outcome);
+                return whole;
+            }
+            None => {
+                route.rule.count(Outcome::UpstreamError);
+                return problem(
+                    StatusCode::BAD_GATEWAY,
+                    "the upstream's answer was cut short",
+                    None,
+                );
+            }
         };
         let again = match admission
             .admit(&route.rule, key.clone(), cost, Instant::now())
@@ -924,13 +933,27 @@ pub(super) fn safe_to_repeat(parts: &Parts) -> bool {
     ) || parts.headers.contains_key("idempotency-key")
 }
 
-/// Read a (small) response in full so it can be answered later; `None`
-/// when it is too large or cut short.
-async fn keep(response: Response<ProxyBody>) -> Option<Response<ProxyBody>> {
-    let (parts, body) = response.into_parts();
-    let limited = http_body_util::Limited::new(body, MAX_KEPT_THROTTLE_BODY);
-    let bytes: Bytes = limited.collect().await.ok()?.to_bytes();
-    Some(Response::from_parts(parts, full(bytes)))
+/// Read a (small) response in full so it can be answered later (`Ok`);
+/// one longer than sluice keeps as it comes (`Err`: what was read, then
+/// the rest, not read in); `None` when it is cut short.
+async fn keep(
+    response: Response<ProxyBody>,
+) -> Option<Result<Response<ProxyBody>, Response<ProxyBody>>> {
+    let (parts, mut body) = response.into_parts();
+    let mut kept = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        // Trailers end it (a throttle page has none worth keeping).
+        let Ok(data) = frame.ok()?.into_data() else {
+            break;
+        };
+        kept.extend_from_slice(&data);
+        if kept.len() > MAX_KEPT_THROTTLE_BODY {
+            let head = futures_util::stream::once(ready(Ok(Frame::data(kept.freeze()))));
+            let whole = BodyExt::boxed(StreamBody::new(head.chain(BodyStream::new(body))));
+            return Some(Err(Response::from_parts(parts, whole)));
+        }
+    }
+    Some(Ok(Response::from_parts(parts, full(kept.freeze()))))
 }
 
 impl Shared {
