@@ -727,20 +727,21 @@ async fn a_reservation_made_after_the_timeout_is_given_back() {
     let ds = Downstream::start().await;
     let url = format!("redis://127.0.0.1:{}", redis.port);
     let cfg =
-        config(ds.addr, &url, "allow", 1, "100ms").replace("rate = \"5/s\"", "rate = \"1/m\"");
+        config(ds.addr, &url, "allow", 1, "300ms").replace("rate = \"5/s\"", "rate = \"1/m\"");
     let s = Sluice::start(&cfg);
     let c = client();
     // The scripts are loaded (a first call).
     let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
     assert_eq!(warm.status, StatusCode::OK);
-    // Held by Redis for 700 ms, then run: after sluice's 100 ms.
+    // Held by Redis for 1 s, then run: after sluice's 300 ms, and well
+    // within the 2 s the call itself may take.
     let paused = std::process::Command::new("redis-cli")
         .args([
             "-p",
             &redis.port.to_string(),
             "CLIENT",
             "PAUSE",
-            "700",
+            "1000",
             "ALL",
         ])
         .output()
@@ -759,7 +760,7 @@ async fn a_reservation_made_after_the_timeout_is_given_back() {
         "the warm-up was decided by Redis: {m}"
     );
     // The pause ends, the script reserves, sluice gives it back.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(3000)).await;
     let t = Instant::now();
     let second = tokio::time::timeout(
         Duration::from_secs(10),

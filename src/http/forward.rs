@@ -25,7 +25,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{CONNECTION, COOKIE, EXPECT, HOST, HeaderMap, HeaderValue, TE, UPGRADE};
+use http::header::{CONNECTION, EXPECT, HOST, HeaderMap, HeaderValue, TE, UPGRADE};
 use http::request::Parts;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
@@ -45,7 +45,7 @@ use super::client::{self, IDLE_TIMEOUT, MAX_IDLE};
 use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
 use super::headers::{
-    accepts_trailers, add_forwarded, append_via, foreign_transfer_coding, joined_cookie,
+    accepts_trailers, add_forwarded, append_via, foreign_transfer_coding, join_cookies,
     strip_hop_by_hop, upgrade_to,
 };
 use super::in_flight::{CallSlot, InFlight};
@@ -366,15 +366,8 @@ impl Upstream {
                 .headers
                 .insert(TE, HeaderValue::from_static("trailers"));
         }
-        // Split cookies go to the upstream as one field: the HTTP/1.1
-        // client writes each field on a line of its own, and many servers
-        // read only the first `Cookie` line.
-        let cookies = parts.headers.get_all(COOKIE);
-        if cookies.iter().nth(1).is_some()
-            && let Some(one) = joined_cookie(&cookies)
-        {
-            parts.headers.insert(COOKIE, one);
-        }
+        // The HTTP/1.1 client writes each field on a line of its own.
+        join_cookies(&mut parts.headers);
         if self.forwarded_headers {
             add_forwarded(&mut parts.headers, peer, host.as_ref());
         }

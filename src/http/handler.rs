@@ -782,11 +782,8 @@ impl Handler {
         // upstream said, and a second send then would come too early.
         let honoured = super::throttle::asked(response.status(), response.headers())
             .is_none_or(|asked| asked <= upstream.max_pause());
-        // An answer too large to keep goes to the client as it is: read
-        // in, it would be cut short.
-        let keepable = response.body().size_hint().lower() <= MAX_KEPT_THROTTLE_BODY as u64;
         let Some((mut parts, out)) =
-            replay.filter(|(p, _)| safe_to_repeat(p) && within_max_wait && honoured && keepable)
+            replay.filter(|(p, _)| safe_to_repeat(p) && within_max_wait && honoured)
         else {
             route.rule.count(outcome);
             return response;
@@ -794,7 +791,7 @@ impl Handler {
         // Keep the upstream's answer, to give it if the retry cannot go.
         let kept = match keep(response).await {
             Some(Ok(kept)) => kept,
-            // Longer than it said (chunked): passed on as it comes.
+            // Too large to keep: passed on as it comes, not sent again.
             Some(Err(whole)) => {
                 route.rule.count(outcome);
                 return whole;

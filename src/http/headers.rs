@@ -13,7 +13,7 @@ use super::response::ceil_secs;
 use super::route::Route;
 use crate::admission::{ClientView, Nanos};
 use http::header::{
-    CONNECTION, CONTENT_LENGTH, GetAll, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING,
+    CONNECTION, CONTENT_LENGTH, COOKIE, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING,
     UPGRADE, VIA,
 };
 
@@ -237,21 +237,33 @@ fn via_value(version: Version) -> HeaderValue {
     })
 }
 
-/// Cookie fields (HTTP/2 clients send one per cookie, RFC 9113 8.2.3)
-/// joined with "; " into the one value an HTTP/1.1 server reads; `None`
-/// when there is none.
-pub fn joined_cookie(fields: &GetAll<'_, HeaderValue>) -> Option<HeaderValue> {
-    let mut fields = fields.iter().peekable();
+/// The `Cookie` fields (HTTP/2 clients send one per cookie, RFC 9113
+/// 8.2.3) joined with "; " into the one value an HTTP/1.1 server reads;
+/// `None` when there is none.
+pub fn joined_cookie(headers: &HeaderMap) -> Option<HeaderValue> {
+    let mut fields = headers.get_all(COOKIE).iter();
     let first = fields.next()?;
-    if fields.peek().is_none() {
+    let mut rest = fields.peekable();
+    if rest.peek().is_none() {
         return Some(first.clone());
     }
     let mut joined = first.as_bytes().to_vec();
-    for v in fields {
+    for v in rest {
         joined.extend_from_slice(b"; ");
         joined.extend_from_slice(v.as_bytes());
     }
     HeaderValue::from_bytes(&joined).ok()
+}
+
+/// Several `Cookie` fields made one, in place (for an upstream: many
+/// HTTP/1.1 servers read the first `Cookie` line only). A request with one
+/// or none is left as it is.
+pub fn join_cookies(headers: &mut HeaderMap) {
+    if headers.get_all(COOKIE).iter().nth(1).is_some()
+        && let Some(one) = joined_cookie(headers)
+    {
+        headers.insert(COOKIE, one);
+    }
 }
 
 /// Add this hop to `Via`.

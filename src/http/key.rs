@@ -72,7 +72,7 @@ pub fn extract(
             KeyPart::Header(name) => {
                 let joined;
                 let value = if name == http::header::COOKIE {
-                    joined = super::headers::joined_cookie(&headers.get_all(http::header::COOKIE));
+                    joined = super::headers::joined_cookie(headers);
                     joined.as_ref()
                 } else {
                     one_value(headers, name)?
