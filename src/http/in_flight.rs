@@ -97,15 +97,15 @@ pub struct Concurrency(HashMap<String, (usize, Arc<InFlight>)>);
 
 impl Concurrency {
     /// `name`'s cap, planned at `limit` (resized at [`Concurrency::commit`]).
-    pub fn get(&mut self, upstream: &str, limit: usize) -> Arc<InFlight> {
-        match self.0.get_mut(upstream) {
+    pub fn get(&mut self, name: &str, limit: usize) -> Arc<InFlight> {
+        match self.0.get_mut(name) {
             Some((n, cap)) => {
                 *n = limit;
                 cap.clone()
             }
             None => {
                 let cap = InFlight::new(limit);
-                self.0.insert(upstream.to_owned(), (limit, cap.clone()));
+                self.0.insert(name.to_owned(), (limit, cap.clone()));
                 cap
             }
         }
