@@ -85,6 +85,7 @@ upstream = "grpc"
 key = "ip"
 rate = "5/s"
 capacity = 10
+ratelimit_headers = true
 "#
     )
 }
@@ -115,6 +116,14 @@ fn shaped_calls(sluice: &Sluice, server: &GrpcServer) {
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no pushback: {r}"));
         assert!((1..=2_000).contains(&pushback), "{r}");
+        // `ratelimit_headers`: the budget is in the refusal's metadata;
+        // ten waiting of ten, so none remains.
+        assert_eq!(
+            r["trailers"]["ratelimit-policy"], "\"calls\";q=10;w=2",
+            "{r}"
+        );
+        let left = r["trailers"]["ratelimit"].as_str().unwrap_or("");
+        assert!(left.starts_with("\"calls\";r=0;t="), "{r}");
         assert!(
             r["details"].as_str().unwrap_or("").contains("retry in"),
             "{r}"

@@ -11,6 +11,7 @@ use http::header::{CONTENT_TYPE, HeaderMap, HeaderValue};
 use http::{Response, StatusCode};
 use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
 
+use super::headers::{RATELIMIT, RATELIMIT_POLICY};
 use super::response::{Local, ProxyBody, full};
 
 /// gRPC status codes sluice answers with.
@@ -84,7 +85,7 @@ pub fn spend(headers: &mut HeaderMap, arrival: Instant, timeout: Duration) -> Re
 
 /// A response sluice made itself, in gRPC form; the upstream's responses
 /// pass unchanged.
-pub fn answer(response: Response<ProxyBody>) -> Response<ProxyBody> {
+pub fn answer(mut response: Response<ProxyBody>) -> Response<ProxyBody> {
     let Some(local) = response.extensions().get::<Local>().cloned() else {
         return response;
     };
@@ -96,7 +97,15 @@ pub fn answer(response: Response<ProxyBody>) -> Response<ProxyBody> {
         StatusCode::NOT_FOUND => UNIMPLEMENTED,
         _ => INTERNAL,
     };
-    refusal(code, &local.detail, local.retry_after)
+    let mut answer = refusal(code, &local.detail, local.retry_after);
+    // The RateLimit fields (`ratelimit_headers`) go out as metadata: a
+    // client told to back off by the status can read its budget too.
+    for name in [RATELIMIT_POLICY, RATELIMIT] {
+        if let Some(v) = response.headers_mut().remove(&name) {
+            answer.headers_mut().insert(name, v);
+        }
+    }
+    answer
 }
 
 /// A trailers-only gRPC response.
