@@ -918,6 +918,86 @@ fn a_message_relayed_late_keeps_the_next_half_an_interval_away() {
     assert!(gap >= Duration::from_millis(600), "relayed {gap:?} apart");
 }
 
+/// DESIGN 1's upstream cap holds for relays that start late: two senders
+/// (two clients) to an upstream capped at 1/s, both messages' data slow
+/// to come, both ends of data sent together 2.5 s after the first MAIL
+/// (after both slots): the relays reach the upstream at least 1/(2R) apart
+/// (500 ms), not together.
+#[test]
+fn relays_started_late_keep_the_upstream_cap_apart() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"\nrate = \"1/s\"",
+        "key = \"sender\"\nrate = \"10/s\"\ncapacity = 10",
+    ));
+    let addr = sluice.smtp.unwrap();
+    let started = Instant::now();
+    let mut clients: Vec<Raw> = ["a", "b"]
+        .iter()
+        .map(|who| {
+            let mut c = Raw::connect(addr);
+            assert!(c.cmd("EHLO raw.test").starts_with("250"));
+            assert!(
+                c.cmd(&format!("MAIL FROM:<{who}@example.com>"))
+                    .starts_with("250")
+            );
+            assert!(c.cmd("RCPT TO:<user@example.org>").starts_with("250"));
+            assert!(c.cmd("DATA").starts_with("354"));
+            c.send(&format!("Subject: {who}\r\n\r\nbody\r\n"));
+            c
+        })
+        .collect();
+    // a's slot is at once, b's a second later (the cap).
+    std::thread::sleep(Duration::from_millis(2_500).saturating_sub(started.elapsed()));
+    for c in &mut clients {
+        c.send(".\r\n");
+    }
+    for c in &mut clients {
+        let reply = c.reply();
+        assert!(reply.starts_with("250"), "{reply}");
+    }
+    let got = up.wait_arrivals(2, Duration::from_secs(10));
+    let gap = Duration::from_nanos(arrival_ns(&got[0]).abs_diff(arrival_ns(&got[1])));
+    // 500 ms expected; together (a few ms) without the upstream's line.
+    assert!(gap >= Duration::from_millis(350), "relayed {gap:?} apart");
+}
+
+/// A message released before its upstream asked for a pause, whose data
+/// comes during the pause, is relayed when the pause ends: not into an
+/// upstream that has just said it is throttling.
+#[test]
+fn a_message_whose_data_comes_during_a_pause_waits_for_its_end() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    up.set_mode("throttle-once");
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"\nthrottle_pause = \"2s\"",
+        "key = \"global\"\nrate = \"10/s\"\ncapacity = 10",
+    ));
+    let addr = sluice.smtp.unwrap();
+    // Y departs at once; its data is slow to come.
+    let mut y = Raw::connect(addr);
+    start_message(&mut y, "slow");
+    // X, 100 ms behind it, is relayed first and throttled.
+    let mut x = Raw::connect(addr);
+    start_message(&mut x, "throttled");
+    x.send(".\r\n");
+    let reply = x.reply();
+    assert!(reply.starts_with("454"), "{reply}");
+    let paused = Instant::now();
+    y.send(".\r\n");
+    let reply = y.reply();
+    assert!(reply.starts_with("250"), "{reply}");
+    // Relayed at once it would be answered in well under a second.
+    let after = paused.elapsed();
+    assert!(
+        after >= Duration::from_millis(1_500),
+        "relayed {after:?} after the 454, inside the 2 s pause"
+    );
+    assert_eq!(up.wait_arrivals(1, Duration::from_secs(5)).len(), 1);
+}
+
 /// `burst` lets messages go together after idle, and their relays are not
 /// spaced by the late-release rule either: five at once under `1/m` with
 /// `burst = 5` all reach the upstream at once (spaced c·T/2, they would

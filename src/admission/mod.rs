@@ -457,6 +457,13 @@ struct Registry {
     upstreams: HashMap<(Protocol, String, bool), UpstreamId>,
 }
 
+/// A line of starts kept apart by [`Admission::space_relay`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Start {
+    Client(RouteId, Key),
+    Upstream(UpstreamId),
+}
+
 /// The admission layer: local engine and pacer, and the shared schedule in
 /// cluster mode.
 pub struct Admission {
@@ -469,8 +476,9 @@ pub struct Admission {
     /// Shared releases' late-release spacing.
     spacing: Arc<Spacing<(RouteId, Key)>>,
     /// The same for work a front end starts after its departure (an SMTP
-    /// relay, once the message's data is in).
-    relays: Spacing<(RouteId, Key)>,
+    /// relay, once the message's data is in), by client and by capped
+    /// upstream.
+    relays: Spacing<Start>,
 }
 
 impl Admission {
@@ -787,23 +795,48 @@ impl Admission {
     }
 
     /// Resolves when work of `cost` for `key` that departed under `rule`
-    /// at `slot` may start: at once, unless the client's previous start
-    /// is less than c·T/2 behind (a start made late, after its slot, would
-    /// otherwise be followed at once by the next one on time), or less
-    /// than their slots were apart when those were closer (a `burst`).
-    pub async fn space_relay(&self, rule: &Rule, key: &Key, cost: u32, slot: Instant) {
-        let half = rule
-            .policy
-            .rate
-            .interval_nanos()
-            .saturating_mul(u64::from(cost))
-            / 2;
+    /// at `slot` may start: at once, unless
+    /// - the client's previous start is less than c·T/2 behind (a start
+    ///   made late, after its slot, would otherwise be followed at once by
+    ///   the next one on time), or less than their slots were apart when
+    ///   those were closer (a `burst`);
+    /// - under an upstream cap R, the upstream's previous start is less
+    ///   than c/(2R) behind: starts made late, each after its own slot,
+    ///   would otherwise reach the upstream together;
+    /// - the upstream is paused (it asked for it after this work's
+    ///   departure): the start waits for the pause to end.
+    ///
+    /// `slot` is the departure the client's schedule gave, `released`
+    /// when the hold actually ended (the same for work that went at once).
+    pub async fn space_relay(
+        &self,
+        rule: &Rule,
+        key: &Key,
+        cost: u32,
+        slot: Instant,
+        released: Instant,
+    ) {
+        let half = |step: Nanos| step.saturating_mul(u64::from(cost)) / 2;
         let now = self.shaper.now();
-        let ago = u64::try_from(slot.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let slot = now.saturating_sub(ago);
-        let start = self
-            .relays
-            .release(&(rule.local, key.clone()), now, slot, half);
+        let on_axis = |t: Instant| {
+            now.saturating_sub(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX))
+        };
+        let client = Start::Client(rule.local, key.clone());
+        let own = (
+            &client,
+            on_axis(slot),
+            half(rule.policy.rate.interval_nanos()),
+        );
+        let from = self.shaper.paused_until(rule.upstream_id).unwrap_or(now);
+        // On the upstream's line the slot is the release: under a cap the
+        // pacer releases 1/R apart, while `slot` is the client's own.
+        let upstream = Start::Upstream(rule.upstream_id);
+        let start = match rule.cap_step {
+            Some(step) => self
+                .relays
+                .release_all(&[own, (&upstream, on_axis(released), half(step))], from),
+            None => self.relays.release_all(&[own], from),
+        };
         if start > now {
             self.shaper.sleep_until(start).await;
         }

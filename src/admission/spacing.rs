@@ -49,11 +49,21 @@ impl<C: Hash + Eq + Clone> Spacing<C> {
     /// that release's slot, if less (overdue releases may be taken in any
     /// order). Taken: the client's next release is spaced from it.
     pub fn release(&self, client: &C, now: Nanos, slot: Nanos, half: Nanos) -> Nanos {
+        self.release_all(&[(client, slot, half)], now)
+    }
+
+    /// [`Spacing::release`] for work that keeps its spacing on several
+    /// lines at once (its client's, and its capped upstream's), each
+    /// `(line, slot, half)` with the slot it had on that line: the
+    /// earliest instant that suits every line, taken on all of them.
+    pub fn release_all(&self, lines: &[(&C, Nanos, Nanos)], now: Nanos) -> Nanos {
         let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let (last, prune_at) = &mut *guard;
-        let at = last.get(client).map_or(now, |prev| {
-            let gap = half.min(slot.abs_diff(prev.slot));
-            now.max(prev.at.saturating_add(gap))
+        let at = lines.iter().fold(now, |at, &(line, slot, half)| {
+            last.get(line).map_or(at, |prev| {
+                let gap = half.min(slot.abs_diff(prev.slot));
+                at.max(prev.at.saturating_add(gap))
+            })
         });
         // Pruned when it has doubled since the last prune: amortized O(1)
         // per release even when every entry is still live (slow rates
@@ -62,8 +72,10 @@ impl<C: Hash + Eq + Clone> Spacing<C> {
             last.retain(|_, prev| prev.until > now);
             *prune_at = last.len().saturating_mul(2).max(PRUNE_AT);
         }
-        let until = at.saturating_add(half);
-        last.insert(client.clone(), Last { at, slot, until });
+        for &(line, slot, half) in lines {
+            let until = at.saturating_add(half);
+            last.insert(line.clone(), Last { at, slot, until });
+        }
         at
     }
 }
@@ -116,6 +128,28 @@ mod tests {
         // Overdue slots taken out of order are spaced all the same.
         assert_eq!(s.release(&a, 2_000 * MS, 1_400 * MS, 100 * MS), 2_000 * MS);
         assert_eq!(s.release(&a, 2_000 * MS, 1_200 * MS, 100 * MS), 2_100 * MS);
+    }
+
+    #[test]
+    fn a_release_on_two_lines_keeps_the_spacing_of_both() {
+        let s = Spacing::default();
+        let (a, b, c, up) = (client("a"), client("b"), client("c"), client("up"));
+        // a, b and c share an upstream whose slots are 100 ms apart (50 ms
+        // at half); their own slots are 200 ms apart. All start late.
+        let start = |who: &String, own: Nanos, upstream: Nanos, now: Nanos| {
+            s.release_all(
+                &[(who, own * MS, 100 * MS), (&up, upstream * MS, 50 * MS)],
+                now * MS,
+            )
+        };
+        assert_eq!(start(&a, 0, 0, 1_000), 1_000 * MS);
+        // b's own line is new: held by the upstream's.
+        assert_eq!(start(&b, 0, 100, 1_000), 1_050 * MS);
+        // a's next by its own (100 ms after its last), the upstream's
+        // allowing 1,100.
+        assert_eq!(start(&a, 200, 200, 1_000), 1_100 * MS);
+        // c, at 1,120: the upstream's line holds it to 1,150.
+        assert_eq!(start(&c, 0, 300, 1_120), 1_150 * MS);
     }
 
     #[test]

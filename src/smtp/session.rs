@@ -721,7 +721,7 @@ impl Session {
             admitted_at,
         } = tx;
         let rule = listener.rule.clone();
-        let mut slot = admitted_at;
+        let (mut slot, mut released) = (admitted_at, admitted_at);
         if let Some(Some(mut hold)) = admitted {
             slot = hold.departure().unwrap_or(slot);
             self.flush().await?;
@@ -735,7 +735,7 @@ impl Session {
                 }
             };
             match waited {
-                Ok(()) => {}
+                Ok(()) => released = Instant::now(),
                 Err(HoldError::Expired) => return Ok(reply::EXPIRED),
                 Err(HoldError::Closed) => {
                     self.say(&reply::SHUTTING_DOWN);
@@ -745,9 +745,11 @@ impl Session {
         }
         // A message whose data came after its slot starts late: the next
         // one of this client keeps c·T/2 from it (DESIGN 1's late
-        // releases), instead of following at once.
+        // releases), instead of following at once; under an upstream cap,
+        // the next one to the upstream c/(2R); none starts while the
+        // upstream is paused.
         let admission = &self.front.admission;
-        let spaced = admission.space_relay(&rule, &key, cost, slot);
+        let spaced = admission.space_relay(&rule, &key, cost, slot, released);
         tokio::select! {
             () = spaced => {}
             () = watch(&mut self.inbuf, &mut self.stream) => {
