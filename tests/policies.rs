@@ -144,6 +144,30 @@ async fn spoofed_forwarded_for_cannot_change_the_key() {
     assert_eq!(other.status, StatusCode::OK);
 }
 
+/// Behind a trusted proxy (a TLS terminator), the scheme and host it
+/// forwards for reach the upstream as it sent them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trusted_proxys_scheme_and_host_are_kept() {
+    let ds = Downstream::start().await;
+    let routes = route(
+        "default",
+        "key = \"forwarded\"\nrate = \"10/s\"\ncapacity = 10",
+    );
+    let s = Sluice::start(&config(ds.addr, "", &routes));
+    let headers = [
+        ("x-forwarded-for", "203.0.113.9"),
+        ("x-forwarded-proto", "https"),
+        ("x-forwarded-host", "shop.example"),
+    ];
+    let a = get(&client(), &s.url("/tls"), &headers).await;
+    assert_eq!(a.status, StatusCode::OK);
+    let seen = ds.seen();
+    let h = &seen.iter().find(|x| x.path == "/tls").unwrap().headers;
+    assert_eq!(h["x-forwarded-proto"], "https");
+    assert_eq!(h["x-forwarded-host"], "shop.example");
+    assert_eq!(h["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
+}
+
 /// K equal backlogged clients under a global cap R each get R/K; a light
 /// client keeps its own rate beside them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

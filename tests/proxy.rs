@@ -494,9 +494,13 @@ async fn a_held_request_departs_with_its_forwarding_headers() {
     let ds = Downstream::start().await;
     let sluice = Sluice::start(&config(&ds.addr.to_string(), "5/s", 10));
     let c = client();
+    // The peer is not a trusted proxy: the scheme and host it claims are
+    // replaced.
     let headers = [
         ("x-client", "held"),
         ("x-forwarded-for", "198.51.100.7"),
+        ("x-forwarded-proto", "https"),
+        ("x-forwarded-host", "spoofed.example"),
         ("connection", "x-drop"),
         ("x-drop", "1"),
     ];

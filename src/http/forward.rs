@@ -183,6 +183,9 @@ enum Answer {
 /// rewrite: the client's address and the host it asked for.
 pub struct Origin {
     peer: IpAddr,
+    /// The peer is one of `trusted_proxies`: the scheme and host it
+    /// forwards for are believed.
+    trusted: bool,
     host: Option<HeaderValue>,
 }
 
@@ -322,6 +325,7 @@ impl Upstream {
         &self,
         parts: &mut Parts,
         peer: SocketAddr,
+        trusted: bool,
         strip: Option<&str>,
     ) -> Option<Origin> {
         // The target's authority first (RFC 9112 3.2.2), as routing does.
@@ -333,6 +337,7 @@ impl Upstream {
         parts.uri = Uri::from(self.map_path(parts.uri.path_and_query(), strip)?);
         Some(Origin {
             peer: peer.ip(),
+            trusted,
             host,
         })
     }
@@ -344,7 +349,11 @@ impl Upstream {
     /// arrival, so that a held request's header table is the client's
     /// alone (adding five headers to a small request doubles its table).
     pub fn rewrite(&self, parts: &mut Parts, origin: Origin) {
-        let Origin { peer, host } = origin;
+        let Origin {
+            peer,
+            trusted,
+            host,
+        } = origin;
         let upgrade = upgrade_to(&parts.headers);
         let trailers = accepts_trailers(&parts.headers);
         strip_hop_by_hop(&mut parts.headers);
@@ -369,7 +378,7 @@ impl Upstream {
         // The HTTP/1.1 client writes each field on a line of its own.
         join_cookies(&mut parts.headers);
         if self.forwarded_headers {
-            add_forwarded(&mut parts.headers, peer, host.as_ref());
+            add_forwarded(&mut parts.headers, peer, trusted, host.as_ref());
         }
         append_via(&mut parts.headers, parts.version);
         let host = match &self.host {

@@ -349,8 +349,9 @@ impl Handler {
                 }
             };
         }
-        let Some(origin) = upstream.retarget(&mut parts, peer, route.strip_prefix.as_deref())
-        else {
+        let trusted = key::is_trusted(peer.ip(), &app.trusted_proxies);
+        let strip = route.strip_prefix.as_deref();
+        let Some(origin) = upstream.retarget(&mut parts, peer, trusted, strip) else {
             route.rule.count_unadmitted(Outcome::Invalid);
             let detail = "the request target cannot be forwarded";
             return Err(problem(StatusCode::BAD_REQUEST, detail, None));

@@ -272,8 +272,16 @@ pub fn append_via(headers: &mut HeaderMap, version: Version) {
 }
 
 /// Add the `X-Forwarded-*` headers for a request from `peer`: the peer is
-/// appended to any `X-Forwarded-For` list already present.
-pub fn add_forwarded(headers: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>) {
+/// appended to any `X-Forwarded-For` list already present. A `trusted`
+/// peer (one of `trusted_proxies`: a TLS terminator or load balancer in
+/// front) keeps the `X-Forwarded-Proto` and `-Host` it sent, which name
+/// the scheme and host its client used; anyone else's are replaced.
+pub fn add_forwarded(
+    headers: &mut HeaderMap,
+    peer: IpAddr,
+    trusted: bool,
+    host: Option<&HeaderValue>,
+) {
     let mut buf = [0u8; 48];
     let n = ip_text(peer, &mut buf);
     let peer = &buf[..n];
@@ -299,8 +307,12 @@ pub fn add_forwarded(headers: &mut HeaderMap, peer: IpAddr, host: Option<&Header
     if let Ok(v) = value {
         headers.insert(X_FORWARDED_FOR, v);
     }
-    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-    if let Some(host) = host {
+    if !(trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    }
+    if let Some(host) = host
+        && !(trusted && headers.contains_key(&X_FORWARDED_HOST))
+    {
         headers.insert(X_FORWARDED_HOST, host.clone());
     }
 }
@@ -431,7 +443,7 @@ mod tests {
     fn every_forwarded_for_line_is_kept_in_order_before_the_peer() {
         let peer: IpAddr = "10.0.0.9".parse().unwrap();
         let mut h = HeaderMap::new();
-        add_forwarded(&mut h, peer, None);
+        add_forwarded(&mut h, peer, false, None);
         assert_eq!(h.get(X_FORWARDED_FOR).unwrap(), "10.0.0.9");
         let mut h = HeaderMap::new();
         h.append(X_FORWARDED_FOR, HeaderValue::from_static("6.6.6.6"));
@@ -440,7 +452,7 @@ mod tests {
             X_FORWARDED_FOR,
             HeaderValue::from_static("203.0.113.5, 10.0.0.1"),
         );
-        add_forwarded(&mut h, peer, None);
+        add_forwarded(&mut h, peer, false, None);
         let all: Vec<_> = h.get_all(X_FORWARDED_FOR).iter().collect();
         assert_eq!(all, ["6.6.6.6, 203.0.113.5, 10.0.0.1, 10.0.0.9"]);
     }
@@ -623,10 +635,36 @@ mod tests {
         add_forwarded(
             &mut h,
             "127.0.0.1".parse().unwrap(),
+            false,
             Some(&HeaderValue::from_static("example")),
         );
         assert_eq!(h[&X_FORWARDED_FOR], "203.0.113.9, 127.0.0.1");
         assert_eq!(h[&X_FORWARDED_HOST], "example");
         assert_eq!(h[&X_FORWARDED_PROTO], "http");
+    }
+
+    #[test]
+    fn only_a_trusted_proxy_names_the_scheme_and_host() {
+        let sent = || {
+            map(&[
+                ("x-forwarded-proto", "https"),
+                ("x-forwarded-host", "shop.example"),
+            ])
+        };
+        let peer: IpAddr = "10.0.0.2".parse().unwrap();
+        let host = HeaderValue::from_static("internal:8080");
+        let mut h = sent();
+        add_forwarded(&mut h, peer, true, Some(&host));
+        assert_eq!(h[&X_FORWARDED_PROTO], "https");
+        assert_eq!(h[&X_FORWARDED_HOST], "shop.example");
+        let mut h = sent();
+        add_forwarded(&mut h, peer, false, Some(&host));
+        assert_eq!(h[&X_FORWARDED_PROTO], "http");
+        assert_eq!(h[&X_FORWARDED_HOST], "internal:8080");
+        // A trusted proxy that sent none: sluice's own.
+        let mut h = HeaderMap::new();
+        add_forwarded(&mut h, peer, true, Some(&host));
+        assert_eq!(h[&X_FORWARDED_PROTO], "http");
+        assert_eq!(h[&X_FORWARDED_HOST], "internal:8080");
     }
 }

@@ -19,7 +19,7 @@ pub const MAX_KEY_LEN: usize = 256;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
-fn is_trusted(ip: IpAddr, trusted: &[IpNet]) -> bool {
+pub(super) fn is_trusted(ip: IpAddr, trusted: &[IpNet]) -> bool {
     trusted.iter().any(|n| n.contains(&ip))
 }
 
