@@ -194,9 +194,11 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
         // systemd's stop timeout is the unit's; the drain may need more (a
         // raised drain_timeout, request_timeout or relay_timeout): ask for
         // it, so that systemd does not kill sluice in the middle.
+        // Written out: sd-notify's `ExtendTimeoutUsec` holds 32 bits (71
+        // minutes), and systemd reads 64.
         let longest = stopping.longest_stop() + Duration::from_secs(5);
-        let usec = u32::try_from(longest.as_micros()).unwrap_or(u32::MAX);
-        notify(&[NotifyState::Stopping, NotifyState::ExtendTimeoutUsec(usec)]);
+        let extend = format!("EXTEND_TIMEOUT_USEC={}", longest.as_micros());
+        notify(&[NotifyState::Stopping, NotifyState::Custom(&extend)]);
         // A second signal ends the drain at once (an operator's second
         // Ctrl-C): what is queued or in flight is cut.
         tokio::spawn(async move {

@@ -605,6 +605,9 @@ async fn systemd_notifications_come_in_order() {
         String::from_utf8_lossy(&buf[..n]).into_owned()
     };
     assert_eq!(recv(&sock).trim(), "READY=1");
+    // The reload raises drain_timeout past what 32 bits of microseconds
+    // hold (71 minutes).
+    std::fs::write(&sluice.config, config(ds.addr, "5/s", 10, "2h")).unwrap();
     sluice.signal("HUP");
     let reloading = recv(&sock);
     assert!(reloading.starts_with("RELOADING=1"), "{reloading:?}");
@@ -612,12 +615,13 @@ async fn systemd_notifications_come_in_order() {
     assert_eq!(recv(&sock).trim(), "READY=1");
     sluice.signal("TERM");
     // With STOPPING=1, the time the drain may take, so that systemd does
-    // not stop it short: drain_timeout 1 s, then request_timeout 30 s + 1 s
-    // for calls in flight, and 5 s of margin.
+    // not stop it short: drain_timeout 2 h, then request_timeout 30 s + 1 s
+    // for calls in flight, and 5 s of margin. (Nothing is queued: the
+    // drain itself ends at once.)
     let stopping = recv(&sock);
     assert_eq!(
         stopping.trim(),
-        "STOPPING=1\nEXTEND_TIMEOUT_USEC=37000000",
+        "STOPPING=1\nEXTEND_TIMEOUT_USEC=7236000000",
         "{stopping:?}"
     );
     exits_cleanly(sluice, Duration::from_secs(5)).await;
