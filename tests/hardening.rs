@@ -570,9 +570,10 @@ capacity = 10
 
 /// A host route cannot be skipped by the root's trailing dot
 /// (`api.example.` is `api.example`), and userinfo in the target or in
-/// Host is a 400 (RFC 9110 4.2.4), never a host to route by.
+/// Host is a 400 (RFC 9110 4.2.4), never a host to route by; so is a
+/// host that is not a name or address with a port (RFC 9112 3.2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_host_route_cannot_be_skipped_by_a_trailing_dot_or_userinfo() {
+async fn a_host_route_cannot_be_skipped_by_a_trailing_dot_userinfo_or_a_bad_port() {
     use std::io::{Read, Write};
     let ds = Downstream::start().await;
     let routes = r#"
@@ -613,6 +614,29 @@ capacity = 10
     assert_eq!(target, "400");
     let host = status("GET /d HTTP/1.1\r\nHost: x@api.example\r\nConnection: close\r\n\r\n");
     assert_eq!(host, "400");
+    // A port that is not one (routing would take the whole as a name, an
+    // upstream cutting at the colon api.example), and names no host has.
+    for bad in [
+        "api.example:x",
+        "api.example:80:80",
+        "api.example:123456",
+        "evil.example/.api.example",
+        "api..example",
+        "[::1",
+        "[::1]x",
+    ] {
+        let got = status(&format!(
+            "GET /e HTTP/1.1\r\nHost: {bad}\r\nConnection: close\r\n\r\n"
+        ));
+        assert_eq!(got, "400", "Host: {bad}");
+    }
+    let target = status(
+        "GET http://api.example:x/f HTTP/1.1\r\nHost: api.example\r\nConnection: close\r\n\r\n",
+    );
+    assert_eq!(target, "400", "an absolute target with a bad port");
+    // A port is not another host: still the strict route.
+    let port = status("GET /g HTTP/1.1\r\nHost: api.example:8080\r\nConnection: close\r\n\r\n");
+    assert_eq!(port, "429");
     let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
     assert_eq!(paths, ["/a"]);
 }

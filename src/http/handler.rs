@@ -43,7 +43,7 @@ use super::in_flight::CallSlot;
 use super::key;
 use super::path;
 use super::response::{ProxyBody, full, problem};
-use super::route::{App, Route};
+use super::route::{App, Route, sound_host};
 use super::stage::{Begun, Refused, StageError, Staged, linger, stage};
 use super::tunnel::Slot;
 use crate::admission::{Hold, HoldError, Key, Overload, Refusal, Verdict};
@@ -264,6 +264,22 @@ impl Handler {
             return Err(problem(
                 StatusCode::BAD_REQUEST,
                 "the request's host has userinfo (user@host), which HTTP does not allow",
+                None,
+            ));
+        }
+        // RFC 9112 3.2: a Host (or target authority) that is not a host
+        // and port is a 400, not a name routing and the upstream might
+        // read two ways.
+        let sound = req
+            .uri()
+            .authority()
+            .is_none_or(|a| sound_host(a.as_str().as_bytes()))
+            && host.is_none_or(|h| sound_host(h.as_bytes()));
+        if !sound {
+            self.shared.count_unrouted();
+            return Err(problem(
+                StatusCode::BAD_REQUEST,
+                "the request's host is not a host name or address with an optional port",
                 None,
             ));
         }

@@ -113,6 +113,63 @@ fn host_matches(pattern: &str, host: &str) -> bool {
     }
 }
 
+/// Whether `raw` is a host as RFC 9110 4.2.3 and RFC 3986 3.2.2 have it
+/// (`uri-host [ ":" port ]`): an IP literal in brackets, or a name of the
+/// characters a reg-name may hold with no empty label (`..`, as nginx
+/// refuses), then a port of at most five digits. Anything else could miss
+/// a host route (`api.example:x` is not `api.example` to routing, but is
+/// to an upstream that cuts at the colon) or reach the upstream as a
+/// Host it trusts (`evil.example/.api.example`). Empty is sound (a target
+/// without an authority).
+pub fn sound_host(raw: &[u8]) -> bool {
+    let (host, port) = match raw.strip_prefix(b"[") {
+        Some(rest) => {
+            let Some(end) = rest.iter().position(|&b| b == b']') else {
+                return false;
+            };
+            let (literal, after) = rest.split_at(end);
+            let literal_ok = !literal.is_empty()
+                && literal
+                    .iter()
+                    .all(|&b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.'));
+            if !literal_ok {
+                return false;
+            }
+            match after.get(1..) {
+                Some([]) | None => return true,
+                Some([b':', port @ ..]) => (&b""[..], port),
+                Some(_) => return false,
+            }
+        }
+        None => match raw.iter().position(|&b| b == b':') {
+            Some(i) => (&raw[..i], &raw[i + 1..]),
+            None => (raw, &b""[..]),
+        },
+    };
+    let name_ok = host.iter().all(|&b| {
+        b.is_ascii_alphanumeric()
+            || matches!(
+                b,
+                b'-' | b'.'
+                    | b'_'
+                    | b'~'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+                    | b'%'
+            )
+    }) && !host.windows(2).any(|w| w == b"..");
+    name_ok && port.len() <= 5 && port.iter().all(u8::is_ascii_digit)
+}
+
 /// The host a request is for, without port: the target's authority (an
 /// absolute-form target, which RFC 9112 3.2.2 puts before `Host`, or
 /// HTTP/2's `:authority`), else `Host`.
@@ -125,10 +182,8 @@ pub fn request_host<B>(req: &Request<B>) -> Option<&str> {
     let host = match raw.strip_prefix('[') {
         Some(v6) => v6.split(']').next().unwrap_or(v6),
         None => {
-            let name = match raw.rsplit_once(':') {
-                Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
-                _ => raw,
-            };
+            // [`sound_host`] was checked: at most one colon, then a port.
+            let name = raw.split_once(':').map_or(raw, |(h, _)| h);
             // The root's dot names the same host ("api.example." is
             // "api.example"), as nginx takes it.
             name.strip_suffix('.').unwrap_or(name)
@@ -262,6 +317,42 @@ fn rule_spec<'a>(config: &'a Config, r: &'a config::Route) -> RuleSpec<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_is_a_name_or_address_and_a_port() {
+        for ok in [
+            "",
+            "api.example",
+            "api.example.",
+            "API.example:8080",
+            "api.example:",
+            "127.0.0.1:80",
+            "[::1]",
+            "[::1]:443",
+            "[2001:db8::1]",
+            "xn--bcher-kva.example",
+            "a_b.example",
+        ] {
+            assert!(sound_host(ok.as_bytes()), "{ok}");
+        }
+        for bad in [
+            "api.example:x",
+            "api.example:80:80",
+            "api.example:123456",
+            "evil.example/.api.example",
+            "evil.example\\.api.example",
+            "api..example",
+            "api example",
+            "api.example\t",
+            "[::1",
+            "[::1]x",
+            "[]",
+            "[::g]",
+            "::1",
+        ] {
+            assert!(!sound_host(bad.as_bytes()), "{bad}");
+        }
+    }
 
     #[test]
     fn a_cost_header_given_twice_is_refused() {
