@@ -385,6 +385,38 @@ async fn an_answer_with_both_length_and_chunked_reaches_the_client_whole() {
     .unwrap();
 }
 
+/// An upstream that repeats an agreeing Content-Length (`2, 2`, then a
+/// second line): the client gets one `content-length: 2` and the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agreeing_repeated_length_reaches_the_client_as_one() {
+    let upstream = canned_upstream(
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+        BOTH_CLIENTS.len(),
+        Duration::ZERO,
+    );
+    let sluice = Sluice::start(&config(upstream));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        for request in BOTH_CLIENTS {
+            let text = exchange(addr, request);
+            assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+            let lengths: Vec<&str> = text
+                .lines()
+                .filter(|l| l.to_ascii_lowercase().starts_with("content-length:"))
+                .collect();
+            assert_eq!(lengths.len(), 1, "{text}");
+            assert_eq!(
+                lengths[0].to_ascii_lowercase(),
+                "content-length: 2",
+                "{text}"
+            );
+            assert!(text.ends_with("\r\n\r\nok"), "{text}");
+        }
+    })
+    .await
+    .unwrap();
+}
+
 /// An upstream that answers with a transfer coding other than chunked
 /// (here gzip, its body delimited by the close): the client gets 502
 /// rather than the coded bytes without their label, on both clients.

@@ -42,6 +42,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tokio_util::either::Either;
 
+use super::headers::one_length;
 use super::in_flight::CallSlot;
 
 /// At most this many fields in a response head (hyper's client default).
@@ -374,6 +375,7 @@ fn framing(
             length = Some(n);
         }
     }
+    one_length(headers);
     Ok(match length {
         Some(n) => (Framing::Length(n), true),
         None => (Framing::Close, false),

@@ -45,7 +45,7 @@ use super::client::{self, IDLE_TIMEOUT, MAX_IDLE};
 use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
 use super::headers::{
-    accepts_trailers, add_forwarded, append_via, foreign_transfer_coding, join_cookies,
+    accepts_trailers, add_forwarded, append_via, foreign_transfer_coding, join_cookies, one_length,
     strip_hop_by_hop, upgrade_to,
 };
 use super::in_flight::{CallSlot, InFlight};
@@ -541,6 +541,7 @@ impl Upstream {
                 append_via(&mut parts.headers, parts.version);
                 let body = match answer {
                     Answer::Hyper(body, back) => {
+                        one_length(&mut parts.headers);
                         let (sender, stream) = match back {
                             Back::H1(s) if !switched => (Some(s), None),
                             Back::H1(_) => (None, None),

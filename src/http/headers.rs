@@ -211,7 +211,9 @@ pub fn accepts_trailers(headers: &HeaderMap) -> bool {
 
 /// Remove the headers `Connection` names, except those that frame the
 /// message or name its host (`Connection: content-length` would unframe
-/// it; those are never hop-by-hop).
+/// it; those are never hop-by-hop), and the `X-Forwarded-*` a proxy in
+/// front added (a client naming them would take the chain of addresses
+/// that proxy vouched for from the upstream).
 fn strip_connection_named(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(CONNECTION)
@@ -219,7 +221,16 @@ fn strip_connection_named(headers: &mut HeaderMap) {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .filter(|name| ![CONTENT_LENGTH, http::header::HOST].contains(name))
+        .filter(|name| {
+            ![
+                CONTENT_LENGTH,
+                http::header::HOST,
+                X_FORWARDED_FOR,
+                X_FORWARDED_PROTO,
+                X_FORWARDED_HOST,
+            ]
+            .contains(name)
+        })
         .collect();
     for name in named {
         headers.remove(name);
@@ -263,6 +274,32 @@ pub fn join_cookies(headers: &mut HeaderMap) {
         && let Some(one) = joined_cookie(headers)
     {
         headers.insert(COOKIE, one);
+    }
+}
+
+/// Agreeing repeats of `Content-Length` (`2, 2`, or two lines, which the
+/// upstream client accepted as one length) made one field, as RFC 9110
+/// 8.6 lets a recipient: a strict client would refuse the list.
+pub fn one_length(headers: &mut HeaderMap) {
+    let mut values = headers.get_all(CONTENT_LENGTH).iter();
+    let repeated = match (values.next(), values.next()) {
+        (Some(first), None) => first.as_bytes().contains(&b','),
+        (Some(_), Some(_)) => true,
+        _ => false,
+    };
+    if !repeated {
+        return;
+    }
+    let mut lengths = headers
+        .get_all(CONTENT_LENGTH)
+        .iter()
+        .flat_map(|v| v.to_str().unwrap_or("").split(','))
+        .map(|n| n.trim().parse::<u64>().ok());
+    let first = lengths.next().flatten();
+    if let Some(n) = first
+        && lengths.all(|m| m == Some(n))
+    {
+        headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
     }
 }
 
@@ -426,16 +463,22 @@ mod tests {
         ]);
         strip_hop_by_hop(&mut h);
         assert!(h.is_empty(), "{h:?}");
-        // Connection naming Content-Length or Host: they stay.
+        // Connection naming Content-Length, Host or X-Forwarded-For: they
+        // stay.
         let mut h = map(&[
-            ("connection", "content-length, host, x-trace"),
+            (
+                "connection",
+                "content-length, host, x-trace, x-forwarded-for",
+            ),
             ("content-length", "5"),
             ("host", "a"),
             ("x-trace", "1"),
+            ("x-forwarded-for", "203.0.113.9"),
         ]);
         strip_hop_by_hop(&mut h);
         assert_eq!(h.get("content-length").unwrap(), "5");
         assert_eq!(h.get("host").unwrap(), "a");
+        assert_eq!(h.get("x-forwarded-for").unwrap(), "203.0.113.9");
         assert!(h.get("x-trace").is_none());
     }
 
