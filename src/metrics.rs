@@ -378,7 +378,10 @@ mod tests {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or_else(|| panic!("{out}"));
         let want = 3.0 * long.as_secs_f64();
-        assert!((sum - want).abs() / want < 1e-9, "{sum} against {want}: {out}");
+        assert!(
+            (sum - want).abs() / want < 1e-9,
+            "{sum} against {want}: {out}"
+        );
     }
 
     #[test]

@@ -861,13 +861,10 @@ impl Validator {
         let password_file = password_file.map(PathBuf::from);
         // Opened, not only looked at: a file `check` can see but the
         // service's user cannot read would pass here and fail at start.
-        if let Some(path) = &password_file
-            && let Err(e) = std::fs::File::open(path)
-        {
-            self.problem(
-                "cluster.password_file",
-                format!("cannot read {}: {e}", path.display()),
-            );
+        // Refused if everyone may read it, as the SMTP secrets are.
+        if let Some(path) = &password_file {
+            let file = path.display().to_string();
+            self.secret_file("cluster.password_file", "password_file", &file);
         }
         let pool_size = match pool_size.map(usize::try_from) {
             None => Some(DEFAULT_PG_POOL),

@@ -226,7 +226,7 @@ fn valid_hostname(name: &str) -> bool {
 
 impl Validator {
     /// A secret file's contents: readable, not by everyone.
-    fn secret_file(&mut self, path: &str, field: &str, file: &str) -> Option<String> {
+    pub(super) fn secret_file(&mut self, path: &str, field: &str, file: &str) -> Option<String> {
         use std::os::unix::fs::PermissionsExt;
         let meta = match std::fs::metadata(file) {
             Ok(m) => m,

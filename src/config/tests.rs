@@ -1040,7 +1040,28 @@ fn the_cluster_store_is_redis_or_postgres() {
     );
     assert_problem(
         &cluster("postgres = \"postgres://u@h/db\"\npassword_file = \"/nonexistent\""),
-        "cluster.password_file: cannot read /nonexistent",
+        "cluster.password_file: password_file '/nonexistent': cannot read",
+    );
+    // Readable by everyone: refused, as the SMTP secrets are.
+    let open = std::env::temp_dir().join(format!("sluice-pg-pass-{}", std::process::id()));
+    std::fs::write(&open, "secret").unwrap();
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    assert_problem(
+        &cluster(&format!(
+            "postgres = \"postgres://u@h/db\"\npassword_file = \"{}\"",
+            open.display()
+        )),
+        "is readable by everyone; chmod o-r it",
+    );
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let found = problems(&cluster(&format!(
+        "postgres = \"postgres://u@h/db\"\npassword_file = \"{}\"",
+        open.display()
+    )));
+    let _ = std::fs::remove_file(&open);
+    assert!(
+        !found.iter().any(|p| p.contains("password_file")),
+        "{found:?}"
     );
 }
 
