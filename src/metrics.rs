@@ -289,6 +289,16 @@ fn describe() {
         Unit::Count,
         "Requests by route, protocol and outcome."
     );
+    describe_counter!(
+        ARRIVALS_TOTAL,
+        Unit::Count,
+        "Requests by route and protocol as they arrive, before any wait: the input rate."
+    );
+    describe_counter!(
+        DRY_RUN_REFUSALS_TOTAL,
+        Unit::Count,
+        "Requests a dry-run route would have refused (and forwarded anyway)."
+    );
     describe_gauge!(
         QUEUED_REQUESTS,
         Unit::Count,

@@ -59,10 +59,12 @@ async fn wait_for_log(s: &Sluice, needle: &str) {
 }
 
 /// Parse Prometheus text exposition: every line is a comment, blank, or
-/// `name{labels} value`; every sample's family has a TYPE line. Returns
+/// `name{labels} value`; every sample's family has a TYPE line and a HELP
+/// line. Returns
 /// samples keyed by `name{labels}` as printed.
 fn parse_prometheus(text: &str) -> HashMap<String, f64> {
     let mut typed = std::collections::HashSet::new();
+    let mut helped = std::collections::HashSet::new();
     let mut samples = HashMap::new();
     for line in text.lines() {
         if line.is_empty() {
@@ -79,7 +81,8 @@ fn parse_prometheus(text: &str) -> HashMap<String, f64> {
             typed.insert(name.to_string());
             continue;
         }
-        if line.starts_with("# HELP ") {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            helped.insert(rest.split_whitespace().next().unwrap().to_string());
             continue;
         }
         assert!(!line.starts_with('#'), "unexpected comment {line:?}");
@@ -105,6 +108,8 @@ fn parse_prometheus(text: &str) -> HashMap<String, f64> {
         assert!(typed.contains(family), "no TYPE for {name}");
         samples.insert(series.to_string(), value);
     }
+    let unexplained: Vec<&String> = typed.difference(&helped).collect();
+    assert!(unexplained.is_empty(), "no HELP for {unexplained:?}");
     samples
 }
 
