@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 pub struct Cli {
     /// Log filter for `run` (trace, debug, info, warn, error, or a tracing
     /// directive); RUST_LOG, when set, wins.
-    #[arg(long, global = true, default_value = "info")]
+    #[arg(long, global = true, default_value = "info", value_parser = log_filter)]
     pub log_level: String,
 
     /// Log line format for `run`.
@@ -25,6 +25,14 @@ pub struct Cli {
 }
 
 /// How log lines are written.
+/// A `--log-level` tracing can use: a typo is an error at the command
+/// line, not a silent `info`.
+fn log_filter(value: &str) -> Result<String, String> {
+    tracing_subscriber::EnvFilter::try_new(value)
+        .map(|_| value.to_owned())
+        .map_err(|e| format!("not a log filter: {e}"))
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     /// Human-readable lines.

@@ -63,3 +63,26 @@ fn demo_durations_are_bounded() {
         assert!(err.contains("must be from 1s to 10m"), "{bad}: {err}");
     }
 }
+
+/// A `--log-level` tracing cannot read is refused at the command line
+/// (it used to run at `info` without a word); a directive list is taken.
+#[test]
+fn a_log_level_that_is_no_filter_is_refused() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/sluice.toml");
+    let (ok, _) = sluice(&[
+        "--log-level",
+        "info,sluice=loud",
+        "check",
+        "--config",
+        config,
+    ]);
+    assert!(!ok, "a bad level was taken");
+    let (ok, out) = sluice(&[
+        "--log-level",
+        "sluice=debug,hyper=warn",
+        "check",
+        "--config",
+        config,
+    ]);
+    assert!(ok, "{out}");
+}
