@@ -288,7 +288,13 @@ fn answer(
     show_keys: bool,
 ) -> Response<Full<Bytes>> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        return text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
+        // RFC 9110 15.5.6: a 405 says what is allowed.
+        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
+        r.headers_mut().insert(
+            http::header::ALLOW,
+            http::HeaderValue::from_static("GET, HEAD"),
+        );
+        return r;
     }
     match req.uri().path() {
         "/metrics" => {

@@ -9,7 +9,7 @@ use std::os::unix::net::UnixDatagram;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
-use support::{Downstream, Sluice, assert_between, client, get, h2_connect};
+use support::{Downstream, Sluice, assert_between, client, get, h2_connect, send};
 
 fn config(upstream: std::net::SocketAddr, rate: &str, capacity: u32, drain: &str) -> String {
     format!(
@@ -577,6 +577,17 @@ async fn metrics_count_what_was_sent() {
         get(&c, &sluice.admin_url("/healthz"), &[]).await.status,
         StatusCode::OK
     );
+    // Read-only: anything but GET and HEAD is a 405 saying what is allowed.
+    let post = send(
+        &c,
+        "POST",
+        &sluice.admin_url("/status"),
+        &[],
+        bytes::Bytes::new(),
+    )
+    .await;
+    assert_eq!(post.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(post.headers["allow"], "GET, HEAD");
     let status: serde_json::Value =
         serde_json::from_slice(&get(&c, &sluice.admin_url("/status"), &[]).await.body).unwrap();
     assert_eq!(status["totals"]["rejected"], 3);
