@@ -549,6 +549,12 @@ enum Step {
 fn decode(state: &mut Chunk, buf: &mut BytesMut) -> Result<Step, Error> {
     loop {
         match *state {
+            // A size line starts with a digit: httparse reads an empty one
+            // (`\r\n`, `;ext\r\n`) as 0, the body's end, where hyper and
+            // nginx refuse it.
+            Chunk::Size if buf.first().is_some_and(|b| !b.is_ascii_hexdigit()) => {
+                return Err(Error::Chunked);
+            }
             Chunk::Size => match httparse::parse_chunk_size(buf) {
                 Ok(httparse::Status::Complete((used, size))) => {
                     buf.advance(used);
@@ -976,6 +982,23 @@ mod tests {
             }
         }
         Err(Error::Cut)
+    }
+
+    #[test]
+    fn a_chunk_size_line_without_a_size_is_refused() {
+        for wire in [
+            &b"3\r\nabc\r\n\r\nrest"[..],
+            b"3\r\nabc\r\n;x=1\r\n\r\n",
+            b" 0\r\n\r\n",
+        ] {
+            assert!(
+                matches!(decode_in_pieces(wire, &[]), Err(Error::Chunked)),
+                "{}",
+                String::from_utf8_lossy(wire)
+            );
+        }
+        let (data, _) = decode_in_pieces(b"3;x=1\r\nabc\r\n0\r\n\r\n", &[]).unwrap();
+        assert_eq!(data, b"abc");
     }
 
     proptest! {
