@@ -29,8 +29,20 @@ pub async fn serve(
 ) {
     if let Ok(addr) = listener.local_addr() {
         info!(%addr, "admin listening");
+        if !addr.ip().is_loopback() {
+            warn!(
+                %addr,
+                "the admin listener is not on loopback and has no authentication: \
+                 firewall it, or listen on 127.0.0.1"
+            );
+        }
     }
     let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    // One `/status` walk at a time, on a blocking thread: it visits every
+    // client slot, which at a million clients takes tens of milliseconds
+    // that the runtime (SMTP sessions, signals, the watchdog) should not
+    // wait on, and 64 connections asking at once should not multiply.
+    let walk = std::sync::Arc::new(tokio::sync::Semaphore::new(1));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(a) => a,
@@ -48,10 +60,17 @@ pub async fn serve(
         };
         let server = server.clone();
         let metrics = metrics.clone();
+        let walk = walk.clone();
         tokio::spawn(async move {
-            let svc = service_fn(move |req| {
-                let response = answer(&req, &server, &metrics, show_keys);
-                async move { Ok::<_, Infallible>(response) }
+            let svc = service_fn(move |req: Request<Incoming>| {
+                let reply = answer(&req, &server, &metrics);
+                let (server, walk) = (server.clone(), walk.clone());
+                async move {
+                    Ok::<_, Infallible>(match reply {
+                        Reply::Now(response) => response,
+                        Reply::Status => status_walk(server, &walk, show_keys).await,
+                    })
+                }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -281,12 +300,31 @@ fn status(server: &Handle, show_keys: bool) -> serde_json::Value {
     })
 }
 
-fn answer(
-    req: &Request<Incoming>,
-    server: &Handle,
-    metrics: &PrometheusHandle,
+/// An admin answer: made at once, or the `/status` document, which is
+/// walked off the runtime ([`status_walk`]).
+enum Reply {
+    Now(Response<Full<Bytes>>),
+    Status,
+}
+
+/// The `/status` answer, walked on a blocking thread, one walk at a time.
+async fn status_walk(
+    server: Handle,
+    walk: &tokio::sync::Semaphore,
     show_keys: bool,
 ) -> Response<Full<Bytes>> {
+    let _one = walk.acquire().await;
+    match tokio::task::spawn_blocking(move || status(&server, show_keys).to_string()).await {
+        Ok(doc) => text(StatusCode::OK, "application/json", doc),
+        Err(_) => text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "text/plain",
+            "the status walk failed\n",
+        ),
+    }
+}
+
+fn answer(req: &Request<Incoming>, server: &Handle, metrics: &PrometheusHandle) -> Reply {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         // RFC 9110 15.5.6: a 405 says what is allowed.
         let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
@@ -294,9 +332,12 @@ fn answer(
             http::header::ALLOW,
             http::HeaderValue::from_static("GET, HEAD"),
         );
-        return r;
+        return Reply::Now(r);
     }
-    match req.uri().path() {
+    if req.uri().path() == "/status" {
+        return Reply::Status;
+    }
+    Reply::Now(match req.uri().path() {
         "/metrics" => {
             server.refresh_gauges();
             text(
@@ -314,16 +355,11 @@ fn answer(
             ),
             None => text(StatusCode::OK, "text/plain", "ready\n"),
         },
-        "/status" => text(
-            StatusCode::OK,
-            "application/json",
-            status(server, show_keys).to_string(),
-        ),
         path if path.starts_with("/buckets/") => bucket(req, path, server),
         _ => text(
             StatusCode::NOT_FOUND,
             "text/plain",
             "not found: try /metrics, /healthz, /readyz or /status\n",
         ),
-    }
+    })
 }
