@@ -59,4 +59,24 @@ fn unit_has_the_operational_directives() {
             "unit lacks {line}"
         );
     }
+    // RestartPreventExitStatus ignores ExecStartPre's status (systemd
+    // #11868): a config check there would restart in a loop.
+    assert!(!UNIT.lines().any(|l| l.starts_with("ExecStartPre=")));
+}
+
+/// What RestartPreventExitStatus=2 relies on: `sluice run` on a config
+/// that does not load exits 2, before it binds anything.
+#[test]
+fn run_exits_2_on_a_config_that_does_not_load() {
+    let dir = std::env::temp_dir().join(format!("sluice-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("sluice.toml");
+    std::fs::write(&bad, "[[route]]\nname = 3\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["run", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
