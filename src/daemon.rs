@@ -84,9 +84,19 @@ fn reserve_descriptors(config: &Config) {
     let Ok((soft, _)) = getrlimit(Resource::RLIMIT_NOFILE) else {
         return;
     };
-    let top = u64::try_from(want)
-        .unwrap_or(u64::MAX)
-        .min(soft.saturating_sub(1));
+    let want = u64::try_from(want).unwrap_or(u64::MAX);
+    // As nginx warns when worker_connections exceed the open-file limit:
+    // past it, accepts fail (EMFILE) while connections remain to allow.
+    if want > soft {
+        warn!(
+            limit = soft,
+            needed = want,
+            "the open-file limit is below what the configured connections can use \
+             (two descriptors each, plus upstream connections): raise LimitNOFILE \
+             or lower max_connections"
+        );
+    }
+    let top = want.min(soft.saturating_sub(1));
     let Ok(top) = i32::try_from(top) else {
         return;
     };

@@ -60,8 +60,7 @@ async fn wait_for_log(s: &Sluice, needle: &str) {
 
 /// Parse Prometheus text exposition: every line is a comment, blank, or
 /// `name{labels} value`; every sample's family has a TYPE line and a HELP
-/// line. Returns
-/// samples keyed by `name{labels}` as printed.
+/// line. Returns samples keyed by `name{labels}` as printed.
 fn parse_prometheus(text: &str) -> HashMap<String, f64> {
     let mut typed = std::collections::HashSet::new();
     let mut helped = std::collections::HashSet::new();
@@ -712,6 +711,23 @@ async fn the_descriptor_table_is_grown_at_start_for_the_configured_connections()
         table >= want,
         "descriptor table {table} entries, want at least {want} (open-file limit {limit})"
     );
+    sluice.signal("TERM");
+    exits_cleanly(sluice, Duration::from_secs(10)).await;
+}
+
+/// Connections the open-file limit cannot hold are warned about at start,
+/// as nginx warns about worker_connections: 1,000,000 of them need two
+/// million descriptors, more than Linux lets any process have by default
+/// (fs.nr_open, 1,048,576).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_open_file_limit_are_warned_about() {
+    let ds = Downstream::start().await;
+    let toml = config(ds.addr, "10/s", 10, "5s").replace(
+        "listen = [\"127.0.0.1:0\"]",
+        "listen = [\"127.0.0.1:0\"]\nmax_connections = 1000000",
+    );
+    let sluice = Sluice::start(&toml);
+    wait_for_log(&sluice, "the open-file limit is below").await;
     sluice.signal("TERM");
     exits_cleanly(sluice, Duration::from_secs(10)).await;
 }
