@@ -228,6 +228,34 @@ async fn pipelined_requests_then_a_body_on_one_connection() {
     assert_eq!(paths, ["/one", "/two", "/echo", "/three"]);
 }
 
+/// A head that comes in pieces, its end split between two of them (and a
+/// bare-LF one), is served when its end is in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_in_pieces_is_served_once_its_end_is_in() {
+    let ds = Downstream::start().await;
+    on_one_connection(ds.addr, |c| {
+        for pieces in [
+            &[
+                &b"GET /pieces HTTP/1.1\r\nHo"[..],
+                b"st: t\r\nX-Client: p\r",
+                b"\n\r",
+                b"\n",
+            ][..],
+            &[b"GET /lf HTTP/1.1\nHost: t\nX-Client: p\n", b"\n"],
+        ] {
+            for piece in pieces {
+                send(c, piece);
+                std::thread::sleep(Duration::from_millis(30));
+            }
+            let a = read_answer(c, false);
+            assert_eq!((a.status, a.body.as_slice()), (200, &b"ok"[..]), "{a:?}");
+        }
+    })
+    .await;
+    let paths: Vec<String> = ds.seen().into_iter().map(|s| s.path).collect();
+    assert_eq!(paths, ["/pieces", "/lf"]);
+}
+
 /// A body of unknown length is sent chunked; the answer to a `HEAD` has
 /// no body (the next response on the connection reads cleanly); a local
 /// answer to a `HEAD` keeps its length.

@@ -253,8 +253,16 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                 // In a block: `started` would otherwise stay in the task
                 // while the request waits.
                 let mut started = None;
+                // How much of `buf` was looked at for a head's end: a head
+                // that comes in pieces is parsed again only once its end
+                // may be in (a 1 MiB head read 4 KiB at a time would
+                // otherwise be parsed whole 256 times).
+                let mut scanned = None;
                 loop {
-                    if !buf.is_empty() {
+                    let again = scanned
+                        .is_none_or(|from| buf.len() >= s.max_head || may_end_head(&buf, from));
+                    scanned = Some(buf.len());
+                    if !buf.is_empty() && again {
                         if first && H2_PREFACE.starts_with(&buf[..buf.len().min(H2_PREFACE.len())])
                         {
                             if buf.len() >= H2_PREFACE.len() {
@@ -427,6 +435,15 @@ fn read_into(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
         });
     }
     Ok(n)
+}
+
+/// Whether a head's end (an empty line: `\n\r\n`, or `\n\n` which
+/// httparse also takes) may be in `buf` past `from` (what was looked at
+/// before; the last three bytes of it are looked at again, since an end
+/// may straddle two reads).
+fn may_end_head(buf: &[u8], from: usize) -> bool {
+    let tail = buf.get(from.saturating_sub(3)..).unwrap_or_default();
+    tail.windows(2).any(|w| w == b"\n\n") || tail.windows(3).any(|w| w == b"\n\r\n")
 }
 
 /// Parse a head from the start of `buf`; a complete one that is served
@@ -770,6 +787,18 @@ mod tests {
         let clients: Vec<_> = head.req.headers().get_all("x-client").iter().collect();
         assert_eq!(clients, ["k", "j"]);
         assert_eq!(&rest[..], b"GET /next");
+    }
+
+    #[test]
+    fn a_heads_end_is_found_across_reads() {
+        let head = b"GET / HTTP/1.1\r\nHost: t\r\n\r\n";
+        // Looked at up to any point short of the whole (a read then
+        // brought the rest): the end is found, straddling reads or not.
+        for from in 0..head.len() {
+            assert!(may_end_head(head, from), "from {from}");
+        }
+        assert!(may_end_head(b"GET / HTTP/1.1\nHost: t\n\n", 10));
+        assert!(!may_end_head(b"GET / HTTP/1.1\r\nHost: t\r\nX-A: b", 0));
     }
 
     #[test]
