@@ -405,6 +405,33 @@ async fn bad_input_is_refused_without_harm() {
         held < Duration::from_secs(5),
         "slow-header connection held {held:?}"
     );
+    // The same on a kept-alive connection, after one whole request: the
+    // next head's timeout runs from its first byte (not the idle
+    // connection's keep-alive timeout, 75 s).
+    let kept = tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(b"GET /first HTTP/1.1\r\nHost: t\r\nX-Client: kept\r\n\r\n")
+            .unwrap();
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(&got).ends_with("ok") {
+            let n = s.read(&mut chunk).unwrap();
+            assert!(n > 0, "closed before the first answer");
+            got.extend_from_slice(&chunk[..n]);
+        }
+        let t = Instant::now();
+        s.write_all(b"GET / HTTP/1.1\r\nHost: t\r\n").unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = s.write_all(b"X-Client: kept\r\n");
+        let _ = s.read_to_end(&mut Vec::new());
+        t.elapsed()
+    });
+    let held = kept.await.unwrap();
+    assert!(
+        held < Duration::from_secs(5),
+        "slow head on a kept-alive connection held {held:?}"
+    );
 
     let missing = get(&c, &sluice.url("/nokey"), &[]).await;
     assert_eq!(missing.status, StatusCode::BAD_REQUEST);

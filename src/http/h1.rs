@@ -284,9 +284,11 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                                 return Next::Closed;
                             }
                         }
-                        // Part of a head: its header timeout runs from
-                        // now (a whole head, the usual case, never reads
-                        // the clock here).
+                    }
+                    // Part of a head (parsed or not): its header timeout
+                    // runs from now (a whole head, the usual case, never
+                    // reads the clock here).
+                    if !buf.is_empty() {
                         started.get_or_insert_with(Instant::now);
                     }
                     if !read_more(&s, &stream, &mut buf, started, timer.as_mut()).await {
