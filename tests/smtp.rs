@@ -918,11 +918,12 @@ fn a_message_relayed_late_keeps_the_next_half_an_interval_away() {
     assert!(gap >= Duration::from_millis(600), "relayed {gap:?} apart");
 }
 
-/// DESIGN 1's upstream cap holds for relays that start late: two senders
-/// (two clients) to an upstream capped at 1/s, both messages' data slow
-/// to come, both ends of data sent together 2.5 s after the first MAIL
-/// (after both slots): the relays reach the upstream at least 1/(2R) apart
-/// (500 ms), not together.
+/// DESIGN 1's upstream cap holds for relays that start late: three
+/// senders (three clients) to an upstream capped at 1/s, each message's
+/// data slow to come, all ends of data sent together 3.5 s after the first
+/// MAIL (after every slot: a goes at once, b is held to 1 s, c to 2 s):
+/// the relays reach the upstream at least 1/(2R) apart (500 ms), not
+/// together.
 #[test]
 fn relays_started_late_keep_the_upstream_cap_apart() {
     let up = SmtpUpstream::start(UpstreamOpts::default());
@@ -933,7 +934,7 @@ fn relays_started_late_keep_the_upstream_cap_apart() {
     ));
     let addr = sluice.smtp.unwrap();
     let started = Instant::now();
-    let mut clients: Vec<Raw> = ["a", "b"]
+    let mut clients: Vec<Raw> = ["a", "b", "c"]
         .iter()
         .map(|who| {
             let mut c = Raw::connect(addr);
@@ -948,8 +949,7 @@ fn relays_started_late_keep_the_upstream_cap_apart() {
             c
         })
         .collect();
-    // a's slot is at once, b's a second later (the cap).
-    std::thread::sleep(Duration::from_millis(2_500).saturating_sub(started.elapsed()));
+    std::thread::sleep(Duration::from_millis(3_500).saturating_sub(started.elapsed()));
     for c in &mut clients {
         c.send(".\r\n");
     }
@@ -957,10 +957,20 @@ fn relays_started_late_keep_the_upstream_cap_apart() {
         let reply = c.reply();
         assert!(reply.starts_with("250"), "{reply}");
     }
-    let got = up.wait_arrivals(2, Duration::from_secs(10));
-    let gap = Duration::from_nanos(arrival_ns(&got[0]).abs_diff(arrival_ns(&got[1])));
-    // 500 ms expected; together (a few ms) without the upstream's line.
-    assert!(gap >= Duration::from_millis(350), "relayed {gap:?} apart");
+    let got = up.wait_arrivals(3, Duration::from_secs(10));
+    let mut at: Vec<u64> = got.iter().map(arrival_ns).collect();
+    at.sort_unstable();
+    let gaps: Vec<Duration> = at
+        .windows(2)
+        .map(|w| Duration::from_nanos(w[1] - w[0]))
+        .collect();
+    // 500 ms expected; together (a few ms) without the upstream's line,
+    // the two held ones together when their release was taken as their
+    // data's end.
+    assert!(
+        gaps.iter().all(|g| *g >= Duration::from_millis(350)),
+        "relayed {gaps:?} apart"
+    );
 }
 
 /// A message released before its upstream asked for a pause, whose data
@@ -996,6 +1006,40 @@ fn a_message_whose_data_comes_during_a_pause_waits_for_its_end() {
         "relayed {after:?} after the 454, inside the 2 s pause"
     );
     assert_eq!(up.wait_arrivals(1, Duration::from_secs(5)).len(), 1);
+}
+
+/// A pause longer than the answer to an end of data can wait (here 10
+/// minutes, where a relay must start within 540 s less its 240 s
+/// `relay_timeout` of the end of data): a message whose data comes during
+/// it is told 451 at once, and nothing is relayed (the client keeps it).
+#[test]
+fn a_pause_longer_than_the_answer_can_wait_is_a_451_at_once() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    up.set_mode("throttle-once");
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"\nthrottle_pause = \"10m\"\nrelay_timeout = \"240s\"",
+        "key = \"global\"\nrate = \"10/s\"\ncapacity = 10",
+    ));
+    let addr = sluice.smtp.unwrap();
+    let mut y = Raw::connect(addr);
+    start_message(&mut y, "slow");
+    let mut x = Raw::connect(addr);
+    start_message(&mut x, "throttled");
+    x.send(".\r\n");
+    let reply = x.reply();
+    assert!(reply.starts_with("454"), "{reply}");
+    let sent = Instant::now();
+    y.send(".\r\n");
+    let reply = y.reply();
+    assert!(reply.starts_with("451 4.7.0"), "{reply}");
+    assert!(
+        sent.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        sent.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(up.arrivals().is_empty(), "{:?}", up.arrivals());
 }
 
 /// `burst` lets messages go together after idle, and their relays are not

@@ -804,41 +804,60 @@ impl Admission {
     ///   than c/(2R) behind: starts made late, each after its own slot,
     ///   would otherwise reach the upstream together;
     /// - the upstream is paused (it asked for it after this work's
-    ///   departure): the start waits for the pause to end.
+    ///   departure, or while it waited): the start waits for the end.
     ///
-    /// `slot` is the departure the client's schedule gave, `released`
-    /// when the hold actually ended (the same for work that went at once).
+    /// `false` (at once, or when a pause is made longer) when the start
+    /// would come after `latest`: the work must not start.
     pub async fn space_relay(
         &self,
         rule: &Rule,
         key: &Key,
         cost: u32,
         slot: Instant,
-        released: Instant,
-    ) {
+        latest: Instant,
+    ) -> bool {
         let half = |step: Nanos| step.saturating_mul(u64::from(cost)) / 2;
         let now = self.shaper.now();
-        let on_axis = |t: Instant| {
-            now.saturating_sub(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX))
-        };
         let client = Start::Client(rule.local, key.clone());
         let own = (
             &client,
-            on_axis(slot),
+            Some(self.on_axis(slot, now)),
             half(rule.policy.rate.interval_nanos()),
         );
         let from = self.shaper.paused_until(rule.upstream_id).unwrap_or(now);
-        // On the upstream's line the slot is the release: under a cap the
-        // pacer releases 1/R apart, while `slot` is the client's own.
+        // The cap released held work 1/R apart, whenever its own start
+        // came: on the upstream's line every start keeps c/(2R).
         let upstream = Start::Upstream(rule.upstream_id);
         let start = match rule.cap_step {
-            Some(step) => self
-                .relays
-                .release_all(&[own, (&upstream, on_axis(released), half(step))], from),
-            None => self.relays.release_all(&[own], from),
+            Some(step) => {
+                let line = (&upstream, None, half(step));
+                self.relays.release_all(&[own, line], from, now)
+            }
+            None => self.relays.release_all(&[own], from, now),
         };
+        let latest = self.on_axis(latest, now);
+        if start > latest {
+            return false;
+        }
         if start > now {
             self.shaper.sleep_until(start).await;
+        }
+        while let Some(until) = self.shaper.paused_until(rule.upstream_id) {
+            if until > latest {
+                return false;
+            }
+            self.shaper.sleep_until(until).await;
+        }
+        true
+    }
+
+    /// `t` on the engine's time axis, whose present is `now`.
+    fn on_axis(&self, t: Instant, now: Nanos) -> Nanos {
+        let here = Instant::now();
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        match t.checked_duration_since(here) {
+            Some(ahead) => now.saturating_add(nanos(ahead)),
+            None => now.saturating_sub(nanos(here.duration_since(t))),
         }
     }
 

@@ -49,19 +49,26 @@ impl<C: Hash + Eq + Clone> Spacing<C> {
     /// that release's slot, if less (overdue releases may be taken in any
     /// order). Taken: the client's next release is spaced from it.
     pub fn release(&self, client: &C, now: Nanos, slot: Nanos, half: Nanos) -> Nanos {
-        self.release_all(&[(client, slot, half)], now)
+        self.release_all(&[(client, Some(slot), half)], now, now)
     }
 
     /// [`Spacing::release`] for work that keeps its spacing on several
     /// lines at once (its client's, and its capped upstream's), each
-    /// `(line, slot, half)` with the slot it had on that line: the
-    /// earliest instant that suits every line, taken on all of them.
-    pub fn release_all(&self, lines: &[(&C, Nanos, Nanos)], now: Nanos) -> Nanos {
+    /// `(line, slot, half)`: the earliest instant from `from` on that
+    /// suits every line, taken on all of them. A line without slots keeps
+    /// its whole `half` between any two starts. `now` is the time, for
+    /// pruning.
+    pub fn release_all(
+        &self,
+        lines: &[(&C, Option<Nanos>, Nanos)],
+        from: Nanos,
+        now: Nanos,
+    ) -> Nanos {
         let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let (last, prune_at) = &mut *guard;
-        let at = lines.iter().fold(now, |at, &(line, slot, half)| {
+        let at = lines.iter().fold(from, |at, &(line, slot, half)| {
             last.get(line).map_or(at, |prev| {
-                let gap = half.min(slot.abs_diff(prev.slot));
+                let gap = slot.map_or(half, |s| half.min(s.abs_diff(prev.slot)));
                 at.max(prev.at.saturating_add(gap))
             })
         });
@@ -74,6 +81,7 @@ impl<C: Hash + Eq + Clone> Spacing<C> {
         }
         for &(line, slot, half) in lines {
             let until = at.saturating_add(half);
+            let slot = slot.unwrap_or_default();
             last.insert(line.clone(), Last { at, slot, until });
         }
         at
@@ -134,22 +142,39 @@ mod tests {
     fn a_release_on_two_lines_keeps_the_spacing_of_both() {
         let s = Spacing::default();
         let (a, b, c, up) = (client("a"), client("b"), client("c"), client("up"));
-        // a, b and c share an upstream whose slots are 100 ms apart (50 ms
-        // at half); their own slots are 200 ms apart. All start late.
-        let start = |who: &String, own: Nanos, upstream: Nanos, now: Nanos| {
+        // a, b and c share an upstream whose starts keep 50 ms (half its
+        // interval) whatever their slots; their own slots are 200 ms
+        // apart (100 ms at half). All start late.
+        let start = |who: &String, own: Nanos, from: Nanos| {
             s.release_all(
-                &[(who, own * MS, 100 * MS), (&up, upstream * MS, 50 * MS)],
-                now * MS,
+                &[(who, Some(own * MS), 100 * MS), (&up, None, 50 * MS)],
+                from * MS,
+                from * MS,
             )
         };
-        assert_eq!(start(&a, 0, 0, 1_000), 1_000 * MS);
+        assert_eq!(start(&a, 0, 1_000), 1_000 * MS);
         // b's own line is new: held by the upstream's.
-        assert_eq!(start(&b, 0, 100, 1_000), 1_050 * MS);
+        assert_eq!(start(&b, 0, 1_000), 1_050 * MS);
         // a's next by its own (100 ms after its last), the upstream's
         // allowing 1,100.
-        assert_eq!(start(&a, 200, 200, 1_000), 1_100 * MS);
+        assert_eq!(start(&a, 200, 1_000), 1_100 * MS);
         // c, at 1,120: the upstream's line holds it to 1,150.
-        assert_eq!(start(&c, 0, 300, 1_120), 1_150 * MS);
+        assert_eq!(start(&c, 0, 1_120), 1_150 * MS);
+    }
+
+    #[test]
+    fn pruning_goes_by_the_time_not_a_later_floor() {
+        let s = Spacing::default();
+        // Live entries (an hour each), then one start floored a day later
+        // (a paused upstream): the live ones are kept.
+        for i in 0..PRUNE_AT {
+            s.release(&client(&i.to_string()), 0, 0, 3_600_000 * MS);
+        }
+        let day = 86_400_000 * MS;
+        s.release_all(&[(&client("late"), None, MS)], day, 0);
+        // Its slot two hours on: held a whole half (an hour) from its last.
+        let (hour, two) = (3_600_000 * MS, 7_200_000 * MS);
+        assert_eq!(s.release(&client("0"), MS, two, hour), hour);
     }
 
     #[test]

@@ -206,6 +206,11 @@ pub const EXPIRED: Reply = Reply::new(
     [4, 7, 0],
     "Still queued after max_wait (the upstream is paused or capped); try again later",
 );
+pub const PAUSED_TOO_LONG: Reply = Reply::new(
+    451,
+    [4, 7, 0],
+    "The upstream is paused past the time the answer can wait; try again later",
+);
 
 #[cfg(test)]
 mod tests {

@@ -721,7 +721,7 @@ impl Session {
             admitted_at,
         } = tx;
         let rule = listener.rule.clone();
-        let (mut slot, mut released) = (admitted_at, admitted_at);
+        let mut slot = admitted_at;
         if let Some(Some(mut hold)) = admitted {
             slot = hold.departure().unwrap_or(slot);
             self.flush().await?;
@@ -735,7 +735,7 @@ impl Session {
                 }
             };
             match waited {
-                Ok(()) => released = Instant::now(),
+                Ok(()) => {}
                 Err(HoldError::Expired) => return Ok(reply::EXPIRED),
                 Err(HoldError::Closed) => {
                     self.say(&reply::SHUTTING_DOWN);
@@ -748,10 +748,20 @@ impl Session {
         // releases), instead of following at once; under an upstream cap,
         // the next one to the upstream c/(2R); none starts while the
         // upstream is paused.
+        // It starts in time for its whole relay to end by the answer's
+        // deadline (MAX_HOLD after the end of data, inside the client's 10
+        // minutes), or not at all.
         let admission = &self.front.admission;
-        let spaced = admission.space_relay(&rule, &key, cost, slot, released);
+        let pool = listener.pool.clone();
+        let latest = (data_end + MAX_HOLD)
+            .checked_sub(pool.config().relay_timeout)
+            .unwrap_or(data_end);
+        let spaced = admission.space_relay(&rule, &key, cost, slot, latest);
         tokio::select! {
-            () = spaced => {}
+            in_time = spaced => if !in_time {
+                rule.count(Outcome::Expired);
+                return Ok(reply::PAUSED_TOO_LONG);
+            },
             () = watch(&mut self.inbuf, &mut self.stream) => {
                 rule.count(Outcome::Cancelled);
                 return Err(End::Gone);
@@ -772,7 +782,6 @@ impl Session {
             committed: AtomicBool::new(false),
             reply_by: data_end + MAX_HOLD,
         };
-        let pool = listener.pool.clone();
         let deadline = Instant::now() + pool.config().relay_timeout;
         let relay = pool.send(&env, &message, deadline);
         tokio::pin!(relay);
