@@ -114,39 +114,17 @@ fn host_matches(pattern: &str, host: &str) -> bool {
 }
 
 /// Whether `raw` is a host as RFC 9110 4.2.3 and RFC 3986 3.2.2 have it
-/// (`uri-host [ ":" port ]`): an IP literal in brackets, or a name of the
-/// characters a reg-name may hold with no empty label (`..`, as nginx
+/// (`uri-host [ ":" port ]`): an IP literal in brackets (zone ids and
+/// IPvFuture too), or a name of the characters a reg-name may hold (and
+/// raw UTF-8, which nginx takes) with no empty label (`..`, as nginx
 /// refuses), then a port of at most five digits. Anything else could miss
 /// a host route (`api.example:x` is not `api.example` to routing, but is
 /// to an upstream that cuts at the colon) or reach the upstream as a
 /// Host it trusts (`evil.example/.api.example`). Empty is sound (a target
 /// without an authority).
 pub fn sound_host(raw: &[u8]) -> bool {
-    let (host, port) = match raw.strip_prefix(b"[") {
-        Some(rest) => {
-            let Some(end) = rest.iter().position(|&b| b == b']') else {
-                return false;
-            };
-            let (literal, after) = rest.split_at(end);
-            let literal_ok = !literal.is_empty()
-                && literal
-                    .iter()
-                    .all(|&b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.'));
-            if !literal_ok {
-                return false;
-            }
-            match after.get(1..) {
-                Some([]) | None => return true,
-                Some([b':', port @ ..]) => (&b""[..], port),
-                Some(_) => return false,
-            }
-        }
-        None => match raw.iter().position(|&b| b == b':') {
-            Some(i) => (&raw[..i], &raw[i + 1..]),
-            None => (raw, &b""[..]),
-        },
-    };
-    let name_ok = host.iter().all(|&b| {
+    // RFC 3986's unreserved and sub-delims, and `%` of pct-encoding.
+    let plain = |b: u8| {
         b.is_ascii_alphanumeric()
             || matches!(
                 b,
@@ -166,7 +144,29 @@ pub fn sound_host(raw: &[u8]) -> bool {
                     | b'='
                     | b'%'
             )
-    }) && !host.windows(2).any(|w| w == b"..");
+    };
+    let (host, port) = match raw.strip_prefix(b"[") {
+        Some(rest) => {
+            let Some(end) = rest.iter().position(|&b| b == b']') else {
+                return false;
+            };
+            let (literal, after) = rest.split_at(end);
+            if literal.is_empty() || !literal.iter().all(|&b| plain(b) || b == b':') {
+                return false;
+            }
+            match after.get(1..) {
+                Some([]) | None => return true,
+                Some([b':', port @ ..]) => (&b""[..], port),
+                Some(_) => return false,
+            }
+        }
+        None => match raw.iter().position(|&b| b == b':') {
+            Some(i) => (&raw[..i], &raw[i + 1..]),
+            None => (raw, &b""[..]),
+        },
+    };
+    let name_ok =
+        host.iter().all(|&b| plain(b) || b >= 0x80) && !host.windows(2).any(|w| w == b"..");
     name_ok && port.len() <= 5 && port.iter().all(u8::is_ascii_digit)
 }
 
@@ -331,7 +331,10 @@ mod tests {
             "[::1]:443",
             "[2001:db8::1]",
             "xn--bcher-kva.example",
+            "bücher.example",
             "a_b.example",
+            "[fe80::1%25eth0]:8080",
+            "[v1.x]",
         ] {
             assert!(sound_host(ok.as_bytes()), "{ok}");
         }
@@ -347,8 +350,9 @@ mod tests {
             "[::1",
             "[::1]x",
             "[]",
-            "[::g]",
+            "[::1/8]",
             "::1",
+            "a\0b",
         ] {
             assert!(!sound_host(bad.as_bytes()), "{bad}");
         }
