@@ -68,7 +68,7 @@ pub async fn serve(
                 async move {
                     Ok::<_, Infallible>(match reply {
                         Reply::Now(response) => response,
-                        Reply::Status => status_walk(server, &walk, show_keys).await,
+                        Reply::Status => status_walk(server, walk, show_keys).await,
                     })
                 }
             });
@@ -310,11 +310,17 @@ enum Reply {
 /// The `/status` answer, walked on a blocking thread, one walk at a time.
 async fn status_walk(
     server: Handle,
-    walk: &tokio::sync::Semaphore,
+    walk: std::sync::Arc<tokio::sync::Semaphore>,
     show_keys: bool,
 ) -> Response<Full<Bytes>> {
-    let _one = walk.acquire().await;
-    match tokio::task::spawn_blocking(move || status(&server, show_keys).to_string()).await {
+    // The place goes with the walk: a client that leaves does not free it
+    // while its walk still runs.
+    let one = walk.acquire_owned().await;
+    let walked = tokio::task::spawn_blocking(move || {
+        let _one = one;
+        status(&server, show_keys).to_string()
+    });
+    match walked.await {
         Ok(doc) => text(StatusCode::OK, "application/json", doc),
         Err(_) => text(
             StatusCode::INTERNAL_SERVER_ERROR,
