@@ -716,17 +716,17 @@ async fn the_descriptor_table_is_grown_at_start_for_the_configured_connections()
 }
 
 /// Connections the open-file limit cannot hold are warned about at start,
-/// as nginx warns about worker_connections: 1,000,000 of them need two
-/// million descriptors, more than Linux lets any process have by default
-/// (fs.nr_open, 1,048,576).
+/// as nginx warns about worker_connections: 3,000 of them need 7,024
+/// descriptors, under a limit of 4,096 (soft and hard, set before sluice
+/// starts: it raises the soft one to the hard one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_the_open_file_limit_are_warned_about() {
     let ds = Downstream::start().await;
     let toml = config(ds.addr, "10/s", 10, "5s").replace(
         "listen = [\"127.0.0.1:0\"]",
-        "listen = [\"127.0.0.1:0\"]\nmax_connections = 1000000",
+        "listen = [\"127.0.0.1:0\"]\nmax_connections = 3000",
     );
-    let sluice = Sluice::start(&toml);
+    let sluice = Sluice::start_with_open_files(&toml, 4096);
     wait_for_log(&sluice, "the open-file limit is below").await;
     sluice.signal("TERM");
     exits_cleanly(sluice, Duration::from_secs(10)).await;

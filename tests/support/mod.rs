@@ -247,17 +247,25 @@ impl Sluice {
     /// its environment, as systemd sets `WATCHDOG_PID`: a shell exports its
     /// PID and execs sluice in its place (so the child is sluice itself).
     pub fn start_with_own_pid_in(toml: &str, env: &[(&str, &str)], var: &str) -> Sluice {
-        Self::launch(toml, env, Some(var))
+        Self::launch(toml, env, Some(&format!("export {var}=$$")))
     }
 
-    fn launch(toml: &str, env: &[(&str, &str)], pid_var: Option<&str>) -> Sluice {
+    /// As [`Sluice::start`], with the open-file limit (soft and hard)
+    /// lowered to `n` first, by a shell that then execs sluice.
+    pub fn start_with_open_files(toml: &str, n: u32) -> Sluice {
+        Self::launch(toml, &[], Some(&format!("ulimit -n {n}")))
+    }
+
+    /// Start sluice; with `shell`, a shell runs that first and execs
+    /// sluice in its place (so the child is sluice itself).
+    fn launch(toml: &str, env: &[(&str, &str)], shell: Option<&str>) -> Sluice {
         let config = write_config(toml);
         let bin = env!("CARGO_BIN_EXE_sluice");
-        let mut cmd = match pid_var {
+        let mut cmd = match shell {
             None => Command::new(bin),
-            Some(var) => {
+            Some(first) => {
                 let mut sh = Command::new("/bin/sh");
-                sh.args(["-c", &format!("export {var}=$$; exec \"$0\" \"$@\""), bin]);
+                sh.args(["-c", &format!("{first}; exec \"$0\" \"$@\""), bin]);
                 sh
             }
         };
