@@ -97,6 +97,90 @@ async fn https_calls_share_one_kept_alive_connection() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(ds.connections(), 1, "calls did not share a connection");
+    // Calls with a body go through the other client (hyper's), whose
+    // connections a call takes only when ready for it: one answered in
+    // full is, so these share one connection too.
+    for i in 0..6 {
+        let url = s.url(&format!("/mail/post{i}"));
+        let a = send(&c, "POST", &url, &[], Bytes::from_static(b"x")).await;
+        assert_eq!(a.status, StatusCode::OK, "post {i}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ds.connections(), 2, "calls with a body did not share one");
+}
+
+/// An upstream that answers before it has read a request's body (and
+/// keeps the connection): while a slow client's body is still going up,
+/// that connection is not ready for another request, and the next call
+/// takes a new one instead of waiting behind the upload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_does_not_wait_behind_another_clients_upload() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = up.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = up.accept().await {
+            tokio::spawn(async move {
+                // Each head (bodies here never hold an empty line) is
+                // answered at once, whatever follows it.
+                let (mut buf, mut seen, mut answered) = (vec![0u8; 8192], Vec::new(), 0);
+                loop {
+                    match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                    let heads = seen.windows(4).filter(|w| w == b"\r\n\r\n").count();
+                    for _ in answered..heads {
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if sock.write_all(ok).await.is_err() {
+                            return;
+                        }
+                    }
+                    answered = heads;
+                }
+            });
+        }
+    });
+    let config = queue_config(addr, "").replace("[server]\n", "[server]\nworkers = 1\n");
+    let config = config.replace("rate = \"2/s\"", "rate = \"100/s\"");
+    let s = Sluice::start(&config);
+    let sluice = s.addr;
+    // A: 10 of its 100,000 bytes, answered at once; the rest comes 3 s
+    // later.
+    let slow = std::thread::spawn(move || {
+        let head =
+            "POST /slow HTTP/1.1\r\nHost: t\r\nX-Client: a\r\nContent-Length: 100000\r\n\r\n";
+        let mut a = raw(sluice, head, &[b'a'; 10]);
+        a.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !got.ends_with(b"ok") {
+            let n = a.read(&mut chunk).unwrap();
+            assert!(n > 0, "closed before its answer");
+            got.extend_from_slice(&chunk[..n]);
+        }
+        std::thread::sleep(Duration::from_secs(3));
+        let _ = a.write_all(&[b'a'; 99_990]);
+        a
+    });
+    // A's answer is in: its connection is back in the pool, uploading.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let b = send(
+        &client(),
+        "POST",
+        &s.url("/fast"),
+        &[("x-client", "b")],
+        Bytes::from_static(b"hi"),
+    )
+    .await;
+    let took = started.elapsed();
+    assert_eq!(b.status, StatusCode::OK);
+    assert!(
+        took < Duration::from_millis(1_500),
+        "the call waited {took:?} behind the upload"
+    );
+    drop(tokio::task::spawn_blocking(move || slow.join()).await);
 }
 
 /// `host = "client"` passes the client's Host; the TLS name stays the

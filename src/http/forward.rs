@@ -113,14 +113,27 @@ impl Pool {
         streams
     }
 
+    /// The most recently used idle connection that is ready for a
+    /// request. A connection whose answer came before its request's body
+    /// was all sent (an upstream that answers early) is back in the pool
+    /// while that body still uploads, and is not ready until it is done:
+    /// the next request takes another, or a new one, rather than wait
+    /// behind a slow client's upload. (One whose answer was read to its
+    /// end is ready by then: hyper's connection task asks for the next
+    /// request as it delivers the last of the answer.)
     fn take(&self) -> Option<Sender> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        while let Some((sender, since)) = idle.pop() {
+        // Worn-out ones off the top (the most recent is the usual pick).
+        while let Some((sender, since)) = idle.last() {
             if since.elapsed() < IDLE_TIMEOUT && !sender.is_closed() {
-                return Some(sender);
+                break;
             }
+            idle.pop();
         }
-        None
+        let ready = idle
+            .iter()
+            .rposition(|(s, since)| s.is_ready() && since.elapsed() < IDLE_TIMEOUT)?;
+        Some(idle.remove(ready).0)
     }
 
     /// Whether an `auto` upstream has HTTP/1.1 connections (ALPN chose
