@@ -401,6 +401,20 @@ fn a_faster_rate_on_reload_frees_idle_clients_served_at_the_old_one() {
     assert_eq!(sim.departure_of(3), Some(DAY));
 }
 
+#[test]
+fn an_idle_client_rescaled_by_a_reload_is_forgotten_on_its_new_schedule() {
+    // Served at 1/d, then the rate goes to 100/s: the client is idle and
+    // owes 10 ms, so it is forgotten within the next sweep, not in a day
+    // (DESIGN 1: idle state is free).
+    let mut sim = Sim::new(policy("1/d", 10));
+    assert_eq!(sim.arrive(1, 1, 0).1, Admission::Depart);
+    sim.run_to(S / 2);
+    assert_eq!(sim.e.clients(), 1, "held while its day runs");
+    sim.e.set_policy(sim.route, policy("100/s", 10), S);
+    sim.run_to(2 * S);
+    assert_eq!(sim.e.clients(), 0, "still held a day for the old rate");
+}
+
 // === Capacity ===
 
 #[test]

@@ -804,16 +804,28 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         if old == 0 {
             return;
         }
-        for s in &mut self.slots {
+        let expiry = &mut self.expiry;
+        for (slot, s) in self.slots.iter_mut().enumerate() {
             if let Some(c) = s.client.as_mut()
                 && c.route == route
                 && c.head == NIL
                 && c.tat > now
             {
+                let was = c.tat >> EXPIRY_BUCKET_BITS;
                 let ahead = u128::from(c.tat - now) * u128::from(new) / u128::from(old);
                 c.tat = now.saturating_add(u64::try_from(ahead).unwrap_or(u64::MAX));
                 // A late release's floor is never later than the schedule.
                 c.due = c.due.min(c.tat);
+                // Forgotten when the new schedule passes, not the old one
+                // (the entry in the old bucket finds it gone, or is seen
+                // again, as any stale entry is).
+                let bucket = c.tat >> EXPIRY_BUCKET_BITS;
+                if c.in_expiry
+                    && bucket < was
+                    && let Ok(slot) = u32::try_from(slot)
+                {
+                    expiry.entry(bucket).or_default().push((slot, s.generation));
+                }
             }
         }
     }
