@@ -664,8 +664,9 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
         }
     }
 
-    /// Release every target and timer due now, sweep if it is time, then
-    /// fire the oneshots (outside every engine lock).
+    /// Release every target and timer due now, fire the oneshots (outside
+    /// every engine lock), then sweep if it is time: a sweep of many idle
+    /// clients does not delay the departures due with it.
     fn release_due(&mut self) {
         let now = self.inner.now();
         while let Some(&Reverse((at, target))) = self.plan.peek() {
@@ -702,13 +703,13 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
                 self.out.push(t.tx);
             }
         }
-        if now >= self.next_sweep {
-            self.inner.engine.expire(now);
-            self.next_sweep = now.saturating_add(SWEEP);
-        }
         for tx in self.out.drain(..) {
             // The receiver may be gone (its client left just now): fine.
             let _ = tx.send(());
+        }
+        if now >= self.next_sweep {
+            self.inner.engine.expire(now);
+            self.next_sweep = now.saturating_add(SWEEP);
         }
     }
 }
