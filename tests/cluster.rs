@@ -773,3 +773,55 @@ async fn a_reservation_made_after_the_timeout_is_given_back() {
     let (allowed, m) = fallbacks(&s, "allow").await;
     assert_eq!(allowed, Some(1.0), "the second was decided by Redis: {m}");
 }
+
+/// With `on_failure = "local"`, requests that fell back after a slow store
+/// (Redis held past the 300 ms timeout) are admitted as they fall back,
+/// not at their arrival: two of one client sent 100 ms apart reach the
+/// upstream a whole interval (500 ms at 2/s) apart, not 200 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_fall_back_are_paced_from_when_they_do() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let cfg =
+        config(ds.addr, &url, "local", 1, "300ms").replace("rate = \"5/s\"", "rate = \"2/s\"");
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
+    assert_eq!(warm.status, StatusCode::OK);
+    let paused = std::process::Command::new("redis-cli")
+        .args([
+            "-p",
+            &redis.port.to_string(),
+            "CLIENT",
+            "PAUSE",
+            "3000",
+            "ALL",
+        ])
+        .output()
+        .unwrap();
+    assert!(paused.status.success(), "{paused:?}");
+    let mut calls = Vec::new();
+    for path in ["/a", "/b"] {
+        let (c, url) = (c.clone(), s.url(path));
+        calls.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "k")]).await
+        }));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for call in calls {
+        assert_eq!(call.await.unwrap().status, StatusCode::OK);
+    }
+    let (fell_back, m) = fallbacks(&s, "local").await;
+    assert_eq!(fell_back, Some(2.0), "both fell back: {m}");
+    let seen = ds.seen();
+    let at: Vec<Instant> = seen
+        .iter()
+        .filter(|x| x.path == "/a" || x.path == "/b")
+        .map(|x| x.at)
+        .collect();
+    assert_eq!(at.len(), 2);
+    let gap = at[1].max(at[0]) - at[1].min(at[0]);
+    // 500 ms expected; 200 ms when admitted at their arrivals.
+    assert!(gap >= Duration::from_millis(400), "{gap:?} apart");
+}

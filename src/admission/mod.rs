@@ -596,16 +596,21 @@ impl Admission {
     /// `arrival` (a clock read the front end made anyway).
     pub async fn admit(&self, rule: &Arc<Rule>, key: Key, cost: u32, arrival: Instant) -> Verdict {
         rule.arrivals.increment(1);
-        let mut local = rule.local;
+        let (mut local, mut at) = (rule.local, arrival);
         if let Some(cluster) = &self.cluster {
             // Boxed: the shared store's round trip is a large future that
             // a local admission need not carry.
             match Box::pin(self.admit_shared(cluster, rule, &key, cost, arrival)).await {
                 Shared::Decided(v) => return v,
-                Shared::Local => local = rule.fallback.unwrap_or(rule.local),
+                // Decided here, now: the arrival is as old as the failed
+                // call (up to `timeout`), and two requests admitted at
+                // their arrivals after it could depart together.
+                Shared::Local => {
+                    (local, at) = (rule.fallback.unwrap_or(rule.local), Instant::now());
+                }
             }
         }
-        self.admit_local(rule, local, key, cost, arrival)
+        self.admit_local(rule, local, key, cost, at)
     }
 
     /// [`Admission::admit`] with no future at all when no shared store is
