@@ -594,6 +594,11 @@ impl Validator {
         if let (Some(listeners), Some(ups)) = (&smtp, &smtp_upstreams) {
             self.check_holds(listeners, ups);
         }
+        if let (Some(rs), Some(ups), Some(ls), Some(sups), Some(c)) =
+            (&routes, &upstreams, &smtp, &smtp_upstreams, &cluster)
+        {
+            self.check_spans(rs, ups, ls, sups, c.as_ref());
+        }
         Some(Config {
             server: server?,
             admin: admin?,
@@ -604,6 +609,76 @@ impl Validator {
             smtp: smtp?,
             limits,
         })
+    }
+
+    /// The schedule's span under the other rates a route is shaped by: a
+    /// request's cost at its upstream's cap, and, with `on_failure =
+    /// "local"`, capacity, burst and cost at the fallback's rate /
+    /// instances (each instance's share, 30 days apart at the slowest).
+    /// Past [`MAX_SPAN`] one request would push a schedule to the end of
+    /// time (the arithmetic saturates) and park its client or upstream.
+    fn check_spans(
+        &mut self,
+        routes: &[Route],
+        upstreams: &[Upstream],
+        listeners: &[SmtpListener],
+        smtp_upstreams: &[SmtpUpstream],
+        cluster: Option<&ClusterConfig>,
+    ) {
+        let fallback = |rate: Rate| {
+            let c = cluster.filter(|c| c.on_failure == OnFailure::Local)?;
+            let interval = rate.interval_nanos().saturating_mul(u64::from(c.instances));
+            Some(Rate::from_interval_nanos(interval).unwrap_or(Rate::SLOWEST))
+        };
+        let shapes = routes
+            .iter()
+            .map(|r| {
+                let most = match r.cost {
+                    Cost::Fixed(n) => n,
+                    Cost::Header { max, .. } => max,
+                };
+                let cap = upstreams.get(r.upstream).and_then(|u| u.rate);
+                (
+                    format!("route '{}'", r.name),
+                    r.rate,
+                    r.capacity,
+                    r.burst,
+                    most,
+                    cap,
+                )
+            })
+            .chain(listeners.iter().map(|l| {
+                let most = match l.cost {
+                    SmtpCost::Message => 1,
+                    SmtpCost::Recipients => u32::try_from(l.max_recipients).unwrap_or(u32::MAX),
+                };
+                let cap = smtp_upstreams.get(l.upstream).and_then(|u| u.rate);
+                (
+                    format!("smtp '{}'", l.name),
+                    l.rate,
+                    l.capacity,
+                    l.burst,
+                    most,
+                    cap,
+                )
+            }));
+        for (path, rate, capacity, burst, most, cap) in shapes.collect::<Vec<_>>() {
+            if let Some(cap) = cap {
+                self.within_span(
+                    &path,
+                    &format!("cost {most} at the upstream's rate"),
+                    most,
+                    cap,
+                );
+            }
+            if let Some(share) = fallback(rate) {
+                let at = "at rate / cluster.instances (on_failure = \"local\")";
+                self.within_span(&path, &format!("cost {most} {at}"), most, share);
+                self.within_span(&path, &format!("capacity {capacity} {at}"), capacity, share);
+                let b = burst.saturating_sub(1);
+                self.within_span(&path, &format!("burst {burst} {at}"), b, share);
+            }
+        }
     }
 
     /// Every listening address once: two sockets on one address would

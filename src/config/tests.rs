@@ -1200,6 +1200,22 @@ fn a_burst_queue_or_cost_too_long_for_the_schedule_is_invalid() {
     );
     let fine = MINIMAL.replace("capacity = 10", "capacity = 1000000\nburst = 1000000");
     assert_eq!(problems(&fine), Vec::<String>::new());
+    // The other rates a route is shaped by: its upstream's cap, and its
+    // share of the rate while the cluster's store is down.
+    let costly = MINIMAL.replace(
+        "capacity = 10",
+        "capacity = 10\ncost = { header = \"X-Cost\", max = 100000 }",
+    );
+    assert_problem(
+        &costly.replace("url = ", "rate = \"1/d\"\nurl = "),
+        "route 'default': cost 100000 at the upstream's rate: 100000 intervals of 1day",
+    );
+    let local = "\n[cluster]\nredis = \"redis://127.0.0.1:6379\"\non_failure = \"local\"\ninstances = 1000\n";
+    assert_problem(
+        &format!("{}{local}", costly.replace("\"5/s\"", "\"1/h\"")),
+        "cost 100000 at rate / cluster.instances (on_failure = \"local\")",
+    );
+    assert_eq!(problems(&format!("{costly}{local}")), Vec::<String>::new());
 }
 
 #[test]
