@@ -289,7 +289,9 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
 
     /// Change a capped upstream's rate; the pacer re-plans at once.
     pub fn set_upstream_rate(&self, upstream: UpstreamId, rate: Option<Rate>) {
-        self.inner.engine.set_upstream_rate(upstream, rate);
+        self.inner
+            .engine
+            .set_upstream_rate(upstream, rate, self.inner.now());
         for target in self.inner.engine.targets() {
             if matches!(target, Target::Cap(_)) {
                 let _ = self.inner.inbox.send(Msg::Wake(Wake { target, at: 0 }));

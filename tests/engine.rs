@@ -1018,6 +1018,26 @@ fn under_a_cap_a_burst_passes_with_a_pacer_a_little_late() {
 }
 
 #[test]
+fn a_faster_cap_on_reload_scales_what_is_left_of_its_slot() {
+    // The cap at 1/m gave its slot at 0 (the next is at 60 s); reloaded to
+    // 100/s at 1 s, a new client waits what is left scaled (59 s x
+    // 100/s per 1/m: under 10 ms), not the rest of the minute.
+    let mut sim = Sim::with(policy("5/s", 5), ROOMY, Some(rate("1/m")));
+    assert_eq!(sim.arrive(1, 1, 0).1, Admission::Depart);
+    sim.e
+        .set_upstream_rate(sim.upstream, Some(rate("100/s")), S);
+    let (id, a) = sim.arrive(2, 1, S);
+    let at = match a {
+        Admission::Depart => S,
+        _ => {
+            sim.run_to(61 * S);
+            sim.departure_of(id).unwrap_or(u64::MAX)
+        }
+    };
+    assert!(at <= S + 10 * MS, "departs at {at} ns");
+}
+
+#[test]
 fn an_idle_client_under_a_free_cap_departs_at_once() {
     let mut sim = Sim::with(policy("5/s", 5), ROOMY, Some(rate("100/s")));
     assert_eq!(sim.arrive(1, 1, 0).1, Admission::Depart);

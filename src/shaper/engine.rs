@@ -348,9 +348,18 @@ impl<K: Hash + Eq, P> Engine<K, P> {
 
     /// Change a capped upstream's rate (`None`: no spacing, for a
     /// pausable upstream without a rate); an uncapped one stays uncapped.
-    pub fn set_upstream_rate(&self, upstream: UpstreamId, rate: Option<Rate>) {
+    /// What is left of the slot it gave last is scaled to the new rate,
+    /// as idle clients' schedules are on a reload: after 1/m to 100/s the
+    /// next slot is at most 10 ms away, not the rest of the minute.
+    pub fn set_upstream_rate(&self, upstream: UpstreamId, rate: Option<Rate>, now: Nanos) {
         if let Some(cap) = self.cap(upstream.0) {
-            lock(&cap).step = rate.map_or(0, Rate::interval_nanos);
+            let mut cap = lock(&cap);
+            let new = rate.map_or(0, Rate::interval_nanos);
+            if cap.step > 0 && cap.next > now {
+                let ahead = u128::from(cap.next - now) * u128::from(new) / u128::from(cap.step);
+                cap.next = now.saturating_add(u64::try_from(ahead).unwrap_or(u64::MAX));
+            }
+            cap.step = new;
         }
     }
 
