@@ -120,6 +120,23 @@ struct Inner<K> {
     inbox: Sender<Msg>,
     origin: Instant,
     lag: OnceLock<LagObserver>,
+    /// Set when the pacer thread has ended (stopped, or panicked).
+    ended: std::sync::atomic::AtomicBool,
+}
+
+/// Marks the pacer thread's end, however it ends (a panic unwinds through
+/// it): nothing would release the requests still waiting, so each is
+/// told (its waiter resolves with an error) rather than left for ever.
+struct Ended<K: Hash + Eq>(Arc<Inner<K>>);
+
+impl<K: Hash + Eq> Drop for Ended<K> {
+    fn drop(&mut self) {
+        self.0
+            .ended
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut withdrawn = Vec::new();
+        self.0.engine.withdraw_all(self.0.now(), &mut withdrawn);
+    }
 }
 
 impl<K> Inner<K> {
@@ -228,11 +245,13 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
             inbox: tx.clone(),
             origin: Instant::now(),
             lag: OnceLock::new(),
+            ended: std::sync::atomic::AtomicBool::new(false),
         });
         let pacer = inner.clone();
         thread::Builder::new()
             .name("sluice-pacer".into())
             .spawn(move || {
+                let _ended = Ended(pacer.clone());
                 tune_thread();
                 Pacer::new(&pacer, rx).run()
             })?;
@@ -348,6 +367,12 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
         K: Clone,
     {
         self.inner.engine.deepest(n, self.inner.now())
+    }
+
+    /// Whether the pacer thread has ended (stopped or panicked): nothing
+    /// is released any more.
+    pub fn ended(&self) -> bool {
+        self.inner.ended.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Whether the pacer thread is alive and taking messages (what the
@@ -718,7 +743,9 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
 
 #[cfg(test)]
 mod tests {
-    use super::{BinaryHeap, Lead, Msg, Nanos, PRUNE_MIN, Shaper, Timer, oneshot, push_timer};
+    use super::{
+        Admitted, BinaryHeap, Lead, Msg, Nanos, PRUNE_MIN, Shaper, Timer, oneshot, push_timer,
+    };
 
     /// What the watchdog asks: the pacer thread answers while it runs, and
     /// not once it has stopped.
@@ -730,12 +757,24 @@ mod tests {
         };
         let shaper: Shaper<u32> = Shaper::with_shards(limits, 1).unwrap_or_else(|e| panic!("{e}"));
         assert!(shaper.answers().await);
+        // A request waiting an hour: the thread's end tells it.
+        let up = shaper.add_upstream(None);
+        let hourly = "1/h".parse().unwrap_or_else(|e| panic!("{e:?}"));
+        let route = shaper.add_route(crate::shaper::Policy::new(hourly, 10), up);
+        assert!(matches!(shaper.admit(route, 1, 1), Ok(Admitted::Now)));
+        let Ok(Admitted::Wait(waiting)) = shaper.admit(route, 1, 1) else {
+            panic!("the second of the hour did not wait");
+        };
         let _ = shaper.inner.inbox.send(Msg::Stop);
+        let told =
+            tokio::time::timeout(std::time::Duration::from_secs(10), waiting.departed()).await;
+        assert!(matches!(told, Ok(Err(_))), "the waiter was not told");
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while shaper.answers().await {
             assert!(std::time::Instant::now() < deadline, "still answering");
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
+        assert!(shaper.ended());
     }
 
     #[test]

@@ -980,6 +980,9 @@ impl Admission {
     /// `on_failure = "reject"`. With `local` or `allow` an instance whose
     /// store is down still serves, as configured.
     pub fn backend_not_ready(&self) -> Option<String> {
+        if self.shaper.ended() {
+            return Some("the pacer thread has stopped: nothing is released".to_owned());
+        }
         let cluster = self.cluster.as_ref()?;
         if let Some(why) = cluster.misconfigured() {
             return Some(why);
