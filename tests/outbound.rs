@@ -183,6 +183,91 @@ async fn a_call_does_not_wait_behind_another_clients_upload() {
     drop(tokio::task::spawn_blocking(move || slow.join()).await);
 }
 
+/// An https upstream that sends bytes after an answer (a body to a HEAD)
+/// in the same TLS record, the answer's head filling sluice's 8 KiB read
+/// exactly: the rest stays inside TLS, where the read buffer and the
+/// socket's readiness do not show it. The connection must not go back to
+/// the pool, or the next call reads those bytes as its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_left_inside_tls_after_an_answer_keep_the_connection_out_of_the_pool() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let ca = TestCa::new();
+    let (certs, key) = ca.leaf(&["localhost"]);
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(tls));
+    let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = up.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = up.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut s) = acceptor.accept(sock).await else {
+                    return;
+                };
+                let (mut buf, mut seen) = (vec![0u8; 4096], Vec::new());
+                loop {
+                    while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let end = seen.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+                    let head: Vec<u8> = seen.drain(..end).collect();
+                    let answer = if head.starts_with(b"HEAD ") {
+                        let top = "HTTP/1.1 200 OK\r\ncontent-length: 40\r\nx-pad: ";
+                        let pad = 8192 - top.len() - 4;
+                        let mut a = format!("{top}{}\r\n\r\n", "p".repeat(pad)).into_bytes();
+                        assert_eq!(a.len(), 8192);
+                        a.extend_from_slice(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nevil");
+                        a
+                    } else {
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\ngood".to_vec()
+                    };
+                    if s.write_all(&answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let ca_file = ca.write();
+    let config = format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+workers = 1
+
+[[upstream]]
+name = "partner"
+url = "https://localhost:{port}"
+ca_file = "{ca}"
+
+[[route]]
+name = "all"
+upstream = "partner"
+key = "global"
+rate = "100/s"
+capacity = 10
+"#,
+        ca = ca_file.display(),
+    );
+    let s = Sluice::start(&config);
+    let c = client();
+    let head = send(&c, "HEAD", &s.url("/h"), &[], Bytes::new()).await;
+    assert_eq!(head.status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let next = get(&c, &s.url("/g"), &[]).await;
+    assert_eq!(next.status, StatusCode::OK);
+    assert_eq!(&next.body[..], b"good", "the next call read the leftover");
+}
+
 /// `host = "client"` passes the client's Host; the TLS name stays the
 /// URL's (the certificate is still verified against it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -98,6 +98,25 @@ impl Conn {
     /// nothing, cleared that), so an idle connection costs no system call.
     /// Over TLS anything at all counts (a close_notify, most often; a
     /// late session ticket would cost a good connection, not a request).
+    /// Whether TLS holds more of what the upstream sent than the read
+    /// took: a read that filled the buffer exactly at an answer's end
+    /// leaves the rest of its record in rustls, where neither the buffer
+    /// nor [`Conn::stale`]'s peek at the socket sees it. Bytes after an
+    /// answer (a body sent to a HEAD, say) would be read as the next
+    /// request's answer.
+    fn leftover(&mut self) -> bool {
+        match &mut self.io {
+            Either::Left(_) => false,
+            Either::Right(tls) => {
+                let mut probe = [0u8; 1];
+                !matches!(
+                    std::io::Read::read(&mut tls.get_mut().1.reader(), &mut probe),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock
+                )
+            }
+        }
+    }
+
     fn stale(&self) -> bool {
         let mut cx = Context::from_waker(Waker::noop());
         let mut probe = [0u8; 1];
@@ -429,9 +448,10 @@ impl Incoming {
     /// The body has ended: its connection goes back to the pool when it
     /// can be used again.
     fn finish(&mut self) {
-        if let Some(conn) = self.conn.take()
+        if let Some(mut conn) = self.conn.take()
             && self.reuse
             && conn.buf.is_empty()
+            && !conn.leftover()
         {
             self.idle.put(conn);
         }
