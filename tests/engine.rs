@@ -402,6 +402,24 @@ fn a_faster_rate_on_reload_frees_idle_clients_served_at_the_old_one() {
 }
 
 #[test]
+fn a_burst_raised_on_reload_leaves_a_waiting_queue_on_its_grid() {
+    // Five waiting at 5/s (200 ms apart); a reload gives the route a
+    // burst of 10 at 100 ms: the queue still departs 200 ms apart (new
+    // burst credit is for after it), not at twice the rate.
+    let mut sim = Sim::new(policy("5/s", 10));
+    let ids: Vec<u32> = (0..6).map(|_| sim.arrive(1, 1, 0).0).collect();
+    let mut burst = policy("5/s", 10);
+    burst.burst = 10;
+    sim.e.set_policy(sim.route, burst, 100 * MS);
+    sim.run_to(2 * S);
+    let times: Vec<u64> = ids[1..]
+        .iter()
+        .map(|&id| sim.departure_of(id).unwrap_or(0))
+        .collect();
+    assert_eq!(times, [1, 2, 3, 4, 5].map(|k| k * T5));
+}
+
+#[test]
 fn an_idle_client_rescaled_by_a_reload_is_forgotten_on_its_new_schedule() {
     // Served at 1/d, then the rate goes to 100/s: the client is idle and
     // owes 10 ms, so it is forgotten within the next sweep, not in a day

@@ -388,11 +388,15 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         };
         let old = r.policy.rate.interval_nanos();
         let new = policy.rate.interval_nanos();
+        let tolerance = (r.policy.tolerance(), policy.tolerance());
         r.policy = policy;
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
             if let Some(r) = shard.routes.get_mut(route.0 as usize) {
                 r.policy = policy;
+            }
+            if tolerance.0 != tolerance.1 {
+                shard.retolerate(route, tolerance.0, tolerance.1);
             }
             if old != new {
                 shard.rescale(route, old, new, now);

@@ -800,6 +800,25 @@ impl<K: Hash + Eq, P> Shard<K, P> {
     /// served at 1/d just before a reload to 100/s is not held for a day.
     /// Clients with requests waiting keep their schedule: those requests
     /// depart at the pace they were admitted under, new ones follow them.
+    /// A burst changed on reload (its tolerance τ, by which a schedule is
+    /// pushed back): a client with requests waiting keeps its grid (D − τ),
+    /// so its queue still departs c·T apart; a larger τ would otherwise
+    /// read every waiting request as late and send them at twice the rate.
+    pub(super) fn retolerate(&mut self, route: RouteId, old: Nanos, new: Nanos) {
+        for s in &mut self.slots {
+            if let Some(c) = s.client.as_mut()
+                && c.route == route
+                && c.head != NIL
+            {
+                c.tat = if new >= old {
+                    c.tat.saturating_add(new - old)
+                } else {
+                    c.tat.saturating_sub(old - new)
+                };
+            }
+        }
+    }
+
     pub(super) fn rescale(&mut self, route: RouteId, old: Nanos, new: Nanos, now: Nanos) {
         if old == 0 {
             return;
