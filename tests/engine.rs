@@ -380,8 +380,9 @@ fn a_stall_longer_than_the_whole_backlog_restarts_the_schedule() {
 fn a_faster_rate_on_reload_frees_idle_clients_served_at_the_old_one() {
     // Client 1 was served at 1/d just before a reload to 100/s: its next
     // request waits one new interval, not the rest of the day. Client 2
-    // has a request waiting: it keeps the departure it was given, and a
-    // new one follows it at the new pace.
+    // has a request waiting: it keeps the departure it was given, and the
+    // interval after it (it was admitted at 1/d); a new one behind it is
+    // told so, and departs when it was told.
     const DAY: u64 = 86_400 * S;
     let mut sim = Sim::new(policy("1/d", 10));
     sim.arrive(1, 1, 0);
@@ -395,10 +396,42 @@ fn a_faster_rate_on_reload_frees_idle_clients_served_at_the_old_one() {
         queued => queued_at(&queued),
     };
     assert!(at <= S + 10 * MS, "client 1 waits until {at} ns");
-    let (_, behind) = sim.arrive(2, 1, S);
-    assert_eq!(queued_at(&behind), DAY + 10 * MS, "behind the one waiting");
+    let (id, behind) = sim.arrive(2, 1, S);
+    assert_eq!(queued_at(&behind), 2 * DAY, "behind the one waiting");
+    // Once the old one has gone, the estimates are the new rate's again.
     sim.run_to(2 * DAY);
     assert_eq!(sim.departure_of(3), Some(DAY));
+    assert_eq!(sim.departure_of(id), Some(2 * DAY));
+    let (_, next) = sim.arrive(2, 1, 2 * DAY);
+    assert_eq!(queued_at(&next), 2 * DAY + 10 * MS);
+}
+
+#[test]
+fn max_wait_after_a_reload_counts_the_waiting_at_their_own_interval() {
+    // At 1/s two wait (due 1 s and 2 s); a reload to 10/s. A request at
+    // 200 ms departs after them, at 3 s (each keeps its interval): past
+    // its 2 s max_wait, so it is refused, not admitted on an estimate of
+    // 1.2 s made at the new interval.
+    let mut p = policy("1/s", 10);
+    p.max_wait = Some(2 * S);
+    let mut sim = Sim::new(p);
+    for _ in 0..3 {
+        sim.arrive(1, 1, 0);
+    }
+    let mut faster = policy("10/s", 10);
+    faster.max_wait = Some(2 * S);
+    sim.e.set_policy(sim.route, faster, 100 * MS);
+    let (_, late) = sim.arrive(1, 1, 200 * MS);
+    assert!(
+        matches!(late, Admission::Rejected(Rejection::MaxWait { .. })),
+        "{late:?}"
+    );
+    // Once they have gone, the next goes at once and the one behind it
+    // is told the new interval.
+    sim.run_to(3 * S);
+    assert_eq!(sim.arrive(1, 1, 3 * S).1, Admission::Depart);
+    let (_, next) = sim.arrive(1, 1, 3 * S);
+    assert_eq!(queued_at(&next), 3 * S + 100 * MS);
 }
 
 #[test]

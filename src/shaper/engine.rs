@@ -370,7 +370,11 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             .cloned()
             .flatten()
             .map(|c| (upstream.0, c));
-        let route = ShardRoute { policy, cap };
+        let route = ShardRoute {
+            policy,
+            cap,
+            odd: 0,
+        };
         let mut routes = lock(&self.routes);
         routes.push(route.clone());
         for shard in self.shards.iter() {
@@ -400,6 +404,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             }
             if old != new {
                 shard.rescale(route, old, new, now);
+                shard.recount_odd(route, new);
             }
         }
     }

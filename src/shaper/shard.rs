@@ -132,6 +132,10 @@ pub struct HeadRef {
 pub(super) struct ShardRoute {
     pub(super) policy: Policy,
     pub(super) cap: Option<(u32, Arc<Mutex<Cap>>)>,
+    /// Requests waiting here that were admitted at another interval than
+    /// the policy's (a reload changed the rate): while there are any, a
+    /// departure estimate adds up each one's own interval.
+    pub(super) odd: usize,
 }
 
 struct Slot<K> {
@@ -183,6 +187,8 @@ struct Ask<'a> {
     cap: Option<&'a Cap>,
     cost: u32,
     now: Nanos,
+    /// Some request of the route waits at an interval of its own.
+    odd: bool,
 }
 
 enum Decision {
@@ -345,6 +351,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             cap,
             cost,
             now,
+            odd,
         } = *ask;
         let step = policy.rate.interval_nanos();
         let (tat, waiting, waiting_cost, due) =
@@ -358,10 +365,9 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         // It has to wait: capacity, then max_wait, then the global bound.
         // Under a cap each unit waiting ahead also needs one of the cap's
         // slots: a lower bound on the departure.
-        let own = if waiting == 0 {
-            earliest
-        } else {
-            due.saturating_add(waiting_cost.saturating_mul(step))
+        let own = match client {
+            Some(c) if waiting > 0 => due.saturating_add(self.span(c, step, odd)),
+            _ => earliest,
         };
         let departure = match cap {
             Some(c) => own.max(c.next.saturating_add(waiting_cost.saturating_mul(c.step))),
@@ -402,33 +408,71 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         if client.waiting == 0 {
             return idle_earliest(client.tat, client.due, ask.policy.tolerance(), 0);
         }
-        // When the units ahead of `done` units have left: on the client's
-        // own grid, and (with a cap) on the upstream's.
-        let leaves = |done: u64| {
-            let own = client.due.saturating_add(done.saturating_mul(step));
+        // When the units ahead of `done` units, `span` of the client's own
+        // schedule, have left: on its own grid, and (with a cap) on the
+        // upstream's.
+        let leaves = |done: u64, span: Nanos| {
+            let own = client.due.saturating_add(span);
             match ask.cap {
                 Some(c) => own.max(c.next.saturating_add(done.saturating_mul(c.step))),
                 None => own,
             }
         };
         if cost > capacity {
-            return leaves(client.waiting_cost);
+            return leaves(client.waiting_cost, self.span(client, step, ask.odd));
         }
         // Walk departures from the head until enough cost has gone; at most
-        // `cost` units need to go since waiting_cost <= capacity.
+        // `cost` units need to go since waiting_cost <= capacity. Each
+        // request spaces the next by its own interval.
         let mut waiting = client.waiting_cost;
-        let mut done = 0;
+        let (mut done, mut span) = (0, 0);
         let mut at = client.head;
         while let Some(e) = self.entries.get(at as usize) {
-            let leaves_at = leaves(done);
+            let leaves_at = leaves(done, span);
             waiting -= u64::from(e.cost);
             if waiting + cost <= capacity {
                 return leaves_at;
             }
             done += u64::from(e.cost);
+            span = span.saturating_add(u64::from(e.cost).saturating_mul(e.step));
             at = e.next;
         }
-        leaves(done)
+        leaves(done, span)
+    }
+
+    /// How long a client's waiting requests keep its own schedule busy:
+    /// each one's cost times the interval it was admitted at (the route's
+    /// `step` for all, unless `odd`: a reload changed it while some
+    /// waited).
+    fn span(&self, c: &Client<K>, step: Nanos, odd: bool) -> Nanos {
+        if !odd {
+            return c.waiting_cost.saturating_mul(step);
+        }
+        let (mut span, mut at) = (0u64, c.head);
+        while let Some(e) = self.entries.get(at as usize).filter(|_| at != NIL) {
+            span = span.saturating_add(u64::from(e.cost).saturating_mul(e.step));
+            at = e.next;
+        }
+        span
+    }
+
+    /// After a reload changed `route`'s interval to `step`: count the
+    /// requests waiting at another ([`ShardRoute::odd`]).
+    pub(super) fn recount_odd(&mut self, route: RouteId, step: Nanos) {
+        let mut odd = 0;
+        for c in self.slots.iter().filter_map(|s| s.client.as_ref()) {
+            if c.route != route || c.waiting == 0 {
+                continue;
+            }
+            let mut at = c.head;
+            while let Some(e) = self.entries.get(at as usize).filter(|_| at != NIL) {
+                odd += usize::from(e.step != step);
+                at = e.next;
+            }
+        }
+        if let Some(r) = self.routes.get_mut(route.0 as usize) {
+            r.odd = odd;
+        }
     }
 
     /// Decide an arrival; see [`super::Engine::admit`]. `cap` is the
@@ -446,7 +490,11 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         budget: &Budget,
         payload: impl FnOnce() -> P,
     ) -> Admission {
-        let Some(policy) = self.routes.get(route.0 as usize).map(|r| r.policy) else {
+        let Some((policy, odd)) = self
+            .routes
+            .get(route.0 as usize)
+            .map(|r| (r.policy, r.odd > 0))
+        else {
             return Admission::Rejected(Rejection::TooManyClients);
         };
         let Some(slot) = self.find_or_insert(route, key, hash, now, budget) else {
@@ -457,6 +505,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             cap: cap.as_deref(),
             cost,
             now,
+            odd,
         };
         let decision = self.decide(self.client(slot), &ask, budget);
         let step = policy.rate.interval_nanos();
@@ -599,7 +648,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
     fn take_entry(&mut self, i: u32, budget: &Budget) -> Option<(u32, Option<P>)> {
         let e = self.entries.get_mut(i as usize)?;
         e.payload.as_ref()?;
-        let (prev, next, slot, cost) = (e.prev, e.next, e.client, e.cost);
+        let (prev, next, slot, cost, step) = (e.prev, e.next, e.client, e.cost, e.step);
         let payload = e.payload.take();
         e.generation = e.generation.wrapping_add(1);
         e.prev = NIL;
@@ -620,6 +669,13 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             }
             c.waiting -= 1;
             c.waiting_cost -= u64::from(cost);
+            let route = c.route;
+            if let Some(r) = self.routes.get_mut(route.0 as usize)
+                && r.odd > 0
+                && step != r.policy.rate.interval_nanos()
+            {
+                r.odd -= 1;
+            }
         }
         budget.give_queued();
         Some((cost, payload))
@@ -1051,10 +1107,12 @@ impl<K: Hash + Eq, P> Shard<K, P> {
     }
 
     fn view_of(&self, c: &Client<K>, now: Nanos) -> ClientView {
-        let policy = self.routes.get(c.route.0 as usize).map(|r| r.policy);
+        let route = self.routes.get(c.route.0 as usize);
+        let policy = route.map(|r| r.policy);
+        let odd = route.is_some_and(|r| r.odd > 0);
         let step = policy.map_or(0, |p| p.rate.interval_nanos());
         let next_departure = if c.waiting > 0 {
-            c.due.saturating_add(c.waiting_cost.saturating_mul(step))
+            c.due.saturating_add(self.span(c, step, odd))
         } else {
             idle_earliest(c.tat, c.due, policy.map_or(0, |p| p.tolerance()), 0).max(now)
         };
@@ -1090,7 +1148,11 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         cap: Option<&Cap>,
         budget: &Budget,
     ) -> Probe {
-        let Some(policy) = self.routes.get(route.0 as usize).map(|r| r.policy) else {
+        let Some((policy, odd)) = self
+            .routes
+            .get(route.0 as usize)
+            .map(|r| (r.policy, r.odd > 0))
+        else {
             return Probe::Reject(Rejection::TooManyClients);
         };
         let client = self.find(route, key, hash).and_then(|s| self.client(s));
@@ -1102,6 +1164,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             cap,
             cost,
             now,
+            odd,
         };
         match self.decide(client, &ask, budget) {
             Decision::Depart => Probe::Depart,
