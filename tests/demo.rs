@@ -127,3 +127,71 @@ fn short_demo_prints_plain_lines_and_writes_a_valid_svg() {
     assert_eq!(panels, 3);
     let _ = std::fs::remove_file(&svg);
 }
+
+/// Ctrl-C (SIGINT) ends a demo early, and its summary and plot still come.
+#[test]
+fn an_interrupted_demo_still_prints_its_summary_and_writes_its_plot() {
+    let svg =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("demo-int-{}.svg", std::process::id()));
+    let _ = std::fs::remove_file(&svg);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["demo", "--duration", "60s", "--out"])
+        .arg(&svg)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start sluice demo");
+    let pid = child.id().to_string();
+    let mut stdout = child.stdout.take().expect("stdout is piped");
+    // The first tick's lines say it is running: then the interrupt.
+    let mut seen = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let started = Instant::now();
+    while !String::from_utf8_lossy(&seen).contains("t=1s client=") {
+        let n = stdout.read(&mut chunk).expect("read the demo");
+        assert!(n > 0, "the demo ended before its first tick");
+        seen.extend_from_slice(&chunk[..n]);
+        assert!(started.elapsed() < LIMIT, "no first tick");
+    }
+    let sent = Command::new("kill").args(["-INT", &pid]).status().unwrap();
+    assert!(sent.success());
+    let interrupted = Instant::now();
+    let _ = stdout.read_to_end(&mut seen);
+    let status = child.wait().expect("wait for the demo");
+    let text = String::from_utf8_lossy(&seen);
+    assert!(interrupted.elapsed() < Duration::from_secs(15), "{text}");
+    assert!(status.success(), "{status}: {text}");
+    assert!(text.contains("summary: rate"), "{text}");
+    let plot = std::fs::read_to_string(&svg).unwrap_or_default();
+    assert!(
+        plot.starts_with("<svg") || plot.starts_with("<?xml"),
+        "no plot written"
+    );
+    let _ = std::fs::remove_file(&svg);
+}
+
+/// A plot path that cannot be written is said at once, before any run.
+#[test]
+fn a_plot_path_that_cannot_be_written_is_refused_at_once() {
+    let started = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args([
+            "demo",
+            "--duration",
+            "10s",
+            "--out",
+            "/nonexistent/dir/x.svg",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run sluice demo");
+    assert!(!out.status.success());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cannot write the plot"), "{stderr}");
+}

@@ -91,8 +91,10 @@ fn per_second(every: Duration) -> String {
     text.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
-/// The three clients for rate interval `interval` (1/r) and capacity `b`.
-pub fn patterns(interval: Duration, capacity: u32) -> Vec<Pattern> {
+/// The three clients for rate interval `interval` (1/r) and capacity `b`,
+/// sending for `duration` (the bursty one starts after 1 s, or halfway
+/// through a shorter run, so that it always sends).
+pub fn patterns(interval: Duration, capacity: u32, duration: Duration) -> Vec<Pattern> {
     let b = capacity.max(1);
     // Long enough for a full queue to drain, and at least 5 s.
     let drain = interval.saturating_mul(b);
@@ -108,7 +110,7 @@ pub fn patterns(interval: Duration, capacity: u32) -> Vec<Pattern> {
         Pattern {
             name: "bursty",
             shape: Shape::Bursts {
-                first: Duration::from_secs(1),
+                first: Duration::from_secs(1).min(duration / 2),
                 every,
                 size: b.saturating_mul(3).clamp(3, MAX_BURST),
             },
@@ -190,7 +192,7 @@ mod tests {
 
     #[test]
     fn default_patterns_are_below_at_and_above_the_rate() {
-        let p = patterns(Duration::from_millis(200), 10);
+        let p = patterns(Duration::from_millis(200), 10, Duration::from_secs(15));
         let names: Vec<_> = p.iter().map(|p| p.name).collect();
         assert_eq!(names, ["steady", "bursty", "flood"]);
         assert_eq!(p[0].describe(), "4/s evenly");
@@ -200,12 +202,19 @@ mod tests {
 
     #[test]
     fn schedules_stop_at_the_end() {
-        let p = patterns(Duration::from_millis(200), 10);
+        let p = patterns(Duration::from_millis(200), 10, Duration::from_secs(15));
         let end = Duration::from_secs(3);
         assert_eq!(p[0].schedule(end).len(), 12);
         assert_eq!(p[1].schedule(end).len(), 30);
         assert!(p[2].schedule(end).iter().all(|t| *t < end));
         // 1/r ÷ 3 rounds down to whole nanoseconds: 45 or 46 fit.
         assert!((45..=46).contains(&p[2].schedule(end).len()));
+    }
+
+    #[test]
+    fn in_a_short_run_the_bursty_client_still_sends() {
+        let end = Duration::from_secs(1);
+        let p = patterns(Duration::from_millis(200), 10, end);
+        assert_eq!(p[1].schedule(end).len(), 30, "its burst comes at 500 ms");
     }
 }

@@ -15,9 +15,9 @@ use super::record::TickCounts;
 use crate::term::{BOLD, DIM, Frame, GREEN, MAGENTA, RED, Style, YELLOW, bar, pad, spark};
 
 /// Columns of history shown in the live chart.
-const HISTORY: usize = 20;
+const HISTORY: usize = 16;
 /// Width of a bar in the live chart.
-const BAR: usize = 20;
+const BAR: usize = 14;
 
 /// The tick printer.
 pub struct Screen<'a> {
@@ -108,16 +108,14 @@ impl<'a> Screen<'a> {
         let full = (self.rate * 3.0).max(1.0);
         let cap = f64::from(self.capacity.max(1));
         let mut lines = Vec::new();
+        // Every line fits 80 columns (a longer one is cut at the edge).
         let when = if sending {
-            format!("t = {t} s of {}", humantime::format_duration(self.duration))
+            format!("t={t}s of {}", humantime::format_duration(self.duration))
         } else {
-            format!(
-                "t = {t} s: clients stopped at {}, queues draining",
-                humantime::format_duration(self.duration)
-            )
+            format!("t={t}s, draining")
         };
         lines.push(format!(
-            "{}   rate {}   capacity {}   {when}",
+            "{}  rate {}  capacity {}  {when}",
             self.paint(BOLD, "sluice demo"),
             self.rate_text,
             self.capacity
@@ -129,7 +127,7 @@ impl<'a> Screen<'a> {
                 "",
                 "history, 1 col = 1 s",
                 "last 1 s",
-                "bar: in/out up to 3·r, queue up to b",
+                "bar: in/out to 3·r, queue to b",
                 width = HISTORY
             ),
         ));
@@ -156,7 +154,7 @@ impl<'a> Screen<'a> {
                 c.output,
                 self.paint(GREEN, &bar(c.output as f64, full, BAR))
             ));
-            let refused = format!("429s {:>3} (total {})", c.refused, c.refused_total);
+            let refused = format!("429s {:>3} (all {})", c.refused, c.refused_total);
             let refused = if c.refused > 0 {
                 self.paint(RED, &refused)
             } else {
@@ -171,10 +169,8 @@ impl<'a> Screen<'a> {
                 self.paint(MAGENTA, &bar(c.queue as f64, cap, BAR)),
             ));
         }
-        lines.push(self.paint(
-            DIM,
-            "in: sent by the client   out: reached the downstream   queue: waiting in sluice   429s: refused",
-        ));
+        lines.push(self.paint(DIM, "in: sent by the client   out: reached the downstream"));
+        lines.push(self.paint(DIM, "queue: waiting in sluice   429s: refused"));
 
         self.frame.draw(self.out, &lines)
     }
@@ -236,7 +232,42 @@ mod tests {
         s.tick(1, &[TickCounts::default()]).unwrap();
         s.tick(2, &[TickCounts::default()]).unwrap();
         let text = String::from_utf8(buf).unwrap();
-        // 2 header lines, 3 per client, 1 legend.
-        assert!(text.contains("\x1b[6A\r"), "{text:?}");
+        // 2 header lines, 3 per client, 2 of legend.
+        assert!(text.contains("\x1b[7A\r"), "{text:?}");
+    }
+
+    #[test]
+    fn every_line_fits_80_columns() {
+        let mut buf = Vec::new();
+        let mut s = Screen::new(
+            &mut buf,
+            Style {
+                live: true,
+                color: false,
+            },
+            vec!["steady", "bursty", "flood"],
+            5.0,
+            "5/s (1/r = 200ms)".into(),
+            10,
+            Duration::from_secs(15),
+        );
+        let busy = TickCounts {
+            input: 1500,
+            output: 5,
+            queue: 10,
+            refused: 1495,
+            refused_total: 99_999,
+        };
+        s.tick(16, &[busy; 3]).unwrap();
+        let text = String::from_utf8(buf).unwrap();
+        // Without the cursor and erase codes, each line as it shows.
+        let shown = text
+            .replace("\x1b[?7l", "")
+            .replace("\x1b[?7h", "")
+            .replace("\x1b[2K", "");
+        for line in shown.lines() {
+            let width = line.chars().count();
+            assert!(width <= 80, "{width} columns: {line:?}");
+        }
     }
 }

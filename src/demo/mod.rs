@@ -128,6 +128,13 @@ pub async fn run_with(
     out: &mut dyn Write,
     style: Style,
 ) -> Result<Report, DemoError> {
+    // The plot's file first: a path that cannot be written is said now,
+    // not after the run.
+    let plot_error = |source| DemoError::Plot {
+        path: args.out.clone(),
+        source,
+    };
+    let mut plot_file = std::fs::File::create(&args.out).map_err(plot_error)?;
     let recorder = Arc::new(record::Recorder::default());
     let downstream = downstream::start(recorder.clone())
         .await
@@ -159,7 +166,7 @@ pub async fn run_with(
         let _ = shutdown_rx.await;
     }));
 
-    let patterns = clients::patterns(interval, capacity);
+    let patterns = clients::patterns(interval, capacity, args.duration);
     let names: Vec<&'static str> = patterns.iter().map(|p| p.name).collect();
     let rate_text = format!("{} (1/r = {})", args.rate, human_interval(rate));
     let mut screen = display::Screen::new(
@@ -230,9 +237,17 @@ pub async fn run_with(
     .min(Duration::from_secs(30));
     let tick = Duration::from_secs(1);
     let t0 = tokio::time::Instant::from_std(start);
+    // Ctrl-C stops the clients early; the summary and the plot still come
+    // (and no frame is cut off halfway, leaving the terminal's auto-wrap
+    // off).
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
     for k in 1u32.. {
         let boundary = start + tick * k;
-        tokio::time::sleep_until(t0 + tick * k).await;
+        tokio::select! {
+            () = tokio::time::sleep_until(t0 + tick * k) => {}
+            _ = &mut interrupted => break,
+        }
         let counts = recorder.tick(&names, boundary - tick, boundary);
         screen
             .tick(u64::from(k), &counts)
@@ -299,10 +314,9 @@ pub async fn run_with(
             })
             .collect(),
     };
-    std::fs::write(&args.out, plot::svg(&chart)).map_err(|source| DemoError::Plot {
-        path: args.out.clone(),
-        source,
-    })?;
+    plot_file
+        .write_all(plot::svg(&chart).as_bytes())
+        .map_err(plot_error)?;
 
     write_summary(out, &summaries, &rate_text, capacity, interval, &args.out)
         .map_err(DemoError::Output)?;
@@ -364,10 +378,12 @@ fn write_summary(
         ms(interval.as_secs_f64())
     )?;
     for s in summaries {
-        let spacing = s.queued_spacing.map_or_else(
-            || "- (never queued: forwarded at once)".to_string(),
-            |g| format!("mean {}  min {}  max {}", ms(g.mean), ms(g.min), ms(g.max)),
-        );
+        let spacing = match s.queued_spacing {
+            Some(g) => format!("mean {}  min {}  max {}", ms(g.mean), ms(g.min), ms(g.max)),
+            None if s.sent == 0 => "- (sent nothing)".to_string(),
+            None if s.refused > 0 => "- (nothing waited: the rest was refused)".to_string(),
+            None => "- (never queued: forwarded at once)".to_string(),
+        };
         writeln!(
             out,
             "{:<8} {:>5} {:>9} {:>5} {:>9}   {spacing}",
