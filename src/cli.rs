@@ -13,11 +13,23 @@ use clap::{Parser, Subcommand, ValueEnum};
 pub struct Cli {
     /// Log filter for `run` (trace, debug, info, warn, error, or a tracing
     /// directive); RUST_LOG, when set, wins.
-    #[arg(long, global = true, default_value = "info", value_parser = log_filter)]
+    #[arg(
+        long,
+        global = true,
+        default_value = "info",
+        value_parser = log_filter,
+        help_heading = "Logging (for run)"
+    )]
     pub log_level: String,
 
     /// Log line format for `run`.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value_t = LogFormat::Text,
+        help_heading = "Logging (for run)"
+    )]
     pub log_format: LogFormat,
 
     #[command(subcommand)]
@@ -83,8 +95,8 @@ pub enum Command {
     /// output and queue level, then a summary and an SVG plot.
     Demo(DemoArgs),
     /// Run a recorded arrival trace (CSV: time,key,cost) through the
-    /// shaping engine in virtual time; write one row per request and an
-    /// SVG plot.
+    /// shaping engine in virtual time; write one row per request (and,
+    /// with --out-svg, a plot).
     Simulate(SimulateArgs),
     /// A live view of a running instance from its admin listener: per route
     /// requests in, out and refused per second, the deepest queues, paused
@@ -95,8 +107,9 @@ pub enum Command {
 /// `sluice top`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TopArgs {
-    /// The instance's admin listen address ([admin] listen).
-    #[arg(long, default_value = "127.0.0.1:9090")]
+    /// The instance's admin listen address ([admin] listen), HOST:PORT
+    /// (an `http://` before it is taken off).
+    #[arg(long, default_value = "127.0.0.1:9090", value_parser = admin_address)]
     pub admin: String,
 
     /// Time between updates (at least 50ms).
@@ -106,6 +119,21 @@ pub struct TopArgs {
     /// Stop after this many updates (default: until interrupted).
     #[arg(long)]
     pub count: Option<u64>,
+}
+
+/// `--admin` as HOST:PORT: a URL's `http://` and trailing `/` are taken
+/// off (the admin listener speaks plain HTTP only).
+fn admin_address(value: &str) -> Result<String, String> {
+    let bare = value
+        .strip_prefix("http://")
+        .unwrap_or(value)
+        .trim_end_matches('/');
+    if bare.contains('/') || !bare.contains(':') || value.starts_with("https://") {
+        return Err(format!(
+            "'{value}' is not HOST:PORT of the admin listener (such as 127.0.0.1:9090)"
+        ));
+    }
+    Ok(bare.to_owned())
 }
 
 /// `sluice demo`.

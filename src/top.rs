@@ -21,6 +21,7 @@ use serde::Deserialize;
 
 use crate::cli::TopArgs;
 use crate::metrics as m;
+use crate::shaper::rate::per_unit;
 use crate::term::{BOLD, DIM, Frame, GREEN, MAGENTA, RED, Style, YELLOW, bar, pad, spark};
 
 /// How long one admin request may take.
@@ -84,8 +85,15 @@ pub async fn run_with(args: &TopArgs, out: &mut dyn Write, style: Style) -> Resu
     // A run whose last update failed (the instance went away) ends with
     // that failure, not success: `top --count N` can be scripted.
     let mut failed = None;
+    // Ctrl-C ends the run between frames (never in the middle of one,
+    // which would leave the terminal's auto-wrap off).
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
     while args.count.is_none_or(|n| shown < n) {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = &mut interrupted => break,
+        }
         shown += 1;
         let t = start.elapsed().as_secs_f64();
         match fetch(&args.admin).await {
@@ -430,8 +438,13 @@ impl View {
         for (r, x) in routes {
             writeln!(
                 out,
-                "t={t:.1}s route={} protocol={} rate={}/s in={:.1}/s out={:.1}/s refused={:.1}/s",
-                r.name, r.protocol, r.rate_per_second, x.input, x.output, x.refused
+                "t={t:.1}s route={} protocol={} rate={} in={:.1}/s out={:.1}/s refused={:.1}/s",
+                r.name,
+                r.protocol,
+                per_unit(r.rate_per_second),
+                x.input,
+                x.output,
+                x.refused
             )?;
         }
         for q in s.deepest_queues.iter().take(QUEUES) {
@@ -497,7 +510,7 @@ impl View {
             lines.push(format!(
                 "{} {:>9}  {} {:>9.1}  {} {:>9.1}  {}",
                 st.paint(BOLD, &pad(&format!("{} ({})", r.name, r.protocol), 21)),
-                format!("{}/s", r.rate_per_second),
+                per_unit(r.rate_per_second),
                 st.paint(
                     YELLOW,
                     &pad(&spark(h.iter().map(|x| x.input), full), HISTORY)

@@ -86,3 +86,28 @@ fn a_log_level_that_is_no_filter_is_refused() {
     ]);
     assert!(ok, "{out}");
 }
+
+/// `top --admin` takes HOST:PORT, or a URL of it, and refuses anything
+/// else at the command line.
+#[test]
+fn top_admin_takes_an_address_or_its_url() {
+    let unreachable = "127.0.0.1:1";
+    for given in [unreachable, "http://127.0.0.1:1", "http://127.0.0.1:1/"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["top", "--count", "1", "--admin", given])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(
+            stderr.contains(&format!("{unreachable}/status")),
+            "{given}: {stderr}"
+        );
+        assert!(!stderr.contains("http://http://"), "{given}: {stderr}");
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["top", "--count", "1", "--admin", "https://127.0.0.1:1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "clap refuses it");
+}

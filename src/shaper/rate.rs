@@ -121,15 +121,41 @@ impl FromStr for Rate {
 }
 
 impl fmt::Display for Rate {
-    /// Renders as units per second, e.g. `5/s` or `0.0028/s`.
+    /// Renders in the largest unit that counts at least one, to three
+    /// decimals at most: `5/s`, `0.5/s` as `30/m`, `10/h`, `1/d`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/s", self.per_second_f64())
+        f.write_str(&per_unit(self.per_second_f64()))
     }
+}
+
+/// A rate given in units per second, written as [`Rate`] writes itself
+/// (for rates read back from the admin API).
+pub fn per_unit(per_second: f64) -> String {
+    let (value, unit) = [(1.0, "s"), (60.0, "m"), (3_600.0, "h")]
+        .into_iter()
+        .map(|(secs, unit)| (per_second * secs, unit))
+        .find(|(v, _)| *v >= 1.0)
+        .unwrap_or((per_second * 86_400.0, "d"));
+    let text = format!("{value:.3}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    format!("{text}/{unit}")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn writes_itself_in_the_unit_that_counts() {
+        let shown = |s: &str| s.parse::<Rate>().map(|r| r.to_string()).unwrap_or_default();
+        assert_eq!(shown("5/s"), "5/s");
+        assert_eq!(shown("0.5/s"), "30/m");
+        assert_eq!(shown("10/h"), "10/h");
+        assert_eq!(shown("1/d"), "1/d");
+        assert_eq!(shown("2/m"), "2/m");
+        assert_eq!(shown("1000/s"), "1000/s");
+        assert_eq!(per_unit(0.0), "0/d");
+    }
 
     #[test]
     fn parses_every_unit() {
