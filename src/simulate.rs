@@ -86,13 +86,15 @@ pub enum SimulateError {
     Write { path: PathBuf, source: io::Error },
     #[error("cannot write to standard output: {0}")]
     Stdout(io::Error),
+    #[error("{}: is the trace being read; write the results elsewhere", path.display())]
+    OverInput { path: PathBuf },
 }
 
 impl SimulateError {
     /// The exit code for the binary: 2 for a bad trace, 1 for I/O.
     pub fn exit_code(&self) -> u8 {
         match self {
-            SimulateError::Invalid { .. } => 2,
+            SimulateError::Invalid { .. } | SimulateError::OverInput { .. } => 2,
             _ => 1,
         }
     }
@@ -136,6 +138,9 @@ fn render(path: &Path, problems: &[CsvProblem]) -> String {
 /// Parse a trace, collecting every problem (each with its line).
 pub fn parse_arrivals(text: &str) -> Result<Vec<Arrival>, Vec<CsvProblem>> {
     let mut problems = Vec::new();
+    // A byte-order mark (spreadsheets write one) is not part of the
+    // header's first name.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut lines = text
         .lines()
         .enumerate()
@@ -267,7 +272,9 @@ fn split_fields(line: &str) -> Result<Vec<String>, String> {
     Ok(fields)
 }
 
-/// Parse decimal seconds (`2`, `0.025`, `.5`) into nanoseconds, exactly.
+/// Parse decimal seconds (`2`, `0.025`, `.5`) into nanoseconds: exactly,
+/// or rounded to the nearest nanosecond past nine decimals (a float
+/// printed in full, `0.07500000000000001`).
 fn parse_seconds(text: &str) -> Result<Nanos, String> {
     let bad = || format!("time '{text}' is not a number of seconds such as 0.025");
     let (whole, frac) = text.split_once('.').unwrap_or((text, ""));
@@ -278,11 +285,8 @@ fn parse_seconds(text: &str) -> Result<Nanos, String> {
         return Err(bad());
     }
     let frac = frac.trim_end_matches('0');
-    if frac.len() > 9 {
-        return Err(format!(
-            "time '{text}' has more than 9 decimal places (finer than a nanosecond)"
-        ));
-    }
+    let round_up = frac.as_bytes().get(9).is_some_and(|&d| d >= b'5');
+    let frac = frac.get(..9).unwrap_or(frac);
     let whole: u64 = if whole.is_empty() {
         0
     } else {
@@ -297,7 +301,7 @@ fn parse_seconds(text: &str) -> Result<Nanos, String> {
     if whole > MAX_SECONDS {
         return Err(format!("time '{text}' is too large (at most 100 years)"));
     }
-    Ok(whole * 1_000_000_000 + nanos_frac)
+    Ok(whole * 1_000_000_000 + nanos_frac + u64::from(round_up))
 }
 
 /// Nanoseconds as decimal seconds, exact, without trailing zeros.
@@ -512,6 +516,17 @@ pub fn totals(outcomes: &[Outcome]) -> Totals {
 /// goes to `--out-csv` or standard output; a summary goes to standard
 /// output when the CSV went to a file, else to standard error.
 pub fn run(args: &SimulateArgs) -> Result<(), SimulateError> {
+    // Results written over the trace would lose it.
+    let same = |out: &std::path::Path| {
+        fs::canonicalize(out)
+            .ok()
+            .is_some_and(|o| fs::canonicalize(&args.arrivals).is_ok_and(|a| a == o))
+    };
+    for out in [&args.out_csv, &args.out_svg].into_iter().flatten() {
+        if same(out) {
+            return Err(SimulateError::OverInput { path: out.clone() });
+        }
+    }
     let text = fs::read_to_string(&args.arrivals).map_err(|source| SimulateError::Read {
         path: args.arrivals.clone(),
         source,
@@ -590,7 +605,17 @@ mod tests {
         assert!(parse_seconds("1e3").is_err());
         assert!(parse_seconds("").is_err());
         assert!(parse_seconds(".").is_err());
-        assert!(parse_seconds("0.0000000001").is_err());
+        // Past nine decimals (a float printed in full): the nearest ns.
+        assert_eq!(parse_seconds("0.07500000000000001"), Ok(75_000_000));
+        assert_eq!(parse_seconds("0.0000000001"), Ok(0));
+        assert_eq!(parse_seconds("0.0000000015"), Ok(2));
+        assert_eq!(parse_seconds("0.9999999999"), Ok(1_000_000_000));
+    }
+
+    #[test]
+    fn a_header_after_a_byte_order_mark_is_read() {
+        let arrivals = parse_arrivals("\u{feff}time,key\n0,a\n").unwrap_or_default();
+        assert_eq!(arrivals.len(), 1);
     }
 
     #[test]

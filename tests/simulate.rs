@@ -260,3 +260,27 @@ fn missing_header_or_file_is_a_clear_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unit must be s, m, h or d"));
 }
+
+/// Results are never written over the trace being read (it would be lost).
+#[test]
+fn the_trace_is_never_written_over() {
+    let trace = tmp("own.csv");
+    std::fs::copy(data("seed.csv"), &trace).unwrap();
+    let before = std::fs::read(&trace).unwrap();
+    for flag in ["--out-csv", "--out-svg"] {
+        let out = simulate_cli(
+            trace.to_str().unwrap(),
+            "5/s",
+            "10",
+            &[flag, trace.to_str().unwrap()],
+        );
+        assert_eq!(out.status.code(), Some(2), "{flag}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("is the trace being read"),
+            "{flag}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_eq!(std::fs::read(&trace).unwrap(), before);
+    let _ = std::fs::remove_file(trace);
+}
