@@ -435,6 +435,25 @@ fn max_wait_after_a_reload_counts_the_waiting_at_their_own_interval() {
 }
 
 #[test]
+fn requests_admitted_on_both_sides_of_a_reload_are_told_their_departures() {
+    // Two wait at 1/s (due 1 s, 2 s); a reload to 10/s; two more queue
+    // behind them. Each is told when it departs: 3 s (after the old
+    // ones' whole seconds) and 3.1 s (then the new interval).
+    let mut sim = Sim::new(policy("1/s", 10));
+    for _ in 0..3 {
+        sim.arrive(1, 1, 0);
+    }
+    sim.e.set_policy(sim.route, policy("10/s", 10), 100 * MS);
+    let (a, told_a) = sim.arrive(1, 1, 200 * MS);
+    let (b, told_b) = sim.arrive(1, 1, 200 * MS);
+    assert_eq!(queued_at(&told_a), 3 * S);
+    assert_eq!(queued_at(&told_b), 3 * S + 100 * MS);
+    sim.run_to(4 * S);
+    assert_eq!(sim.departure_of(a), Some(3 * S));
+    assert_eq!(sim.departure_of(b), Some(3 * S + 100 * MS));
+}
+
+#[test]
 fn a_burst_raised_on_reload_leaves_a_waiting_queue_on_its_grid() {
     // Five waiting at 5/s (200 ms apart); a reload gives the route a
     // burst of 10 at 100 ms: the queue still departs 200 ms apart (new
@@ -1086,6 +1105,27 @@ fn a_faster_cap_on_reload_scales_what_is_left_of_its_slot() {
         }
     };
     assert!(at <= S + 10 * MS, "departs at {at} ns");
+}
+
+#[test]
+fn a_cap_changed_on_reload_keeps_the_pause_the_upstream_asked_for() {
+    // Paused for 10 minutes at 1/s, then the rate changes: the pause
+    // still ends at 10 minutes, neither halved (2/s), stretched (1/m)
+    // nor dropped (no rate).
+    const MIN: u64 = 60 * S;
+    for (new, due) in [
+        (Some(rate("2/s")), 10 * MIN),
+        (Some(rate("1/m")), 10 * MIN),
+        (None, 10 * MIN),
+    ] {
+        let mut sim = Sim::with(policy("5/s", 5), ROOMY, Some(rate("1/s")));
+        assert!(sim.e.pause(sim.upstream, 10 * MIN));
+        sim.e.set_upstream_rate(sim.upstream, new, S);
+        let (id, a) = sim.arrive(1, 1, 2 * S);
+        assert!(matches!(a, Admission::Queued { .. }), "{new:?}: {a:?}");
+        sim.run_to(11 * 60 * MIN);
+        assert_eq!(sim.departure_of(id), Some(due), "{new:?}");
+    }
 }
 
 #[test]

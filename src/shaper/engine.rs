@@ -355,9 +355,12 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         if let Some(cap) = self.cap(upstream.0) {
             let mut cap = lock(&cap);
             let new = rate.map_or(0, Rate::interval_nanos);
-            if cap.step > 0 && cap.next > now {
-                let ahead = u128::from(cap.next - now) * u128::from(new) / u128::from(cap.step);
-                cap.next = now.saturating_add(u64::try_from(ahead).unwrap_or(u64::MAX));
+            // A pause the upstream asked for keeps its end: only the slot
+            // past it (or past now) is the rate's.
+            let base = now.max(cap.paused_until);
+            if cap.step > 0 && cap.next > base {
+                let ahead = u128::from(cap.next - base) * u128::from(new) / u128::from(cap.step);
+                cap.next = base.saturating_add(u64::try_from(ahead).unwrap_or(u64::MAX));
             }
             cap.step = new;
         }
@@ -374,6 +377,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             policy,
             cap,
             odd: 0,
+            odd_seq: 0,
         };
         let mut routes = lock(&self.routes);
         routes.push(route.clone());

@@ -136,6 +136,9 @@ pub(super) struct ShardRoute {
     /// the policy's (a reload changed the rate): while there are any, a
     /// departure estimate adds up each one's own interval.
     pub(super) odd: usize,
+    /// The last sequence number given out when the interval changed: the
+    /// requests admitted after it have the policy's interval.
+    pub(super) odd_seq: u64,
 }
 
 struct Slot<K> {
@@ -187,8 +190,9 @@ struct Ask<'a> {
     cap: Option<&'a Cap>,
     cost: u32,
     now: Nanos,
-    /// Some request of the route waits at an interval of its own.
-    odd: bool,
+    /// Some request of the route admitted up to this sequence number
+    /// waits at an interval of its own ([`ShardRoute::odd_seq`]).
+    odd: Option<u64>,
 }
 
 enum Decision {
@@ -363,6 +367,12 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             return Decision::Depart;
         }
         // It has to wait: capacity, then max_wait, then the global bound.
+        if waiting_cost + u64::from(cost) > u64::from(policy.capacity) {
+            let at = client.map_or(now, |c| self.accepts_at(c, ask));
+            return Decision::Reject(Rejection::Full {
+                retry_after: at.saturating_sub(now).max(1),
+            });
+        }
         // Under a cap each unit waiting ahead also needs one of the cap's
         // slots: a lower bound on the departure.
         let own = match client {
@@ -374,12 +384,6 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             None => own,
         }
         .max(now);
-        if waiting_cost + u64::from(cost) > u64::from(policy.capacity) {
-            let at = client.map_or(now, |c| self.accepts_at(c, ask));
-            return Decision::Reject(Rejection::Full {
-                retry_after: at.saturating_sub(now).max(1),
-            });
-        }
         if let Some(max_wait) = policy.max_wait
             && departure > now.saturating_add(max_wait)
         {
@@ -442,18 +446,23 @@ impl<K: Hash + Eq, P> Shard<K, P> {
 
     /// How long a client's waiting requests keep its own schedule busy:
     /// each one's cost times the interval it was admitted at (the route's
-    /// `step` for all, unless `odd`: a reload changed it while some
-    /// waited).
-    fn span(&self, c: &Client<K>, step: Nanos, odd: bool) -> Nanos {
-        if !odd {
+    /// `step` for all, unless `odd` names the last request admitted before
+    /// a reload changed it: those, at the head, are added one by one).
+    fn span(&self, c: &Client<K>, step: Nanos, odd: Option<u64>) -> Nanos {
+        let Some(last_old) = odd else {
             return c.waiting_cost.saturating_mul(step);
-        }
-        let (mut span, mut at) = (0u64, c.head);
-        while let Some(e) = self.entries.get(at as usize).filter(|_| at != NIL) {
+        };
+        let (mut span, mut rest, mut at) = (0u64, c.waiting_cost, c.head);
+        while let Some(e) = self
+            .entries
+            .get(at as usize)
+            .filter(|e| at != NIL && e.seq <= last_old)
+        {
             span = span.saturating_add(u64::from(e.cost).saturating_mul(e.step));
+            rest = rest.saturating_sub(u64::from(e.cost));
             at = e.next;
         }
-        span
+        span.saturating_add(rest.saturating_mul(step))
     }
 
     /// After a reload changed `route`'s interval to `step`: count the
@@ -472,6 +481,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         }
         if let Some(r) = self.routes.get_mut(route.0 as usize) {
             r.odd = odd;
+            r.odd_seq = self.seq;
         }
     }
 
@@ -493,7 +503,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         let Some((policy, odd)) = self
             .routes
             .get(route.0 as usize)
-            .map(|r| (r.policy, r.odd > 0))
+            .map(|r| (r.policy, (r.odd > 0).then_some(r.odd_seq)))
         else {
             return Admission::Rejected(Rejection::TooManyClients);
         };
@@ -1109,7 +1119,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
     fn view_of(&self, c: &Client<K>, now: Nanos) -> ClientView {
         let route = self.routes.get(c.route.0 as usize);
         let policy = route.map(|r| r.policy);
-        let odd = route.is_some_and(|r| r.odd > 0);
+        let odd = route.and_then(|r| (r.odd > 0).then_some(r.odd_seq));
         let step = policy.map_or(0, |p| p.rate.interval_nanos());
         let next_departure = if c.waiting > 0 {
             c.due.saturating_add(self.span(c, step, odd))
@@ -1151,7 +1161,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         let Some((policy, odd)) = self
             .routes
             .get(route.0 as usize)
-            .map(|r| (r.policy, r.odd > 0))
+            .map(|r| (r.policy, (r.odd > 0).then_some(r.odd_seq)))
         else {
             return Probe::Reject(Rejection::TooManyClients);
         };
