@@ -430,12 +430,21 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
                 },
                 Some(rx),
             ) => {
+                // No pacer left to release it (checked after queueing: one
+                // queued before the thread's end was withdrawn by it): it
+                // is withdrawn at once, and its waiter told.
+                let ticket = if self.ended() {
+                    drop(self.inner.engine.cancel(ticket, now));
+                    None
+                } else {
+                    Some(ticket)
+                };
                 if let Some(wake) = wake {
                     let _ = self.inner.inbox.send(Msg::Wake(wake));
                 }
                 Ok(Admitted::Wait(Waiting {
                     rx,
-                    ticket: Some(ticket),
+                    ticket,
                     inbox: self.inner.inbox.clone(),
                     departure,
                     origin: self.inner.origin,
@@ -769,6 +778,15 @@ mod tests {
         let told =
             tokio::time::timeout(std::time::Duration::from_secs(10), waiting.departed()).await;
         assert!(matches!(told, Ok(Err(_))), "the waiter was not told");
+        // One that queues after the thread's end is told at once too.
+        while !shaper.ended() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let Ok(Admitted::Wait(later)) = shaper.admit(route, 1, 1) else {
+            panic!("the later one did not wait");
+        };
+        let told = tokio::time::timeout(std::time::Duration::from_secs(10), later.departed()).await;
+        assert!(matches!(told, Ok(Err(_))), "the later waiter was not told");
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while shaper.answers().await {
             assert!(std::time::Instant::now() < deadline, "still answering");
