@@ -610,7 +610,7 @@ impl Admission {
                 }
             }
         }
-        self.admit_local(rule, local, key, cost, at)
+        self.admit_local(rule, local, key, cost, (arrival, at))
     }
 
     /// [`Admission::admit`] with no future at all when no shared store is
@@ -625,20 +625,23 @@ impl Admission {
     ) -> Option<Verdict> {
         self.cluster.is_none().then(|| {
             rule.arrivals.increment(1);
-            self.admit_local(rule, rule.local, key, cost, arrival)
+            self.admit_local(rule, rule.local, key, cost, (arrival, arrival))
         })
     }
 
-    /// The local engine's verdict, under the engine route `local`.
+    /// The local engine's verdict, under the engine route `local`, for a
+    /// request that arrived at `arrival` (its wait and `max_wait` count
+    /// from then) and is decided as of `at` (later after a failed call to
+    /// the shared store).
     fn admit_local(
         &self,
         rule: &Arc<Rule>,
         local: RouteId,
         key: Key,
         cost: u32,
-        arrival: Instant,
+        (arrival, at): (Instant, Instant),
     ) -> Verdict {
-        let verdict = match self.shaper.admit_at(local, key, cost, arrival) {
+        let verdict = match self.shaper.admit_at(local, key, cost, at) {
             Ok(Admitted::Now) => Verdict::Go,
             Ok(Admitted::Wait(waiting)) => Verdict::Wait(Hold {
                 rule: rule.clone(),
