@@ -90,9 +90,12 @@ pub async fn run_with(args: &TopArgs, out: &mut dyn Write, style: Style) -> Resu
     let interrupted = tokio::signal::ctrl_c();
     tokio::pin!(interrupted);
     while args.count.is_none_or(|n| shown < n) {
+        // The signal first: its handler is set up on its first poll,
+        // before the first frame is drawn.
         tokio::select! {
-            _ = tick.tick() => {}
+            biased;
             _ = &mut interrupted => break,
+            _ = tick.tick() => {}
         }
         shown += 1;
         let t = start.elapsed().as_secs_f64();

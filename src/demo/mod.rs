@@ -134,7 +134,13 @@ pub async fn run_with(
         path: args.out.clone(),
         source,
     };
-    let mut plot_file = std::fs::File::create(&args.out).map_err(plot_error)?;
+    // Not emptied yet: a run that fails leaves an earlier plot as it was.
+    let mut plot_file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&args.out)
+        .map_err(plot_error)?;
     let recorder = Arc::new(record::Recorder::default());
     let downstream = downstream::start(recorder.clone())
         .await
@@ -242,11 +248,17 @@ pub async fn run_with(
     // off).
     let interrupted = tokio::signal::ctrl_c();
     tokio::pin!(interrupted);
+    // How long the clients sent: all of it, or up to the interrupt.
+    let mut sent_for = args.duration;
     for k in 1u32.. {
         let boundary = start + tick * k;
         tokio::select! {
+            biased;
+            _ = &mut interrupted => {
+                sent_for = start.elapsed().min(args.duration);
+                break;
+            }
             () = tokio::time::sleep_until(t0 + tick * k) => {}
-            _ = &mut interrupted => break,
         }
         let counts = recorder.tick(&names, boundary - tick, boundary);
         screen
@@ -295,7 +307,7 @@ pub async fn run_with(
         title: "sluice demo: arrivals, queue level and departures per client".into(),
         subtitle: format!(
             "rate {rate_text}, capacity {capacity}; clients sent for {}; {}",
-            humantime::format_duration(args.duration),
+            humantime::format_duration(Duration::from_secs(sent_for.as_secs())),
             patterns
                 .iter()
                 .map(|p| format!("{}: {}", p.name, p.describe()))
@@ -303,7 +315,7 @@ pub async fn run_with(
                 .join(", ")
         ),
         capacity,
-        end: args.duration.as_secs_f64(),
+        end: sent_for.as_secs_f64(),
         panels: names
             .iter()
             .zip(marks.into_iter().zip(queues))
@@ -315,7 +327,8 @@ pub async fn run_with(
             .collect(),
     };
     plot_file
-        .write_all(plot::svg(&chart).as_bytes())
+        .set_len(0)
+        .and_then(|()| plot_file.write_all(plot::svg(&chart).as_bytes()))
         .map_err(plot_error)?;
 
     write_summary(out, &summaries, &rate_text, capacity, interval, &args.out)
