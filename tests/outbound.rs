@@ -146,7 +146,8 @@ async fn a_call_does_not_wait_behind_another_clients_upload() {
     let s = Sluice::start(&config);
     let sluice = s.addr;
     // A: 10 of its 100,000 bytes, answered at once; the rest comes 3 s
-    // later.
+    // later. It says when its answer is in.
+    let (answered, answer_in) = std::sync::mpsc::channel();
     let slow = std::thread::spawn(move || {
         let head =
             "POST /slow HTTP/1.1\r\nHost: t\r\nX-Client: a\r\nContent-Length: 100000\r\n\r\n";
@@ -159,12 +160,16 @@ async fn a_call_does_not_wait_behind_another_clients_upload() {
             assert!(n > 0, "closed before its answer");
             got.extend_from_slice(&chunk[..n]);
         }
+        let _ = answered.send(());
         std::thread::sleep(Duration::from_secs(3));
         let _ = a.write_all(&[b'a'; 99_990]);
         a
     });
     // A's answer is in: its connection is back in the pool, uploading.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let waited =
+        tokio::task::spawn_blocking(move || answer_in.recv_timeout(Duration::from_secs(10)));
+    assert!(waited.await.unwrap().is_ok(), "A was not answered");
+    tokio::time::sleep(Duration::from_millis(50)).await;
     let started = Instant::now();
     let b = send(
         &client(),

@@ -964,11 +964,12 @@ fn relays_started_late_keep_the_upstream_cap_apart() {
         .windows(2)
         .map(|w| Duration::from_nanos(w[1] - w[0]))
         .collect();
-    // 500 ms expected; together (a few ms) without the upstream's line,
-    // the two held ones together when their release was taken as their
-    // data's end.
+    // 500 ms expected (each relay's own session set-up, a busy machine's
+    // delay, is inside what the upstream sees); together (a few ms)
+    // without the upstream's line, the two held ones together when their
+    // release was taken as their data's end.
     assert!(
-        gaps.iter().all(|g| *g >= Duration::from_millis(350)),
+        gaps.iter().all(|g| *g >= Duration::from_millis(250)),
         "relayed {gaps:?} apart"
     );
 }

@@ -91,13 +91,6 @@ impl Conn {
         }
     }
 
-    /// Whether the upstream has sent something (most often its close)
-    /// since the connection went idle: such a connection is not used
-    /// again. The socket is peeked only when the worker's I/O driver has
-    /// seen it readable (a read that drained it, or a peek that found
-    /// nothing, cleared that), so an idle connection costs no system call.
-    /// Over TLS anything at all counts (a close_notify, most often; a
-    /// late session ticket would cost a good connection, not a request).
     /// Whether TLS holds more of what the upstream sent than the read
     /// took: a read that filled the buffer exactly at an answer's end
     /// leaves the rest of its record in rustls, where neither the buffer
@@ -117,6 +110,13 @@ impl Conn {
         }
     }
 
+    /// Whether the upstream has sent something (most often its close)
+    /// since the connection went idle: such a connection is not used
+    /// again. The socket is peeked only when the worker's I/O driver has
+    /// seen it readable (a read that drained it, or a peek that found
+    /// nothing, cleared that), so an idle connection costs no system call.
+    /// Over TLS anything at all counts (a close_notify, most often; a
+    /// late session ticket would cost a good connection, not a request).
     fn stale(&self) -> bool {
         let mut cx = Context::from_waker(Waker::noop());
         let mut probe = [0u8; 1];
