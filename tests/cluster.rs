@@ -717,6 +717,18 @@ async fn allow_forwards_unshaped_while_the_store_is_stopped() {
     );
 }
 
+/// Hold every Redis client's commands for `ms` (`CLIENT PAUSE`): calls
+/// sent meanwhile run when it ends.
+fn pause_redis(redis: &RedisServer, ms: u32) {
+    let ms = ms.to_string();
+    let port = redis.port.to_string();
+    let paused = std::process::Command::new("redis-cli")
+        .args(["-p", &port, "CLIENT", "PAUSE", &ms, "ALL"])
+        .output()
+        .unwrap();
+    assert!(paused.status.success(), "{paused:?}");
+}
+
 /// A reservation the store makes after sluice gave up on the call (Redis
 /// paused past the timeout; the request went on under `on_failure =
 /// "allow"`) is given back: the client's next request is not held for a
@@ -735,18 +747,7 @@ async fn a_reservation_made_after_the_timeout_is_given_back() {
     assert_eq!(warm.status, StatusCode::OK);
     // Held by Redis for 1 s, then run: after sluice's 300 ms, and well
     // within the 2 s the call itself may take.
-    let paused = std::process::Command::new("redis-cli")
-        .args([
-            "-p",
-            &redis.port.to_string(),
-            "CLIENT",
-            "PAUSE",
-            "1000",
-            "ALL",
-        ])
-        .output()
-        .unwrap();
-    assert!(paused.status.success(), "{paused:?}");
+    pause_redis(&redis, 1_000);
     let first = get(&c, &s.url("/first"), &[("x-client", "k")]).await;
     assert_eq!(first.status, StatusCode::OK);
     let (allowed, m) = fallbacks(&s, "allow").await;
@@ -789,18 +790,7 @@ async fn requests_that_fall_back_are_paced_from_when_they_do() {
     let c = client();
     let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
     assert_eq!(warm.status, StatusCode::OK);
-    let paused = std::process::Command::new("redis-cli")
-        .args([
-            "-p",
-            &redis.port.to_string(),
-            "CLIENT",
-            "PAUSE",
-            "3000",
-            "ALL",
-        ])
-        .output()
-        .unwrap();
-    assert!(paused.status.success(), "{paused:?}");
+    pause_redis(&redis, 3_000);
     let mut calls = Vec::new();
     for path in ["/a", "/b"] {
         let (c, url) = (c.clone(), s.url(path));

@@ -391,58 +391,38 @@ async fn an_upstream_that_stalls_mid_answer_is_cut_after_read_timeout() {
 /// the client gets the whole body, not the length's first bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_with_both_length_and_chunked_reaches_the_client_whole() {
-    let upstream = canned_upstream(
-        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\nA\r\n0123456789\r\n0\r\n\r\n",
-        2,
-        Duration::ZERO,
-    );
-    let sluice = Sluice::start(&config(upstream));
-    let addr = sluice.addr;
-    tokio::task::spawn_blocking(move || {
-        for request in BOTH_CLIENTS {
-            let text = exchange(addr, request);
-            assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-            assert!(
-                !text.to_ascii_lowercase().contains("content-length: 5"),
-                "{text}"
-            );
-            assert!(text.contains("0123456789"), "{text}");
-        }
+    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\nA\r\n0123456789\r\n0\r\n\r\n";
+    both_clients_get(answer, Duration::ZERO, |text| {
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        assert!(
+            !text.to_ascii_lowercase().contains("content-length: 5"),
+            "{text}"
+        );
+        assert!(text.contains("0123456789"), "{text}");
     })
-    .await
-    .unwrap();
+    .await;
 }
 
 /// An upstream that repeats an agreeing Content-Length (`2, 2`, then a
 /// second line): the client gets one `content-length: 2` and the body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agreeing_repeated_length_reaches_the_client_as_one() {
-    let upstream = canned_upstream(
-        b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
-        BOTH_CLIENTS.len(),
-        Duration::ZERO,
-    );
-    let sluice = Sluice::start(&config(upstream));
-    let addr = sluice.addr;
-    tokio::task::spawn_blocking(move || {
-        for request in BOTH_CLIENTS {
-            let text = exchange(addr, request);
-            assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-            let lengths: Vec<&str> = text
-                .lines()
-                .filter(|l| l.to_ascii_lowercase().starts_with("content-length:"))
-                .collect();
-            assert_eq!(lengths.len(), 1, "{text}");
-            assert_eq!(
-                lengths[0].to_ascii_lowercase(),
-                "content-length: 2",
-                "{text}"
-            );
-            assert!(text.ends_with("\r\n\r\nok"), "{text}");
-        }
+    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok";
+    both_clients_get(answer, Duration::ZERO, |text| {
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        let lengths: Vec<&str> = text
+            .lines()
+            .filter(|l| l.to_ascii_lowercase().starts_with("content-length:"))
+            .collect();
+        assert_eq!(lengths.len(), 1, "{text}");
+        assert_eq!(
+            lengths[0].to_ascii_lowercase(),
+            "content-length: 2",
+            "{text}"
+        );
+        assert!(text.ends_with("\r\n\r\nok"), "{text}");
     })
-    .await
-    .unwrap();
+    .await;
 }
 
 /// An upstream that answers with a transfer coding other than chunked
@@ -458,19 +438,26 @@ async fn a_transfer_coding_other_than_chunked_is_a_502() {
 }
 
 /// An upstream that answers `answer` (then holds its connection for
-/// `hold`) gives 502 to a request on either upstream client.
-async fn both_clients_get_502(answer: &'static [u8], hold: Duration) {
+/// `hold`): what a request on either upstream client gets passes `check`.
+async fn both_clients_get(answer: &'static [u8], hold: Duration, check: fn(&str)) {
     let upstream = canned_upstream(answer, BOTH_CLIENTS.len(), hold);
     let sluice = Sluice::start(&config(upstream));
     let addr = sluice.addr;
     tokio::task::spawn_blocking(move || {
         for request in BOTH_CLIENTS {
-            let text = exchange(addr, request);
-            assert!(text.starts_with("HTTP/1.1 502"), "{text}");
+            check(&exchange(addr, request));
         }
     })
     .await
     .unwrap();
+}
+
+/// [`both_clients_get`]: a 502 on either upstream client.
+async fn both_clients_get_502(answer: &'static [u8], hold: Duration) {
+    both_clients_get(answer, hold, |text| {
+        assert!(text.starts_with("HTTP/1.1 502"), "{text}");
+    })
+    .await;
 }
 
 /// An upstream that answers a request that asked for no switch with 101:

@@ -974,29 +974,38 @@ fn relays_started_late_keep_the_upstream_cap_apart() {
     );
 }
 
-/// A message released before its upstream asked for a pause, whose data
-/// comes during the pause, is relayed when the pause ends: not into an
-/// upstream that has just said it is throttling.
-#[test]
-fn a_message_whose_data_comes_during_a_pause_waits_for_its_end() {
+/// Y's data is slow to come; X, 100 ms behind it on the same key (10/s),
+/// is relayed first and throttled (`throttle-once`), which pauses the
+/// upstream for `pause`. Returns what the test needs alive, Y before its
+/// end of data, and when X was told.
+fn y_waits_while_x_is_throttled(
+    pause: &str,
+    upstream: &str,
+) -> (SmtpUpstream, Sluice, Raw, Instant) {
     let up = SmtpUpstream::start(UpstreamOpts::default());
     up.set_mode("throttle-once");
     let sluice = Sluice::start(&config(
         up.port,
-        "tls = \"none\"\nthrottle_pause = \"2s\"",
+        &format!("tls = \"none\"\nthrottle_pause = \"{pause}\"\n{upstream}"),
         "key = \"global\"\nrate = \"10/s\"\ncapacity = 10",
     ));
     let addr = sluice.smtp.unwrap();
-    // Y departs at once; its data is slow to come.
     let mut y = Raw::connect(addr);
     start_message(&mut y, "slow");
-    // X, 100 ms behind it, is relayed first and throttled.
     let mut x = Raw::connect(addr);
     start_message(&mut x, "throttled");
     x.send(".\r\n");
     let reply = x.reply();
     assert!(reply.starts_with("454"), "{reply}");
-    let paused = Instant::now();
+    (up, sluice, y, Instant::now())
+}
+
+/// A message released before its upstream asked for a pause, whose data
+/// comes during the pause, is relayed when the pause ends: not into an
+/// upstream that has just said it is throttling.
+#[test]
+fn a_message_whose_data_comes_during_a_pause_waits_for_its_end() {
+    let (up, _sluice, mut y, paused) = y_waits_while_x_is_throttled("2s", "");
     y.send(".\r\n");
     let reply = y.reply();
     assert!(reply.starts_with("250"), "{reply}");
@@ -1015,22 +1024,8 @@ fn a_message_whose_data_comes_during_a_pause_waits_for_its_end() {
 /// it is told 451 at once, and nothing is relayed (the client keeps it).
 #[test]
 fn a_pause_longer_than_the_answer_can_wait_is_a_451_at_once() {
-    let up = SmtpUpstream::start(UpstreamOpts::default());
-    up.set_mode("throttle-once");
-    let sluice = Sluice::start(&config(
-        up.port,
-        "tls = \"none\"\nthrottle_pause = \"10m\"\nrelay_timeout = \"240s\"",
-        "key = \"global\"\nrate = \"10/s\"\ncapacity = 10",
-    ));
-    let addr = sluice.smtp.unwrap();
-    let mut y = Raw::connect(addr);
-    start_message(&mut y, "slow");
-    let mut x = Raw::connect(addr);
-    start_message(&mut x, "throttled");
-    x.send(".\r\n");
-    let reply = x.reply();
-    assert!(reply.starts_with("454"), "{reply}");
-    let sent = Instant::now();
+    let (up, _sluice, mut y, sent) =
+        y_waits_while_x_is_throttled("10m", "relay_timeout = \"240s\"");
     y.send(".\r\n");
     let reply = y.reply();
     assert!(reply.starts_with("451 4.7.0"), "{reply}");
