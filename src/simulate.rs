@@ -88,13 +88,17 @@ pub enum SimulateError {
     Stdout(io::Error),
     #[error("{}: is the trace being read; write the results elsewhere", path.display())]
     OverInput { path: PathBuf },
+    #[error("{}", .0.join("\n"))]
+    Shape(Vec<String>),
 }
 
 impl SimulateError {
     /// The exit code for the binary: 2 for a bad trace, 1 for I/O.
     pub fn exit_code(&self) -> u8 {
         match self {
-            SimulateError::Invalid { .. } | SimulateError::OverInput { .. } => 2,
+            SimulateError::Invalid { .. }
+            | SimulateError::OverInput { .. }
+            | SimulateError::Shape(_) => 2,
             _ => 1,
         }
     }
@@ -535,6 +539,13 @@ pub fn run(args: &SimulateArgs) -> Result<(), SimulateError> {
         path: args.arrivals.clone(),
         problems,
     })?;
+    // What `check` refuses in a config, refused here too: past it the
+    // schedule saturates and the figures mean nothing.
+    let most_cost = arrivals.iter().map(|a| a.cost).max().unwrap_or(1);
+    let problems = crate::config::shape_problems(args.rate, args.capacity, args.burst, most_cost);
+    if !problems.is_empty() {
+        return Err(SimulateError::Shape(problems));
+    }
     let policy = Policy {
         burst: args.burst,
         ..Policy::new(args.rate, args.capacity)

@@ -284,3 +284,29 @@ fn the_trace_is_never_written_over() {
     assert_eq!(std::fs::read(&trace).unwrap(), before);
     let _ = std::fs::remove_file(trace);
 }
+
+/// A shape `check` would refuse is refused here too, before anything is
+/// written: past it the schedule saturates (a departure 584 years on).
+#[test]
+fn a_shape_check_would_refuse_is_refused() {
+    let costly = tmp("costly.csv");
+    std::fs::write(&costly, "time,key,cost\n0,a,1\n0,a,4294967295\n").unwrap();
+    let out = simulate_cli(costly.to_str().unwrap(), "1/d", "10", &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty(), "no partial output");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cost: 4294967295 in the trace is more than 1000000"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_file(costly);
+    let seed = data("seed.csv");
+    let out = simulate_cli(seed.to_str().unwrap(), "1/d", "4294967295", &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--capacity: 4294967295 is more than"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("the schedule holds at most"), "{stderr}");
+}

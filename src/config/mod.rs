@@ -299,6 +299,42 @@ pub struct Limits {
 
 /// Parse a size: a whole number of bytes with an optional unit (`B`,
 /// `kB`/`KB` = 1000, `KiB` = 1024, `MB`, `MiB`, `GB`, `GiB`, `TB`, `TiB`).
+/// The bounds `check` holds a route's shape to, for a shape given some
+/// other way (`sluice simulate`'s flags and trace): each problem found,
+/// as `check` would name it.
+pub fn shape_problems(rate: Rate, capacity: u32, burst: u32, most_cost: u32) -> Vec<String> {
+    let mut v = Validator::default();
+    if capacity > MAX_CAPACITY {
+        v.problem(
+            "--capacity",
+            format!("{capacity} is more than {MAX_CAPACITY}"),
+        );
+    }
+    if burst > MAX_BURST {
+        v.problem("--burst", format!("{burst} is more than {MAX_BURST}"));
+    }
+    if most_cost > MAX_COST {
+        v.problem(
+            "cost",
+            format!("{most_cost} in the trace is more than {MAX_COST}"),
+        );
+    }
+    v.within_span(
+        "--capacity",
+        &format!("capacity {capacity}"),
+        capacity,
+        rate,
+    );
+    v.within_span(
+        "--burst",
+        &format!("burst {burst}"),
+        burst.saturating_sub(1),
+        rate,
+    );
+    v.within_span("cost", &format!("cost {most_cost}"), most_cost, rate);
+    v.problems.iter().map(ToString::to_string).collect()
+}
+
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text
