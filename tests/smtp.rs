@@ -974,6 +974,64 @@ fn relays_started_late_keep_the_upstream_cap_apart() {
     );
 }
 
+/// A relay that waits for its start (the upstream's previous start is
+/// less than c/(2R) behind) and whose client leaves meanwhile holds no
+/// later one back: under a cap of 0.5/s (1 s between late starts), w
+/// starts, x waits for w's second and hangs up, y then starts 1 s after
+/// w, not 1 s after the start x never made.
+#[test]
+fn a_relay_withdrawn_before_its_start_does_not_space_the_next() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"\nrate = \"0.5/s\"",
+        "key = \"sender\"\nrate = \"10/s\"\ncapacity = 10",
+    ));
+    let addr = sluice.smtp.unwrap();
+    let started = Instant::now();
+    let mut clients: Vec<Raw> = ["w", "x", "y"]
+        .iter()
+        .map(|who| {
+            let mut c = Raw::connect(addr);
+            assert!(c.cmd("EHLO raw.test").starts_with("250"));
+            let from = format!("MAIL FROM:<{who}@example.com>");
+            assert!(c.cmd(&from).starts_with("250"));
+            assert!(c.cmd("RCPT TO:<user@example.org>").starts_with("250"));
+            assert!(c.cmd("DATA").starts_with("354"));
+            c.send(&format!("Subject: {who}\r\n\r\nbody\r\n"));
+            c
+        })
+        .collect();
+    // Past every slot (w 0, x 2 s, y 4 s): every start is late.
+    std::thread::sleep(Duration::from_millis(4_500).saturating_sub(started.elapsed()));
+    let mut y = clients.pop().unwrap();
+    let mut x = clients.pop().unwrap();
+    let mut w = clients.pop().unwrap();
+    let reply = w.cmd(".");
+    assert!(reply.starts_with("250"), "{reply}");
+    x.send(".\r\n");
+    std::thread::sleep(Duration::from_millis(200));
+    x.hang_up();
+    let cancelled = r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 1"#;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !metrics(&sluice).contains(cancelled) {
+        assert!(Instant::now() < deadline, "x's withdrawal never counted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let reply = y.cmd(".");
+    assert!(reply.starts_with("250"), "{reply}");
+    let got = up.wait_arrivals(2, Duration::from_secs(10));
+    let subjects: Vec<&str> = got.iter().map(|a| a["subject"].as_str().unwrap()).collect();
+    assert_eq!(subjects, ["w", "y"]);
+    let gap = Duration::from_nanos(arrival_ns(&got[1]) - arrival_ns(&got[0]));
+    // 1 s expected (each relay's set-up inside it); 2 s when x's start,
+    // which never came, held y back.
+    assert!(
+        gap >= Duration::from_millis(700) && gap < Duration::from_millis(1_600),
+        "relayed {gap:?} apart"
+    );
+}
+
 /// Y's data is slow to come; X, 100 ms behind it on the same key (10/s),
 /// is relayed first and throttled (`throttle-once`), which pauses the
 /// upstream for `pause`. Returns what the test needs alive, Y before its

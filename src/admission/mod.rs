@@ -464,6 +464,18 @@ enum Start {
     Upstream(UpstreamId),
 }
 
+/// A start taken by [`Admission::space_relay`], given back when dropped
+/// still holding it.
+struct GiveBack<'a>(&'a Spacing<Start>, Option<spacing::Taken<Start>>);
+
+impl Drop for GiveBack<'_> {
+    fn drop(&mut self) {
+        if let Some(taken) = self.1.take() {
+            self.0.give_back(taken);
+        }
+    }
+}
+
 /// The admission layer: local engine and pacer, and the shared schedule in
 /// cluster mode.
 pub struct Admission {
@@ -815,7 +827,9 @@ impl Admission {
     ///   departure, or while it waited): the start waits for the end.
     ///
     /// `false` (at once, or when a pause is made longer) when the start
-    /// would come after `latest`: the work must not start.
+    /// would come after `latest`: the work must not start. A start that
+    /// does not come (`false`, or the future dropped before it resolves)
+    /// holds no later one back.
     pub async fn space_relay(
         &self,
         rule: &Rule,
@@ -836,17 +850,22 @@ impl Admission {
         // The cap released held work 1/R apart, whenever its own start
         // came: on the upstream's line every start keeps c/(2R).
         let upstream = Start::Upstream(rule.upstream_id);
-        let start = match rule.cap_step {
+        let latest = self.on_axis(latest, now);
+        let taken = match rule.cap_step {
             Some(step) => {
                 let line = (&upstream, None, half(step));
-                self.relays.release_all(&[own, line], from, now)
+                self.relays.take_all(&[own, line], from, now, latest)
             }
-            None => self.relays.release_all(&[own], from, now),
+            None => self.relays.take_all(&[own], from, now, latest),
         };
-        let latest = self.on_axis(latest, now);
-        if start > latest {
+        let Some(taken) = taken else {
             return false;
-        }
+        };
+        // Given back unless the work starts: a start that never came
+        // (the client left while it waited, or a pause outlasted
+        // `latest`) spaces nothing after it.
+        let start = taken.at();
+        let mut taken = GiveBack(&self.relays, Some(taken));
         if start > now {
             self.shaper.sleep_until(start).await;
         }
@@ -856,6 +875,7 @@ impl Admission {
             }
             self.shaper.sleep_until(until).await;
         }
+        taken.1 = None;
         true
     }
 

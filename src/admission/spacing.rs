@@ -30,15 +30,49 @@ struct Last {
     slot: Nanos,
     /// When it stops holding the next one back (`at` + its c·T/2).
     until: Nanos,
+    /// Which release it was (to give back only a release no later one has
+    /// replaced).
+    seq: u64,
+}
+
+/// Each line's latest release, for the lines released within their last
+/// c·T/2.
+struct Lines<C> {
+    last: HashMap<C, Last>,
+    /// The size past which the next prune comes.
+    prune_at: usize,
+    /// The number of releases taken.
+    seq: u64,
 }
 
 /// Each client's latest release, for the clients released within their
-/// last c·T/2 (and the size past which the next prune comes).
-pub struct Spacing<C>(Mutex<(HashMap<C, Last>, usize)>);
+/// last c·T/2.
+pub struct Spacing<C>(Mutex<Lines<C>>);
 
 impl<C> Default for Spacing<C> {
     fn default() -> Self {
-        Spacing(Mutex::new((HashMap::new(), PRUNE_AT)))
+        Spacing(Mutex::new(Lines {
+            last: HashMap::new(),
+            prune_at: PRUNE_AT,
+            seq: 0,
+        }))
+    }
+}
+
+/// A release taken by [`Spacing::take_all`] for work that may yet not
+/// start: what it replaced on each line, to put back with
+/// [`Spacing::give_back`].
+#[must_use]
+pub struct Taken<C> {
+    at: Nanos,
+    seq: u64,
+    before: Vec<(C, Option<Last>)>,
+}
+
+impl<C> Taken<C> {
+    /// The instant the release was taken for.
+    pub fn at(&self) -> Nanos {
+        self.at
     }
 }
 
@@ -49,42 +83,99 @@ impl<C: Hash + Eq + Clone> Spacing<C> {
     /// that release's slot, if less (overdue releases may be taken in any
     /// order). Taken: the client's next release is spaced from it.
     pub fn release(&self, client: &C, now: Nanos, slot: Nanos, half: Nanos) -> Nanos {
-        self.release_all(&[(client, Some(slot), half)], now, now)
+        let lines = [(client, Some(slot), half)];
+        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let at = guard.earliest(&lines, now);
+        guard.take(&lines, at, now, None);
+        at
     }
 
     /// [`Spacing::release`] for work that keeps its spacing on several
     /// lines at once (its client's, and its capped upstream's), each
     /// `(line, slot, half)`: the earliest instant from `from` on that
-    /// suits every line, taken on all of them. A line without slots keeps
-    /// its whole `half` between any two starts. `now` is the time, for
+    /// suits every line, taken on all of them, unless it is past
+    /// `latest` (then nothing is taken). A line without slots keeps its
+    /// whole `half` between any two starts. `now` is the time, for
     /// pruning.
-    pub fn release_all(
+    pub fn take_all(
         &self,
         lines: &[(&C, Option<Nanos>, Nanos)],
         from: Nanos,
         now: Nanos,
-    ) -> Nanos {
+        latest: Nanos,
+    ) -> Option<Taken<C>> {
         let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let (last, prune_at) = &mut *guard;
-        let at = lines.iter().fold(from, |at, &(line, slot, half)| {
-            last.get(line).map_or(at, |prev| {
+        let at = guard.earliest(lines, from);
+        if at > latest {
+            return None;
+        }
+        let mut before = Vec::with_capacity(lines.len());
+        let seq = guard.take(lines, at, now, Some(&mut before));
+        Some(Taken { at, seq, before })
+    }
+
+    /// Work released by `taken` did not start (its client left, or it was
+    /// refused): each line it was taken on gets back its previous
+    /// release, unless a later release was taken there since.
+    pub fn give_back(&self, taken: Taken<C>) {
+        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        for (line, before) in taken.before {
+            if guard.last.get(&line).is_some_and(|l| l.seq == taken.seq) {
+                match before {
+                    Some(prev) => guard.last.insert(line, prev),
+                    None => guard.last.remove(&line),
+                };
+            }
+        }
+    }
+}
+
+impl<C: Hash + Eq + Clone> Lines<C> {
+    /// The earliest instant from `from` on that suits every line.
+    fn earliest(&self, lines: &[(&C, Option<Nanos>, Nanos)], from: Nanos) -> Nanos {
+        lines.iter().fold(from, |at, &(line, slot, half)| {
+            self.last.get(line).map_or(at, |prev| {
                 let gap = slot.map_or(half, |s| half.min(s.abs_diff(prev.slot)));
                 at.max(prev.at.saturating_add(gap))
             })
-        });
+        })
+    }
+
+    /// Take a release at `at` on every line (what it replaces into
+    /// `before`, if given); its sequence number.
+    fn take(
+        &mut self,
+        lines: &[(&C, Option<Nanos>, Nanos)],
+        at: Nanos,
+        now: Nanos,
+        mut before: Option<&mut Vec<(C, Option<Last>)>>,
+    ) -> u64 {
         // Pruned when it has doubled since the last prune: amortized O(1)
         // per release even when every entry is still live (slow rates
         // keep theirs for hours).
-        if last.len() >= *prune_at {
-            last.retain(|_, prev| prev.until > now);
-            *prune_at = last.len().saturating_mul(2).max(PRUNE_AT);
+        if self.last.len() >= self.prune_at {
+            self.last.retain(|_, prev| prev.until > now);
+            self.prune_at = self.last.len().saturating_mul(2).max(PRUNE_AT);
         }
+        self.seq = self.seq.wrapping_add(1);
+        let seq = self.seq;
         for &(line, slot, half) in lines {
             let until = at.saturating_add(half);
             let slot = slot.unwrap_or_default();
-            last.insert(line.clone(), Last { at, slot, until });
+            let prev = self.last.insert(
+                line.clone(),
+                Last {
+                    at,
+                    slot,
+                    until,
+                    seq,
+                },
+            );
+            if let Some(before) = before.as_deref_mut() {
+                before.push((line.clone(), prev));
+            }
         }
-        at
+        seq
     }
 }
 
@@ -146,20 +237,18 @@ mod tests {
         // interval) whatever their slots; their own slots are 200 ms
         // apart (100 ms at half). All start late.
         let start = |who: &String, own: Nanos, from: Nanos| {
-            s.release_all(
-                &[(who, Some(own * MS), 100 * MS), (&up, None, 50 * MS)],
-                from * MS,
-                from * MS,
-            )
+            let lines = [(who, Some(own * MS), 100 * MS), (&up, None, 50 * MS)];
+            s.take_all(&lines, from * MS, from * MS, Nanos::MAX)
+                .map(|t| t.at())
         };
-        assert_eq!(start(&a, 0, 1_000), 1_000 * MS);
+        assert_eq!(start(&a, 0, 1_000), Some(1_000 * MS));
         // b's own line is new: held by the upstream's.
-        assert_eq!(start(&b, 0, 1_000), 1_050 * MS);
+        assert_eq!(start(&b, 0, 1_000), Some(1_050 * MS));
         // a's next by its own (100 ms after its last), the upstream's
         // allowing 1,100.
-        assert_eq!(start(&a, 200, 1_000), 1_100 * MS);
+        assert_eq!(start(&a, 200, 1_000), Some(1_100 * MS));
         // c, at 1,120: the upstream's line holds it to 1,150.
-        assert_eq!(start(&c, 0, 1_120), 1_150 * MS);
+        assert_eq!(start(&c, 0, 1_120), Some(1_150 * MS));
     }
 
     #[test]
@@ -171,7 +260,8 @@ mod tests {
             s.release(&client(&i.to_string()), 0, 0, 3_600_000 * MS);
         }
         let day = 86_400_000 * MS;
-        s.release_all(&[(&client("late"), None, MS)], day, 0);
+        let late = s.take_all(&[(&client("late"), None, MS)], day, 0, Nanos::MAX);
+        assert!(late.is_some());
         // Its slot two hours on: held a whole half (an hour) from its last.
         let (hour, two) = (3_600_000 * MS, 7_200_000 * MS);
         assert_eq!(s.release(&client("0"), MS, two, hour), hour);
@@ -184,7 +274,7 @@ mod tests {
             let now = (i as Nanos) * MS;
             s.release(&client(&i.to_string()), now, now, MS);
         }
-        let held = s.0.lock().unwrap().0.len();
+        let held = s.0.lock().unwrap().last.len();
         assert!(held <= PRUNE_AT + 1, "{held} entries kept");
     }
 
@@ -197,12 +287,81 @@ mod tests {
         }
         let (held, next) = {
             let g = s.0.lock().unwrap();
-            (g.0.len(), g.1)
+            (g.last.len(), g.prune_at)
         };
         assert_eq!(held, PRUNE_AT + 10);
         assert!(
             next >= 2 * PRUNE_AT,
             "the next prune waits for the map to double: {next}"
         );
+    }
+
+    #[test]
+    fn a_start_past_latest_is_not_taken() {
+        let s = Spacing::default();
+        let (a, up) = (client("a"), client("up"));
+        let lines = |who| [(who, Some(0), 100 * MS), (&up, None, 500 * MS)];
+        let first = s.take_all(&lines(&a), 0, 0, Nanos::MAX);
+        assert_eq!(first.map(|t| t.at()), Some(0));
+        // The upstream's line puts a's next at 500 ms: past 400, refused,
+        // and nothing is taken: 450 ms later another goes at 500 all the
+        // same, not 1,000.
+        assert!(s.take_all(&lines(&a), 0, 0, 400 * MS).is_none());
+        let b = client("b");
+        let next = s.take_all(&lines(&b), 450 * MS, 450 * MS, Nanos::MAX);
+        assert_eq!(next.map(|t| t.at()), Some(500 * MS));
+    }
+
+    #[test]
+    fn a_release_given_back_spaces_nothing_unless_a_later_one_followed() {
+        let s = Spacing::default();
+        let (a, b, up) = (client("a"), client("b"), client("up"));
+        let lines = |who| [(who, Some(0), 100 * MS), (&up, None, 500 * MS)];
+        let take = |who, from| s.take_all(&lines(who), from, from, Nanos::MAX);
+        let Some(first) = take(&a, 0) else { panic!() };
+        assert_eq!(first.at(), 0);
+        // b is held to 500 ms by a's start on the upstream's line; b's
+        // client leaves before then: its start is given back, and a's
+        // next (at 200 ms) goes at 500, not 1,000.
+        let Some(held) = take(&b, 100 * MS) else {
+            panic!()
+        };
+        assert_eq!(held.at(), 500 * MS);
+        s.give_back(held);
+        let Some(next) = take(&a, 200 * MS) else {
+            panic!()
+        };
+        assert_eq!(next.at(), 500 * MS);
+        // A release given back after a later one was taken on its line
+        // leaves the later one: the upstream's line still holds c to
+        // 1,000.
+        let Some(late) = take(&b, 300 * MS) else {
+            panic!()
+        };
+        assert_eq!(late.at(), 1_000 * MS);
+        s.give_back(next);
+        let Some(c) = take(&client("c"), 400 * MS) else {
+            panic!()
+        };
+        assert_eq!(c.at(), 1_500 * MS);
+        drop(late);
+        // On a line of its own: a's second start given back, a's line
+        // holds its first again (a slot 50 ms after the first starts at
+        // 50 ms, not 200 ms after the second); d's
+        // only one given back, d's line is empty.
+        let own = |who, slot, from| {
+            s.take_all(&[(who, Some(slot * MS), 100 * MS)], from, from, Nanos::MAX)
+        };
+        let (a, d) = (client("a2"), client("d"));
+        assert_eq!(own(&a, 0, 0).map(|t| t.at()), Some(0));
+        let Some(second) = own(&a, 300, 0) else {
+            panic!()
+        };
+        assert_eq!(second.at(), 100 * MS);
+        s.give_back(second);
+        assert_eq!(own(&a, 50, 0).map(|t| t.at()), Some(50 * MS));
+        let Some(only) = own(&d, 0, 0) else { panic!() };
+        s.give_back(only);
+        assert_eq!(own(&d, 300, 0).map(|t| t.at()), Some(0));
     }
 }
