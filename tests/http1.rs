@@ -228,6 +228,66 @@ async fn pipelined_requests_then_a_body_on_one_connection() {
     assert_eq!(paths, ["/one", "/two", "/echo", "/three"]);
 }
 
+/// A `GET` with a chunked body (a search API's query, say) reaches the
+/// upstream with its body, sent on at once as when it is staged: hyper
+/// sends a `GET` of unknown length as if it had none unless it is told
+/// `chunked`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_with_a_chunked_body_reaches_the_upstream_whole() {
+    let ds = Downstream::start().await;
+    on_one_connection(ds.addr, |c| {
+        send(
+            c,
+            b"GET /echo HTTP/1.1\r\nHost: t\r\nX-Client: g\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        );
+        let a = read_answer(c, false);
+        assert_eq!((a.status, a.body.as_slice()), (200, &b"hello"[..]), "{a:?}");
+        // And one without a body after it is still sent without one.
+        send(c, b"GET /echo HTTP/1.1\r\nHost: t\r\nX-Client: g\r\n\r\n");
+        let a = read_answer(c, false);
+        assert_eq!((a.status, a.body.as_slice()), (200, &b""[..]), "{a:?}");
+    })
+    .await;
+    let seen = ds.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].body_len, 5);
+    assert_eq!(seen[1].headers.get("transfer-encoding"), None);
+}
+
+/// A chunked body with a trailer reaches the upstream with its trailer
+/// when it is staged (its request waits behind another), as when it goes
+/// at once: a staged body's known length had no room for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_body_keeps_its_trailers() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(ds.addr).replace("1000/s", "2/s"));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        let c = &mut connect(addr);
+        let post = |at_once: bool| {
+            let path = if at_once { "/now" } else { "/staged" };
+            format!(
+                "POST {path} HTTP/1.1\r\nHost: t\r\nX-Client: t\r\nTransfer-Encoding: chunked\r\nTrailer: x-checksum\r\n\r\n5\r\nhello\r\n0\r\nx-checksum: abc\r\n\r\n"
+            )
+        };
+        // The first goes at once; the second waits 500 ms, staged.
+        for at_once in [true, false] {
+            send(c, post(at_once).as_bytes());
+            let a = read_answer(c, false);
+            assert_eq!(a.status, 200, "{a:?}");
+        }
+    })
+    .await
+    .unwrap();
+    let seen = ds.seen();
+    assert_eq!(seen.len(), 2);
+    for s in &seen {
+        let trailer = s.trailers.as_ref().and_then(|t| t.get("x-checksum"));
+        assert_eq!(trailer.map(|v| v.as_bytes()), Some(&b"abc"[..]), "{}", s.path);
+        assert_eq!(s.body_len, 5, "{}", s.path);
+    }
+}
+
 /// A head that comes in pieces, its end split between two of them (and a
 /// bare-LF one), is served when its end is in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

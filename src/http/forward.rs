@@ -25,7 +25,10 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{CONNECTION, EXPECT, HOST, HeaderMap, HeaderValue, TE, UPGRADE};
+use http::header::{
+    CONNECTION, CONTENT_LENGTH, EXPECT, HOST, HeaderMap, HeaderValue, TE, TRANSFER_ENCODING,
+    UPGRADE,
+};
 use http::request::Parts;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
@@ -672,7 +675,7 @@ impl Upstream {
             },
         };
         let req = match sender.ready().await {
-            Ok(()) => match sender.try_send_request(req).await {
+            Ok(()) => match sender.try_send_request(framed_for_h1(req)).await {
                 Ok(response) => return Ok((response, Back::H1(sender))),
                 Err(mut e) => match e.take_message() {
                     Some(req) if pooled => req,
@@ -687,7 +690,10 @@ impl Upstream {
             Connected::H2(tx) => return Box::pin(self.send_on_h2(tx, None, req)).await,
         };
         sender.ready().await.map_err(SendError::Request)?;
-        let response = sender.send_request(req).await.map_err(SendError::Request)?;
+        let response = sender
+            .send_request(framed_for_h1(req))
+            .await
+            .map_err(SendError::Request)?;
         Ok((response, Back::H1(sender)))
     }
 
@@ -965,6 +971,28 @@ impl Body for OutBody {
             }
         }
     }
+}
+
+/// A request as hyper frames it for HTTP/1.1, where its own choice would
+/// lose part of it: a body of unknown length goes chunked whatever the
+/// method (hyper sends a `GET`, `HEAD` or `CONNECT` of unknown length as
+/// if it had none), and so does a staged body with trailers (a known
+/// length has no room for them), as nginx and HAProxy pass them on.
+fn framed_for_h1(mut req: Request<OutBody>) -> Request<OutBody> {
+    let body = req.body();
+    let chunked = match body {
+        OutBody::Staged { trailers, .. } => trailers.is_some(),
+        _ => {
+            !body.is_end_stream()
+                && body.size_hint().exact().is_none()
+                && !req.headers().contains_key(CONTENT_LENGTH)
+        }
+    };
+    if chunked && !req.headers().contains_key(TRANSFER_ENCODING) {
+        req.headers_mut()
+            .insert(TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+    }
+    req
 }
 
 /// A response body that gives its connection back to the pool once it has

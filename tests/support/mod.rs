@@ -34,6 +34,8 @@ pub struct Seen {
     pub target: String,
     pub headers: HeaderMap,
     pub body_len: usize,
+    /// The body's trailers, if it had any.
+    pub trailers: Option<HeaderMap>,
 }
 
 /// A real HTTP/1.1 downstream on 127.0.0.1. Paths starting with `/slow`
@@ -89,11 +91,13 @@ impl Downstream {
         self.max_in_flight.fetch_max(now, Ordering::SeqCst);
         let (parts, body) = req.into_parts();
         let path = parts.uri.path().to_string();
-        let body = body
-            .collect()
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
+        let (body, trailers) = match body.collect().await {
+            Ok(b) => {
+                let trailers = b.trailers().cloned();
+                (b.to_bytes(), trailers)
+            }
+            Err(_) => Default::default(),
+        };
         self.seen.lock().unwrap().push(Seen {
             at,
             method: parts.method.to_string(),
@@ -101,6 +105,7 @@ impl Downstream {
             target: parts.uri.to_string(),
             headers: parts.headers.clone(),
             body_len: body.len(),
+            trailers,
         });
         if path.starts_with("/slow") {
             tokio::time::sleep(Duration::from_secs(5)).await;
