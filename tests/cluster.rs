@@ -815,3 +815,63 @@ async fn requests_that_fall_back_are_paced_from_when_they_do() {
     // 500 ms expected; 200 ms when admitted at their arrivals.
     assert!(gap >= Duration::from_millis(400), "{gap:?} apart");
 }
+
+/// Two instances with different caps for one upstream (a rolling reload
+/// from 10/s to 5/s): each keeps its own calendar. They shared one, whose
+/// slot numbers each read at its own scale, and the 10/s instance trimmed
+/// every slot of the 5/s one as past, so the 5/s instance's next clients
+/// went together with those already held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_with_different_caps_keep_their_own_calendars() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let capped = |cap: &str| {
+        config(ds.addr, &redis.url(), "reject", 2, "500ms")
+            .replace("url = ", &format!("rate = \"{cap}\"\nurl = "))
+            .replace(
+                "rate = \"5/s\"\ncapacity = 10",
+                "rate = \"100/s\"\ncapacity = 10",
+            )
+    };
+    let (a, b) = (
+        Sluice::start(&capped("10/s")),
+        Sluice::start(&capped("5/s")),
+    );
+    let send_b = |range: std::ops::Range<u32>| {
+        range
+            .map(|i| {
+                let url = b.url(&format!("/b/{i}"));
+                tokio::spawn(async move {
+                    let who = format!("b{i}");
+                    get(&client(), &url, &[("x-client", who.as_str())]).await
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut held = send_b(0..4);
+    b.wait_queued(3).await;
+    // A's call, on its own scale, trims what it takes for past slots.
+    assert_eq!(
+        get(&client(), &a.url("/a"), &[("x-client", "a")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    held.extend(send_b(4..8));
+    for h in held {
+        assert_eq!(h.await.unwrap().status, StatusCode::OK);
+    }
+    let mut at: Vec<Instant> = ds
+        .seen()
+        .into_iter()
+        .filter(|r| r.path.starts_with("/b/"))
+        .map(|r| r.at)
+        .collect();
+    at.sort_unstable();
+    assert_eq!(at.len(), 8);
+    // 200 ms apart (5/s): 1.4 s from the first to the last (a release
+    // may be late, none early). The second four went beside the first
+    // four: about 0.6 s.
+    let span = at[7] - at[0];
+    assert!(span >= Duration::from_millis(1_100), "{span:?}");
+}

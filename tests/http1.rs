@@ -283,7 +283,12 @@ async fn a_staged_body_keeps_its_trailers() {
     assert_eq!(seen.len(), 2);
     for s in &seen {
         let trailer = s.trailers.as_ref().and_then(|t| t.get("x-checksum"));
-        assert_eq!(trailer.map(|v| v.as_bytes()), Some(&b"abc"[..]), "{}", s.path);
+        assert_eq!(
+            trailer.map(|v| v.as_bytes()),
+            Some(&b"abc"[..]),
+            "{}",
+            s.path
+        );
         assert_eq!(s.body_len, 5, "{}", s.path);
     }
 }

@@ -731,7 +731,8 @@ impl Admission {
         let (k, slots) = cluster.keys(
             &rule.name,
             key.as_bytes(),
-            rule.capped().then_some(rule.upstream.as_str()),
+            rule.cap_step
+                .map(|step| (rule.upstream.as_str(), spacing_us(step))),
         );
         let ask = Ask {
             key: k,

@@ -330,22 +330,26 @@ impl Cluster {
             || self.store.problem().checks_ok() > self.failed_at.load(Ordering::Relaxed)
     }
 
-    /// Store keys for a client of `route` (and its capped upstream). With
-    /// a cap, all clients of the upstream share its hash tag, so that one
-    /// script touches both keys on Redis Cluster (one slot per capped
-    /// upstream); without one, each client key has its own tag (spread
-    /// over every master).
+    /// Store keys for a client of `route` (and its capped upstream, with
+    /// its slot length in µs). With a cap, all clients of the upstream
+    /// share its hash tag, so that one script touches both keys on Redis
+    /// Cluster (one slot per capped upstream); without one, each client
+    /// key has its own tag (spread over every master). The calendar is
+    /// named by its slot length too: slots are numbered in it, and
+    /// instances with different caps for one upstream (a rolling reload)
+    /// would read each other's numbers as other times (and trim them as
+    /// past).
     pub fn keys(
         &self,
         route: &str,
         key: &[u8],
-        capped_upstream: Option<&str>,
+        capped_upstream: Option<(&str, u64)>,
     ) -> (String, Option<String>) {
         let p = &self.prefix;
         match capped_upstream {
-            Some(up) => (
+            Some((up, slot_us)) => (
                 format!("{p}{{u:{up}}}:c:{route}:{}", store_name(key)),
-                Some(format!("{p}{{u:{up}}}:slots")),
+                Some(format!("{p}{{u:{up}}}:slots:{slot_us}")),
             ),
             None => (format!("{p}{{c:{route}:{}}}", store_name(key)), None),
         }
@@ -443,6 +447,14 @@ impl Drop for Answer {
 /// timeouts are this, not `timeout`: a reply it stopped waiting for could
 /// not be given back, and its cluster client retried a script that had
 /// run (a second reservation).
+/// How long a store connection may take to be made: the call's timeout
+/// is for a round trip, and a connection takes several (TCP, TLS, AUTH,
+/// set-up), which a store a few ms away cannot make in the default 50 ms.
+/// Connections are made in the background: no caller waits longer.
+pub(crate) fn connect_limit(timeout: Duration) -> Duration {
+    timeout.max(Duration::from_secs(1))
+}
+
 pub(crate) fn orphan_limit(timeout: Duration) -> Duration {
     timeout.saturating_mul(4).max(Duration::from_secs(2))
 }

@@ -241,7 +241,7 @@ impl Postgres {
             pg.password(password);
         }
         if pg.get_connect_timeout().is_none() {
-            pg.connect_timeout(timeout.max(Duration::from_secs(1)));
+            pg.connect_timeout(super::connect_limit(timeout));
         }
         let check = match (cfg.target.sslmode, cfg.roots.is_some()) {
             (SslMode::VerifyFull, _) => crate::tls::Check::Full,
@@ -265,7 +265,7 @@ impl Postgres {
         let pool = Pool::builder(manager)
             .max_size(cfg.pool_size)
             .wait_timeout(Some(timeout))
-            .create_timeout(Some(timeout.max(Duration::from_secs(1))))
+            .create_timeout(Some(super::connect_limit(timeout)))
             .recycle_timeout(Some(timeout))
             .runtime(Runtime::Tokio1)
             .post_create(Hook::async_fn(move |client, _| {

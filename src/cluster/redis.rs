@@ -270,7 +270,7 @@ impl Redis {
             .ok_or_else(|| ClusterError::Setup("no redis node".into()))?;
         let client = self.client(url)?;
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(self.timeout))
+            .set_connection_timeout(Some(super::connect_limit(self.timeout)))
             .set_response_timeout(Some(super::orphan_limit(self.timeout)))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_secs(1));
@@ -290,7 +290,7 @@ impl Redis {
             builder = builder.certs(self.certs(ca));
         }
         let client = builder
-            .connection_timeout(self.timeout)
+            .connection_timeout(super::connect_limit(self.timeout))
             .response_timeout(super::orphan_limit(self.timeout))
             .overall_response_timeout(Some(super::orphan_limit(self.timeout)))
             .retries(2)
@@ -298,7 +298,7 @@ impl Redis {
             .max_retry_wait(50)
             .build()?;
         let config = redis::cluster::ClusterConfig::new()
-            .set_connection_timeout(self.timeout)
+            .set_connection_timeout(super::connect_limit(self.timeout))
             .set_response_timeout(super::orphan_limit(self.timeout));
         Ok(Conn::Cluster(
             client.get_pending_async_connection_with_config(config),
@@ -314,7 +314,7 @@ impl Redis {
     /// Whether the node at `url` runs in cluster mode (`INFO cluster`), and
     /// whether it is a replica (`INFO replication`).
     async fn node_info(&self, url: &str) -> Result<Node, ClusterError> {
-        let limit = self.timeout.max(Duration::from_secs(1));
+        let limit = super::connect_limit(self.timeout);
         tokio::time::timeout(limit, self.ask_node_info(url))
             .await
             .map_err(|_| ClusterError::Timeout(limit))?
