@@ -400,6 +400,30 @@ fn an_upstream_that_goes_away_gives_a_4xx_never_a_250() {
     );
 }
 
+/// An upstream's permanent refusal reaches the client as it was given:
+/// with its enhanced code whole (`5.7.606`, not `5.7.255`), and when the
+/// upstream closes after refusing the MAIL of a pipelined group without
+/// answering the rest (as some large providers do), as the 550 it is,
+/// not a lost session's 451 that the client would retry for days.
+#[test]
+fn an_upstreams_permanent_refusal_reaches_the_client_as_given() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&plain(up.port));
+    let addr = sluice.smtp.unwrap();
+    up.set_mode("550-606");
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["data"]), Some(550), "{r:?}");
+    assert!(text(&r[0]["data"]).starts_with("5.7.606"), "{r:?}");
+    up.set_mode("550-close");
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["data"]), Some(550), "{r:?}");
+    assert!(text(&r[0]["data"]).starts_with("5.7.1"), "{r:?}");
+    // And a session that works is made for the next message.
+    up.set_mode("ok");
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["data"]), Some(250), "{r:?}");
+}
+
 /// An upstream that takes the connection and never greets: the session
 /// setup is part of the relay, so the client has its 4xx by
 /// `relay_timeout` (2 s), not by the far longer `connect_timeout`.

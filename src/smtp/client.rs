@@ -491,7 +491,20 @@ impl Session {
             within(deadline, false, self.stream.write_all(&group)).await?;
             let mut replies = Vec::with_capacity(rcpts.len() + 2);
             for _ in 0..rcpts.len() + 2 {
-                let reply = self.reply(deadline, false).await?;
+                let reply = match self.reply(deadline, false).await {
+                    Ok(reply) => reply,
+                    // An upstream that refused part of the group and then
+                    // closed (or stopped answering): its refusal stands.
+                    // Taken for a lost session, it became a 4xx, and the
+                    // client retried a permanent refusal for days.
+                    Err(lost) => match replies.iter().find(|r: &&Reply| !r.is_positive()) {
+                        Some(refusal) => {
+                            self.broken = true;
+                            return Err(RelayError::Refused(refusal.clone()));
+                        }
+                        None => return Err(lost),
+                    },
+                };
                 let closing = reply.code == 421;
                 replies.push(reply);
                 if closing {
@@ -592,7 +605,7 @@ fn parse_reply(raw: &[u8], after_dot: bool) -> Result<Reply, RelayError> {
             .parse(&mut bytes.iter())
             .map(Reply::from_parsed)
     };
-    parse(raw)
+    let parsed = parse(raw)
         .or_else(|e| {
             // smtp-proto reads 4,096 bytes of a reply at most. A longer
             // one (many lines of policy text) is read by its last line,
@@ -611,7 +624,34 @@ fn parse_reply(raw: &[u8], after_dot: bool) -> Result<Reply, RelayError> {
         .map_err(|e| RelayError::Lost {
             after_dot,
             why: format!("the upstream's reply cannot be parsed: {e:?}"),
-        })
+        });
+    parsed.map(|mut reply| {
+        // smtp-proto keeps each part of an enhanced code in a byte, and a
+        // detail past 255 (Microsoft's `5.7.606`, say) came out `5.7.255`.
+        if reply.esc != [0; 3] {
+            reply.esc = enhanced_code(raw).unwrap_or(reply.esc);
+        }
+        reply
+    })
+}
+
+/// The enhanced status code of a reply's first line (RFC 3463: `class.
+/// subject.detail`, each part of one to three digits), as the line has it.
+fn enhanced_code(raw: &[u8]) -> Option<[u16; 3]> {
+    let line = raw.get(4..)?;
+    let end = line
+        .iter()
+        .position(|b| matches!(b, b' ' | b'\r' | b'\n'))?;
+    let mut esc = [0u16; 3];
+    let mut parts = line[..end].split(|&b| b == b'.');
+    for part in &mut esc {
+        let digits = parts.next()?;
+        if digits.is_empty() || digits.len() > 3 || !digits.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        *part = digits.iter().fold(0, |n, d| n * 10 + u16::from(d - b'0'));
+    }
+    parts.next().is_none().then_some(esc)
 }
 
 #[cfg(test)]
@@ -642,6 +682,23 @@ mod tests {
         mixed[..3].copy_from_slice(b"550");
         assert!(parse_reply(&mixed, true).is_err());
         assert!(parse_reply(b"xyz-junk\r\n250 ok\r\n", true).is_err());
+    }
+
+    #[test]
+    fn enhanced_codes_keep_details_past_255() {
+        let reply = parse_reply(b"550 5.7.606 Access denied\r\n", false).expect("parsed");
+        assert_eq!((reply.code, reply.esc), (550, [5, 7, 606]));
+        assert_eq!(reply.text, "Access denied");
+        let reply = parse_reply(b"451-4.7.500 Server busy\r\n451 4.7.500 later\r\n", false)
+            .expect("parsed");
+        assert_eq!(reply.esc, [4, 7, 500]);
+        let reply = parse_reply(b"250 2.1.0 Ok\r\n", false).expect("parsed");
+        assert_eq!(reply.esc, [2, 1, 0]);
+        // No enhanced code: none made up.
+        let reply = parse_reply(b"250 Ok\r\n", false).expect("parsed");
+        assert_eq!(reply.esc, [0, 0, 0]);
+        assert_eq!(enhanced_code(b"550 5.7.6066 x\r\n"), None);
+        assert_eq!(enhanced_code(b"550 5.7\r\n"), None);
     }
 
     #[test]

@@ -11,7 +11,10 @@ Prints `PORT <n>` first, then one JSON line per message taken:
                  `454 Throttling failure` then ok), "451" (always),
                  "drop-at-dot" (close at the end of data, no reply),
                  "421-close", "slow-reply" (takes the message, answers
-                 its end of data 1 s later), "slower-reply" (3 s later)
+                 its end of data 1 s later), "slower-reply" (3 s later),
+                 "550-606" (MAIL refused `550 5.7.606`), "550-close"
+                 (MAIL refused `550 5.7.1`, then the connection closed
+                 without answering the rest of a pipelined group)
 """
 import argparse
 import asyncio
@@ -52,6 +55,14 @@ class Upstream:
             return "454 4.7.0 Throttling failure: Maximum sending rate exceeded."
         if mode == "451":
             return "451 4.3.0 Local error in processing"
+        if mode == "550-606":
+            return "550 5.7.606 Access denied, banned sending IP"
+        if mode == "550-close":
+            # Written and closed at once: nothing after it (the rest of
+            # the group's replies, or this return's) reaches the client.
+            server.transport.write(b"550 5.7.1 Sender blocked\r\n")
+            server.transport.close()
+            return "550 5.7.1 Sender blocked"
         if mode == "421-close":
             asyncio.get_running_loop().call_soon(server.transport.close)
             return "421 4.3.2 Service shutting down"
