@@ -644,33 +644,63 @@ fn recipients_past_max_recipients_go_in_a_further_transaction() {
     );
 }
 
+/// `cost = "recipients"`: a message's cost is its recipients, known at
+/// DATA; a message never has more than `capacity` of them (452 4.5.3 at
+/// the one past it, so the client sends the rest in a further
+/// transaction), since more could only go from an idle queue.
 #[test]
 fn cost_by_recipients_is_decided_at_data() {
     let up = SmtpUpstream::start(UpstreamOpts::default());
     let sluice = Sluice::start(&config(
         up.port,
         "tls = \"none\"",
-        "key = \"global\"\nrate = \"1/s\"\ncapacity = 2\ncost = \"recipients\"",
+        "key = \"global\"\nrate = \"1/s\"\ncapacity = 3\ncost = \"recipients\"",
     ));
     let mut raw = Raw::connect(sluice.smtp.unwrap());
     assert!(raw.cmd("EHLO raw.test").starts_with("250"));
-    let message = |raw: &mut Raw| {
+    let message = |raw: &mut Raw, rcpts: &[&str]| {
         assert!(raw.cmd("MAIL FROM:<a@example.com>").starts_with("250"));
-        for r in ["x@example.org", "y@example.org", "z@example.org"] {
-            assert!(raw.cmd(&format!("RCPT TO:<{r}>")).starts_with("250"));
-        }
-        raw.cmd("DATA")
+        let answers: Vec<String> = rcpts
+            .iter()
+            .map(|r| raw.cmd(&format!("RCPT TO:<{r}@example.org>")))
+            .collect();
+        (answers, raw.cmd("DATA"))
     };
-    // Idle: goes at once, whatever its cost.
-    assert!(message(&mut raw).starts_with("354"));
+    // Idle: goes at once with its three recipients; a fourth is told to
+    // come again.
+    let (answers, data) = message(&mut raw, &["w", "x", "y", "z"]);
+    assert!(
+        answers[..3].iter().all(|a| a.starts_with("250")),
+        "{answers:?}"
+    );
+    assert!(answers[3].starts_with("452 4.5.3"), "{answers:?}");
+    assert!(data.starts_with("354"), "{data}");
     assert!(
         raw.cmd("Subject: three\r\n\r\nhi\r\n.")
             .starts_with("250 2.0.0")
     );
-    // Three more recipients would wait with cost 3 > capacity 2.
-    let refused = message(&mut raw);
+    // Three more, from another client, wait behind the first three's 3 s
+    // (the queue was empty: cost 3 fits capacity 3)...
+    let mut other = Raw::connect(sluice.smtp.unwrap());
+    assert!(other.cmd("EHLO other.test").starts_with("250"));
+    let (answers, data) = message(&mut other, &["x", "y", "z"]);
+    assert!(answers.iter().all(|a| a.starts_with("250")), "{answers:?}");
+    assert!(data.starts_with("354"), "{data}");
+    other.send("Subject: held\r\n\r\nhi\r\n.\r\n");
+    wait_queued(sluice.admin.unwrap(), 1);
+    // ... and one more recipient, with three waiting, is past it: told at
+    // DATA.
+    let (answers, refused) = message(&mut raw, &["v"]);
+    assert!(answers[0].starts_with("250"), "{answers:?}");
     assert!(refused.starts_with("451 4.7.0"), "{refused}");
     assert!(raw.cmd("NOOP").starts_with("250"));
+    assert!(other.reply().starts_with("250"));
+    let got = up.wait_arrivals(2, Duration::from_secs(10));
+    let counts: Vec<Option<usize>> = got
+        .iter()
+        .map(|m| m["rcpts"].as_array().map(Vec::len))
+        .collect();
+    assert_eq!(counts, [Some(3), Some(3)], "{got:?}");
 }
 
 #[test]
@@ -1220,6 +1250,30 @@ fn errors_count_until_a_message_is_delivered() {
         assert!(reply.starts_with("250"), "round {round}: {reply}");
     }
     assert!(raw.cmd("NOOP").starts_with("250"));
+}
+
+/// Commands that move no mail count as errors past 100 of them (Postfix's
+/// `smtpd_junk_command_limit`), so a client cannot hold a session for
+/// ever with a NOOP now and then: the 20th error past them ends the
+/// session with 421. A delivery starts the count again.
+#[test]
+fn junk_commands_past_a_hundred_count_as_errors() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&plain(up.port));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    for i in 0..110 {
+        let reply = raw.cmd(if i % 2 == 0 { "NOOP" } else { "RSET" });
+        assert!(reply.starts_with("250"), "{i}: {reply}");
+    }
+    start_message(&mut raw, "between junk");
+    assert!(raw.cmd(".").starts_with("250"));
+    for i in 0..119 {
+        let reply = raw.cmd("NOOP");
+        assert!(reply.starts_with("250"), "{i}: {reply}");
+    }
+    assert!(raw.cmd("NOOP").starts_with("250"));
+    let reply = raw.reply();
+    assert!(reply.starts_with("421 4.7.0"), "{reply}");
 }
 
 /// README "SMTP" table: `max_clients` / `max_queued` reached gives

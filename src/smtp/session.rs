@@ -52,6 +52,11 @@ const MAX_AUTH_LINE: usize = 12_288;
 /// Errors after which a client is sent away (Postfix's
 /// `smtpd_hard_error_limit`).
 const MAX_ERRORS: u32 = 20;
+/// Commands that move no mail (NOOP, RSET, VRFY, EXPN, HELP) a client may
+/// send before each further one counts as an error (Postfix's
+/// `smtpd_junk_command_limit`): a client cannot hold a session for ever
+/// by sending one now and then.
+const MAX_JUNK: u32 = 100;
 /// What a client may send ahead while its message is held, kept to be
 /// answered in order; past it, sluice stops reading until it answers.
 const MAX_AHEAD: usize = 64 * 1024;
@@ -114,6 +119,8 @@ struct Session {
     /// `tx` meanwhile).
     in_data: bool,
     errors: u32,
+    /// Commands that moved no mail (see [`MAX_JUNK`]).
+    junk: u32,
     /// Discarding the rest of an over-long line.
     skipping: bool,
     stop: CancellationToken,
@@ -141,6 +148,7 @@ pub(super) async fn serve(
         tx: None,
         in_data: false,
         errors: 0,
+        junk: 0,
         skipping: false,
         stop,
     };
@@ -179,6 +187,21 @@ impl Session {
     /// A protocol error: answered, counted; too many end the session.
     fn error(&mut self, r: &Reply) -> Result<(), End> {
         self.say(r);
+        self.count_error()
+    }
+
+    /// A command that moves no mail: answered; past [`MAX_JUNK`] of them,
+    /// each counts as an error.
+    fn junk(&mut self, r: &Reply) -> Result<(), End> {
+        self.say(r);
+        self.junk = self.junk.saturating_add(1);
+        if self.junk > MAX_JUNK {
+            return self.count_error();
+        }
+        Ok(())
+    }
+
+    fn count_error(&mut self) -> Result<(), End> {
         self.errors += 1;
         if self.errors >= MAX_ERRORS {
             self.say(&reply::TOO_MANY_ERRORS);
@@ -370,16 +393,16 @@ impl Session {
             Request::Data => self.data().await?,
             Request::Rset => {
                 self.tx = None;
-                self.say(&reply::OK);
+                self.junk(&reply::OK)?;
             }
-            Request::Noop { .. } => self.say(&reply::OK),
+            Request::Noop { .. } => self.junk(&reply::OK)?,
             Request::Quit => {
                 self.say(&reply::BYE);
                 return Err(End::Closed);
             }
-            Request::Vrfy { .. } => self.say(&reply::VRFY_REFUSED),
-            Request::Expn { .. } => self.say(&reply::EXPN_REFUSED),
-            Request::Help { .. } => self.say(&reply::HELP),
+            Request::Vrfy { .. } => self.junk(&reply::VRFY_REFUSED)?,
+            Request::Expn { .. } => self.junk(&reply::EXPN_REFUSED)?,
+            Request::Help { .. } => self.junk(&reply::HELP)?,
             Request::StartTls => self.starttls().await?,
             Request::Auth {
                 mechanism,
@@ -555,7 +578,17 @@ impl Session {
     }
 
     fn rcpt(&mut self, to: RcptTo<String>) -> Result<(), End> {
-        let max = self.listener.cfg.max_recipients;
+        // Costed by recipients, a message of more than `capacity` could
+        // only go from an idle queue (451 at DATA otherwise, again on
+        // every retry on a busy key): the client is told 452 at the
+        // recipient past it and sends the rest in a further transaction.
+        let cfg = &self.listener.cfg;
+        let max = match cfg.cost {
+            SmtpCost::Message => cfg.max_recipients,
+            SmtpCost::Recipients => cfg
+                .max_recipients
+                .min(usize::try_from(cfg.capacity).unwrap_or(usize::MAX)),
+        };
         let Some(tx) = self.tx.as_mut() else {
             return self.error(&reply::NEED_MAIL);
         };
@@ -604,10 +637,12 @@ impl Session {
         self.in_data = false;
         let answer = answer?;
         if answer.is_positive() {
-            // Errors count until mail is delivered (Postfix's
-            // `smtpd_hard_error_limit`): a long-lived connection is not
-            // closed for those of its earlier transactions.
+            // Errors and junk count until mail is delivered (Postfix's
+            // `smtpd_hard_error_limit` and `smtpd_junk_command_limit`): a
+            // long-lived connection is not closed for those of its
+            // earlier transactions.
             self.errors = 0;
+            self.junk = 0;
         }
         self.say(&answer);
         Ok(())
