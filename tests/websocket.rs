@@ -205,3 +205,45 @@ fn sigterm_closes_open_tunnels_after_the_drain_timeout() {
     // Each client saw its tunnel closed before its 30 s hold ended.
     assert!(rs.iter().all(|r| r["hold_cut"] == true), "{rs:?}");
 }
+
+/// An open tunnel holds its upstream's `max_concurrency` slot until it
+/// closes (as Envoy's and HAProxy's connection limits count upgraded
+/// connections): with `max_concurrency = 1`, a second handshake waits for
+/// the slot and gets 504 after `request_timeout`, and the server never
+/// sees it. The slot went with the 101's empty body, so any number of
+/// tunnels reached the upstream.
+#[test]
+fn an_open_tunnel_holds_its_max_concurrency_slot() {
+    let server = WsServer::start();
+    let cfg = config(server.port(), "1s").replace(
+        "url = \"http://",
+        "max_concurrency = 1\nrequest_timeout = \"1s\"\nurl = \"http://",
+    );
+    let sluice = Sluice::start(&cfg);
+    let url = format!("ws://{}/held", sluice.addr);
+    let _held = support::KillOnDrop::new(
+        ws_client(&url, &["--count", "1", "--hold", "20", "--timeout", "10"])
+            .spawn()
+            .unwrap(),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rt.block_on(sluice.status())["tunnels"].as_u64() != Some(1) {
+        assert!(Instant::now() < deadline, "the first tunnel never opened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = ws_client(&url, &["--count", "1", "--timeout", "8"])
+        .output()
+        .unwrap();
+    let rs = results(&out);
+    assert_eq!(rs.len(), 1, "{rs:?}");
+    assert_eq!(rs[0]["opened"], false, "{rs:?}");
+    assert!(
+        rs[0]["error"].as_str().is_some_and(|e| e.contains("504")),
+        "{rs:?}"
+    );
+    assert_eq!(server.opens().len(), 1, "the second reached the server");
+}

@@ -458,18 +458,20 @@ impl Upstream {
     /// back also returns that instant.
     /// `permit` is the request's `max_concurrency` slot, held until its
     /// response body has been sent. A `101` also returns the upstream's
-    /// side of the protocol switch.
+    /// side of the protocol switch, and the slot with it: the tunnel
+    /// holds it while it is open (as Envoy's and HAProxy's connection
+    /// limits count upgraded connections).
     pub async fn forward(
         &self,
         parts: Parts,
         body: OutBody,
-        permit: Option<CallSlot>,
+        mut permit: Option<CallSlot>,
         deadline: Option<Instant>,
     ) -> (
         Response<ProxyBody>,
         Outcome,
         Option<Instant>,
-        Option<OnUpgrade>,
+        Option<(OnUpgrade, Option<CallSlot>)>,
     ) {
         let started = Instant::now();
         // A gRPC call with a deadline waits for its answer as long as the
@@ -540,7 +542,10 @@ impl Upstream {
                 // pool's; the client is told the same protocol.
                 let switched = parts.status == StatusCode::SWITCHING_PROTOCOLS;
                 let upgrade = if switched {
-                    parts.extensions.remove::<OnUpgrade>()
+                    parts
+                        .extensions
+                        .remove::<OnUpgrade>()
+                        .map(|u| (u, permit.take()))
                 } else {
                     None
                 };

@@ -745,10 +745,10 @@ impl Handler {
         let (response, outcome, throttle, switched) =
             upstream.forward(parts, out, permit, deadline).await;
         if let Some((client, slot)) = switch.map(|s| *s) {
-            if let Some(theirs) = switched {
+            if let Some((theirs, call)) = switched {
                 self.shared.tunnels.join(
                     &self.tunnels,
-                    slot,
+                    (slot, call),
                     (client, theirs),
                     upstream.read_timeout(),
                 );

@@ -21,6 +21,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::debug;
 
+use super::in_flight::CallSlot;
+
 /// Every worker's tunnels: the count, the bound, and the drain's end.
 pub struct Tunnels {
     open: Arc<AtomicUsize>,
@@ -74,17 +76,18 @@ impl Tunnels {
 
     /// Join both sides once each has switched, on `tracker` (the worker's,
     /// which its shutdown waits for); closed after `idle` with nothing
-    /// crossing.
+    /// crossing. The tunnel's slot, and its upstream's `max_concurrency`
+    /// slot if it has one, are held until it closes.
     pub fn join(
         &self,
         tracker: &TaskTracker,
-        slot: Slot,
+        slots: (Slot, Option<CallSlot>),
         (client, upstream): (OnUpgrade, OnUpgrade),
         idle: Duration,
     ) {
         let close = self.close.clone();
         tracker.spawn(async move {
-            let _slot = slot;
+            let _slots = slots;
             let joined = async {
                 let (client, upstream) = tokio::try_join!(client, upstream)?;
                 let moved = Moved::default();
