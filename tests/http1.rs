@@ -293,6 +293,41 @@ async fn a_staged_body_keeps_its_trailers() {
     }
 }
 
+/// `request_timeout` counts from the end of a streamed upload (and from
+/// each part of it while it moves), not from its start: a body sent more
+/// slowly than the timeout, to an upstream that answers once it has all
+/// of it, is answered, not cut with 504. After the body's end the timeout
+/// holds as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_upload_is_not_cut_at_request_timeout() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(ds.addr).replace("\"5s\"", "\"1s\""));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        let c = &mut connect(addr);
+        send(
+            c,
+            b"POST /echo HTTP/1.1\r\nHost: t\r\nX-Client: u\r\nContent-Length: 3\r\n\r\n",
+        );
+        for byte in [b"a", b"b", b"c"] {
+            std::thread::sleep(Duration::from_millis(600));
+            send(c, byte);
+        }
+        let a = read_answer(c, false);
+        assert_eq!((a.status, a.body.as_slice()), (200, &b"abc"[..]), "{a:?}");
+        // An upstream that takes longer than the timeout after the body's
+        // end is still cut.
+        send(
+            c,
+            b"POST /slow HTTP/1.1\r\nHost: t\r\nX-Client: u\r\nContent-Length: 1\r\n\r\nx",
+        );
+        let a = read_answer(c, false);
+        assert_eq!(a.status, 504, "{a:?}");
+    })
+    .await
+    .unwrap();
+}
+
 /// A head that comes in pieces, its end split between two of them (and a
 /// bare-LF one), is served when its end is in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

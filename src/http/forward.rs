@@ -481,7 +481,11 @@ impl Upstream {
             Some(d) => (d.saturating_duration_since(started) + GRPC_GRACE).min(GRPC_LONGEST),
             None => self.request_timeout,
         };
-        let result = tokio::time::timeout(limit, self.send(parts, body)).await;
+        let progress = deadline.is_none().then(|| body.progress()).flatten();
+        let result = match progress {
+            None => tokio::time::timeout(limit, self.send(parts, body)).await,
+            Some(progress) => within_after(limit, started, &progress, self.send(parts, body)).await,
+        };
         self.duration.record(started.elapsed());
         match result {
             Err(_) => {
@@ -903,7 +907,9 @@ impl SendError {
 /// one go.
 #[derive(Debug)]
 pub enum OutBody {
-    Stream(RequestBody),
+    /// A body streamed as the client sends it, and (unless it is empty)
+    /// when it last moved on.
+    Stream(RequestBody, Option<Progress>),
     Staged {
         data: Option<Bytes>,
         trailers: Option<Box<HeaderMap>>,
@@ -912,7 +918,37 @@ pub enum OutBody {
     Begun(Box<Begun>, RequestBody),
 }
 
+/// When a streamed request body last moved on (a frame, or its end): an
+/// upload the client sends slowly is not cut at `request_timeout` while
+/// it moves, which counts from the last of it (nginx's
+/// `proxy_send_timeout` and `proxy_read_timeout`, in one).
+#[derive(Debug, Clone, Default)]
+pub struct Progress(Arc<Mutex<Option<Instant>>>);
+
+impl Progress {
+    fn mark(&self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    }
+
+    fn last(&self) -> Option<Instant> {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 impl OutBody {
+    /// A body streamed as the client sends it.
+    pub fn stream(body: RequestBody) -> OutBody {
+        let progress = (!body.is_end_stream()).then(Progress::default);
+        OutBody::Stream(body, progress)
+    }
+
+    fn progress(&self) -> Option<Progress> {
+        match self {
+            OutBody::Stream(_, progress) => progress.clone(),
+            _ => None,
+        }
+    }
+
     /// A staged body, sent again as often as needed.
     pub fn staged(data: Bytes, trailers: Option<Box<HeaderMap>>) -> OutBody {
         OutBody::Staged {
@@ -931,7 +967,13 @@ impl Body for OutBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
-            OutBody::Stream(body) => Pin::new(body).poll_frame(cx),
+            OutBody::Stream(body, progress) => {
+                let frame = Pin::new(body).poll_frame(cx);
+                if let (Poll::Ready(_), Some(p)) = (&frame, progress) {
+                    p.mark();
+                }
+                frame
+            }
             OutBody::Staged { data, trailers } => Poll::Ready(
                 data.take()
                     .map(|d| Ok(Frame::data(d)))
@@ -947,7 +989,7 @@ impl Body for OutBody {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            OutBody::Stream(body) => body.is_end_stream(),
+            OutBody::Stream(body, _) => body.is_end_stream(),
             OutBody::Staged { data, trailers } => data.is_none() && trailers.is_none(),
             OutBody::Begun(first, rest) => {
                 first.is_empty() && (first.ended() || rest.is_end_stream())
@@ -957,7 +999,7 @@ impl Body for OutBody {
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            OutBody::Stream(body) => body.size_hint(),
+            OutBody::Stream(body, _) => body.size_hint(),
             OutBody::Staged { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
@@ -974,6 +1016,27 @@ impl Body for OutBody {
                 }
                 hint
             }
+        }
+    }
+}
+
+/// `fut` within `limit` of `started` or of the last time `progress` moved
+/// on, whichever is later.
+async fn within_after<F: Future>(
+    limit: Duration,
+    started: Instant,
+    progress: &Progress,
+    fut: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    tokio::pin!(fut);
+    loop {
+        let from = progress.last().map_or(started, |last| last.max(started));
+        match tokio::time::timeout_at((from + limit).into(), &mut fut).await {
+            Ok(out) => return Ok(out),
+            Err(elapsed) if progress.last().is_none_or(|last| last <= from) => {
+                return Err(elapsed);
+            }
+            Err(_) => {}
         }
     }
 }

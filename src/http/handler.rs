@@ -729,7 +729,7 @@ impl Handler {
         let call = grpc_timeout.map(|t| (arrival, t));
         let replay = body.out().map(|b| (parts.clone(), b));
         let out = match body {
-            Body::Stream(b) => OutBody::Stream(b),
+            Body::Stream(b) => OutBody::stream(b),
             Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
             Body::Begun(first, rest) => OutBody::Begun(first, rest),
         };
