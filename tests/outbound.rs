@@ -814,3 +814,37 @@ async fn a_post_with_an_idempotency_key_is_sent_again_whole_after_the_pause() {
         "sent again {gap:?} after the 429 (Retry-After: 2)"
     );
 }
+
+/// `protocol = "auto"` to a partner whose ALPN picks HTTP/1.1, each TLS
+/// handshake 400 ms: once a worker's first connection has shown ALPN's
+/// choice, its others are made side by side, not one at a time under the
+/// HTTP/2 connect lock (ten concurrent calls over two workers took 2 s
+/// or more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_upstreams_that_speak_http1_connect_side_by_side() {
+    let ca = TestCa::new();
+    let ds = HttpsDownstream::start_slow(&ca, Duration::from_millis(400)).await;
+    let ca_file = ca.write();
+    let s = Sluice::start(
+        &https_config(&ds, &ca_file, "protocol = \"auto\"", "").replace(
+            "rate = \"100/s\"\ncapacity = 10",
+            "rate = \"1000/s\"\ncapacity = 20",
+        ),
+    );
+    let started = Instant::now();
+    let calls: Vec<_> = (0..10)
+        .map(|i| {
+            let url = s.url(&format!("/mail/{i}"));
+            tokio::spawn(async move { get(&client(), &url, &[]).await })
+        })
+        .collect();
+    for c in calls {
+        assert_eq!(c.await.unwrap().status, StatusCode::OK);
+    }
+    let took = started.elapsed();
+    assert_eq!(ds.seen().len(), 10);
+    // Two handshakes one after the other on each worker (its first, then
+    // its others side by side): about 800 ms; one at a time, at least
+    // five on one of the two workers: 2 s or more.
+    assert!(took < Duration::from_millis(1_500), "took {took:?}");
+}

@@ -20,6 +20,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -90,6 +91,9 @@ struct Pool {
     h2: Mutex<Vec<(H2Sender, Arc<()>)>>,
     /// One HTTP/2 connect at a time.
     h2_connecting: tokio::sync::Mutex<()>,
+    /// An `auto` upstream's ALPN chose HTTP/1.1: its connects need not
+    /// wait for each other (each would be a connection of its own).
+    alpn_h1: AtomicBool,
 }
 
 impl Pool {
@@ -720,23 +724,35 @@ impl Upstream {
             },
             None => req,
         };
-        if self.protocol == UpstreamProtocol::Auto && self.pool.has_h1() {
+        let auto_h1 = || {
+            self.protocol == UpstreamProtocol::Auto
+                && (self.pool.has_h1() || self.pool.alpn_h1.load(Ordering::Relaxed))
+        };
+        if auto_h1() {
             return self.send_h1(req, None).await;
         }
         // One connect at a time: whoever waited here uses the connection
-        // the one before it made (it is in the pool before the lock goes).
+        // the one before it made (it is in the pool before the lock goes),
+        // or, once ALPN chose HTTP/1.1, connects on its own.
         let connected = {
             let _one = self.pool.h2_connecting.lock().await;
             match self.pool.h2() {
-                Some((tx, streams)) => (Connected::H2(tx), Some(streams)),
+                Some((tx, streams)) => Some((Connected::H2(tx), Some(streams))),
+                None if auto_h1() => None,
                 None => match Box::pin(self.connect()).await? {
                     Connected::H2(tx) => {
                         let streams = self.pool.add_h2(tx.clone());
-                        (Connected::H2(tx), Some(streams))
+                        Some((Connected::H2(tx), Some(streams)))
                     }
-                    h1 => (h1, None),
+                    h1 => {
+                        self.pool.alpn_h1.store(true, Ordering::Relaxed);
+                        Some((h1, None))
+                    }
                 },
             }
+        };
+        let Some(connected) = connected else {
+            return self.send_h1(req, None).await;
         };
         match connected {
             (Connected::H2(tx), streams) => match self.send_on_h2(tx, streams, req).await {

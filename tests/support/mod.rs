@@ -565,6 +565,12 @@ pub struct HttpsDownstream {
 
 impl HttpsDownstream {
     pub async fn start(ca: &TestCa) -> HttpsDownstream {
+        HttpsDownstream::start_slow(ca, Duration::ZERO).await
+    }
+
+    /// One whose every TLS handshake takes `delay` longer (a partner far
+    /// away), each connection's on its own.
+    pub async fn start_slow(ca: &TestCa, delay: Duration) -> HttpsDownstream {
         let (certs, key) = ca.leaf(&["localhost"]);
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let config = rustls::ServerConfig::builder_with_provider(provider)
@@ -589,6 +595,7 @@ impl HttpsDownstream {
                 let (acceptor, seen) = (acceptor.clone(), seen.clone());
                 let connections = connections.clone();
                 tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
                     let Ok(tls) = acceptor.accept(stream).await else {
                         return;
                     };
