@@ -430,6 +430,12 @@ fn element_path(kind: &str, index: usize, name: Option<&str>) -> String {
     }
 }
 
+/// The largest cost of a request to a capped upstream in cluster mode:
+/// the store writes one calendar entry per unit, in one call (10,000
+/// take a few ms of Redis's single thread; a million, seconds, during
+/// which every instance's calls time out).
+const MAX_SHARED_CAPPED_COST: u32 = 10_000;
+
 // === defaults ===
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -686,7 +692,9 @@ impl Validator {
             .chain(listeners.iter().map(|l| {
                 let most = match l.cost {
                     SmtpCost::Message => 1,
-                    SmtpCost::Recipients => u32::try_from(l.max_recipients).unwrap_or(u32::MAX),
+                    SmtpCost::Recipients => {
+                        u32::try_from(l.max_recipients).map_or(l.capacity, |n| n.min(l.capacity))
+                    }
                 };
                 let cap = smtp_upstreams.get(l.upstream).and_then(|u| u.rate);
                 (
@@ -699,6 +707,14 @@ impl Validator {
                 )
             }));
         for (path, rate, capacity, burst, most, cap) in shapes.collect::<Vec<_>>() {
+            if cap.is_some() && cluster.is_some() && most > MAX_SHARED_CAPPED_COST {
+                self.problem(
+                    &path,
+                    format!(
+                        "cost {most} under its upstream's rate in cluster mode: at most {MAX_SHARED_CAPPED_COST} (each unit is a slot the store writes in one call, which holds every other instance's calls meanwhile)"
+                    ),
+                );
+            }
             if let Some(cap) = cap {
                 self.within_span(
                     &path,

@@ -1216,6 +1216,16 @@ fn a_burst_queue_or_cost_too_long_for_the_schedule_is_invalid() {
         "cost 100000 at rate / cluster.instances (on_failure = \"local\")",
     );
     assert_eq!(problems(&format!("{costly}{local}")), Vec::<String>::new());
+    // Under an upstream's rate in cluster mode, each unit of cost is a slot
+    // the store writes in one call: 10,000 at most.
+    let capped = costly.replace("url = ", "rate = \"100/s\"\nurl = ");
+    assert_problem(
+        &format!("{capped}{local}"),
+        "route 'default': cost 100000 under its upstream's rate in cluster mode: at most 10000",
+    );
+    assert_eq!(problems(&capped), Vec::<String>::new());
+    let under = capped.replace("max = 100000", "max = 10000");
+    assert_eq!(problems(&format!("{under}{local}")), Vec::<String>::new());
 }
 
 #[test]
