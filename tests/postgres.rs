@@ -389,3 +389,45 @@ async fn a_long_composite_key_is_shaped_like_any_other() {
         t.elapsed()
     );
 }
+
+/// A password rotated in `password_file` (the role's changed, the file
+/// updated) is used by the next connection, as libpq reads its password
+/// file for each: sluice's connections ended, it is shaping through the
+/// store again without a restart. The password was read once at start,
+/// and every new connection failed until sluice restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_password_is_used_by_the_next_connection() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&config(ds.addr, &pg, "reject", ""));
+    let c = client();
+    let ok = |i: u32| {
+        let (c, url) = (c.clone(), s.url("/"));
+        async move {
+            let who = format!("r{i}");
+            get(&c, &url, &[("x-client", who.as_str())]).await.status
+        }
+    };
+    assert_eq!(ok(0).await, StatusCode::OK);
+    pg.psql("ALTER ROLE sluice PASSWORD 'rotated:pw2'");
+    std::fs::write(&*pg.password_file, "rotated:pw2\n").unwrap();
+    pg.psql(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE usename = 'sluice' AND pid <> pg_backend_pid()",
+    );
+    // The pool finds its connections gone and makes new ones (with
+    // on_failure = "reject", a failing store is a 503).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut i = 1;
+    loop {
+        if ok(i).await == StatusCode::OK {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no admission through the store since the rotation"
+        );
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -20,7 +20,10 @@
 //! on the runtime the store was made on (the daemon's main runtime), so a
 //! connection's I/O never depends on a worker thread's runtime.
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
@@ -223,6 +226,8 @@ pub struct Postgres {
     tls: MakeRustlsConnect,
     durable: bool,
     shown: String,
+    /// Where a new connection's password is read again.
+    secret: Secret,
     /// The runtime every call runs on.
     runtime: Handle,
     timeout: Duration,
@@ -255,9 +260,13 @@ impl Postgres {
         // Admissions give up after `timeout`; so does the server's work
         // for them (a late admission would hold a slot nobody uses).
         let statement_ms = timeout.as_millis().max(1);
-        let manager = Manager::from_config(
+        let secret = Secret::new(cfg);
+        let manager = Manager::from_connect(
             pg.clone(),
-            tls.clone(),
+            FreshConnect {
+                tls: tls.clone(),
+                secret: secret.clone(),
+            },
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -289,6 +298,7 @@ impl Postgres {
             pool,
             shown: cfg.target.to_string(),
             pg,
+            secret,
             tls,
             durable: cfg.durable,
             runtime,
@@ -300,7 +310,8 @@ impl Postgres {
     /// A connection of its own (schema check, sweep, `sluice migrate`),
     /// driven on the store's runtime.
     async fn connect(&self) -> Result<tokio_postgres::Client, ClusterError> {
-        let connecting = self.pg.connect(self.tls.clone());
+        let pg = self.secret.fresh(&self.pg);
+        let connecting = pg.connect(self.tls.clone());
         let (client, connection) =
             tokio::time::timeout(self.timeout.max(Duration::from_secs(2)), connecting)
                 .await
@@ -567,6 +578,68 @@ impl Params {
                 .map(|n| n as &(dyn tokio_postgres::types::ToSql + Sync)),
         );
         out
+    }
+}
+
+/// Where the password comes from when the URL has none, read again for
+/// each new connection (as libpq does): a password rotated in its file
+/// is used from the next connection on, without a restart. The URL's own
+/// password stands as it is.
+#[derive(Clone)]
+struct Secret(Option<Arc<PostgresConfig>>);
+
+impl Secret {
+    fn new(cfg: &PostgresConfig) -> Secret {
+        let from_file = cfg.target.pg.get_password().is_none();
+        Secret(from_file.then(|| Arc::new(cfg.clone())))
+    }
+
+    /// `pg` with the password its file holds now (the one read before,
+    /// if it cannot be read now).
+    fn fresh(&self, pg: &tokio_postgres::Config) -> tokio_postgres::Config {
+        let mut pg = pg.clone();
+        if let Some(cfg) = &self.0 {
+            match password(cfg) {
+                Ok(Some(password)) => {
+                    pg.password(password);
+                }
+                Ok(None) => {}
+                Err(e) => warn!(error = %e, "the password read before is used"),
+            }
+        }
+        pg
+    }
+}
+
+/// The pool's connections, each with [`Secret::fresh`]'s password.
+struct FreshConnect {
+    tls: MakeRustlsConnect,
+    secret: Secret,
+}
+
+impl deadpool_postgres::Connect for FreshConnect {
+    fn connect(
+        &self,
+        pg: &tokio_postgres::Config,
+    ) -> Pin<
+        Box<
+            dyn Future<
+                    Output = Result<
+                        (tokio_postgres::Client, tokio::task::JoinHandle<()>),
+                        tokio_postgres::Error,
+                    >,
+                > + Send
+                + '_,
+        >,
+    > {
+        let (pg, tls) = (self.secret.fresh(pg), self.tls.clone());
+        Box::pin(async move {
+            let (client, connection) = pg.connect(tls).await?;
+            let driven = tokio::spawn(async move {
+                let _ = connection.await;
+            });
+            Ok((client, driven))
+        })
     }
 }
 
