@@ -424,6 +424,40 @@ fn an_upstreams_permanent_refusal_reaches_the_client_as_given() {
     assert_eq!(code(&r[0]["data"]), Some(250), "{r:?}");
 }
 
+/// An upstream that refuses sluice's AUTH (a wrong password in
+/// `password_file`): every message gets a 4xx and counts as an upstream
+/// error (it counted as forwarded: a relay failing every message showed
+/// 100 % forwarded).
+#[test]
+fn a_refused_upstream_session_counts_as_an_upstream_error() {
+    let ca = TestCa::new();
+    let ca_file = ca.write();
+    let up = SmtpUpstream::start(UpstreamOpts {
+        tls: Some(ca.leaf_files(&["127.0.0.1"])),
+        auth: Some("relayuser:relay-pass".to_owned()),
+    });
+    let password = TempFile::new("secret", "not-the-password\n");
+    let sluice = Sluice::start(&config(
+        up.port,
+        &format!(
+            "ca_file = \"{}\"\nusername = \"relayuser\"\npassword_file = \"{}\"",
+            ca_file.display(),
+            password.display()
+        ),
+        "key = \"global\"\nrate = \"50/s\"\ncapacity = 10",
+    ));
+    let r = smtp::send(sluice.smtp.unwrap(), &[]);
+    assert_eq!(code(&r[0]["data"]).map(|c| c / 100), Some(4), "{r:?}");
+    let m = metrics(&sluice);
+    assert!(
+        m.contains(
+            r#"sluice_requests_total{route="mail",protocol="smtp",outcome="upstream_error"} 1"#
+        ),
+        "{m}"
+    );
+    assert!(up.arrivals().is_empty());
+}
+
 /// An upstream that takes the connection and never greets: the session
 /// setup is part of the relay, so the client has its 4xx by
 /// `relay_timeout` (2 s), not by the far longer `connect_timeout`.

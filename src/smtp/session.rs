@@ -864,10 +864,10 @@ impl Session {
                 r
             }
             Err(e) => {
-                let answered = matches!(
-                    e,
-                    super::client::RelayError::Refused(_) | super::client::RelayError::Setup(_)
-                );
+                // A refused session (its greeting, EHLO or AUTH: a wrong
+                // password, say) fails every message alike: an upstream
+                // error, not a message the upstream answered.
+                let answered = matches!(e, super::client::RelayError::Refused(_));
                 rule.count(if answered {
                     Outcome::Forwarded
                 } else {
