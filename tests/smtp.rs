@@ -458,6 +458,19 @@ fn a_refused_upstream_session_counts_as_an_upstream_error() {
     assert!(up.arrivals().is_empty());
 }
 
+/// An upstream that does not take EHLO (502) is greeted with HELO (RFC
+/// 5321 4.1.4) and relayed to without extensions; every message got a
+/// 451 before.
+#[test]
+fn an_upstream_without_ehlo_is_greeted_with_helo() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    up.set_mode("no-ehlo");
+    let sluice = Sluice::start(&plain(up.port));
+    let r = smtp::send(sluice.smtp.unwrap(), &[]);
+    assert_eq!(code(&r[0]["data"]), Some(250), "{r:?}");
+    assert_eq!(up.wait_arrivals(1, Duration::from_secs(5)).len(), 1);
+}
+
 /// An upstream that takes the connection and never greets: the session
 /// setup is part of the relay, so the client has its 4xx by
 /// `relay_timeout` (2 s), not by the far longer `connect_timeout`.

@@ -331,7 +331,23 @@ impl Session {
                 self.caps = Caps::from_ehlo(&e);
                 Ok(())
             }
-            Err(_) => Err(RelayError::Setup(parse_reply(&raw, false)?)),
+            Err(_) => {
+                let refused = parse_reply(&raw, false)?;
+                // RFC 5321 4.1.4: a server that does not take EHLO (500,
+                // 501, 502 or 550) is greeted with HELO, and offers no
+                // extension.
+                if !matches!(refused.code, 500 | 501 | 502 | 550) {
+                    return Err(RelayError::Setup(refused));
+                }
+                let helo = self
+                    .command(format!("HELO {name}\r\n").as_bytes(), deadline)
+                    .await?;
+                if helo.code != 250 {
+                    return Err(RelayError::Setup(helo));
+                }
+                self.caps = Caps::default();
+                Ok(())
+            }
         }
     }
 

@@ -14,7 +14,8 @@ Prints `PORT <n>` first, then one JSON line per message taken:
                  its end of data 1 s later), "slower-reply" (3 s later),
                  "550-606" (MAIL refused `550 5.7.606`), "550-close"
                  (MAIL refused `550 5.7.1`, then the connection closed
-                 without answering the rest of a pipelined group)
+                 without answering the rest of a pipelined group),
+                 "no-ehlo" (EHLO answered 502: HELO only)
 """
 import argparse
 import asyncio
@@ -43,6 +44,8 @@ class Upstream:
             return "ok"
 
     async def handle_EHLO(self, server, session, envelope, hostname, responses):
+        if self.mode() == "no-ehlo":
+            return ["502 5.5.2 Error: command not recognized"]
         session.host_name = hostname
         responses.insert(1, "250-PIPELINING")
         responses.insert(1, "250-ENHANCEDSTATUSCODES")
