@@ -471,6 +471,33 @@ fn an_upstream_without_ehlo_is_greeted_with_helo() {
     assert_eq!(up.wait_arrivals(1, Duration::from_secs(5)).len(), 1);
 }
 
+/// A message declared SMTPUTF8 and 8BITMIME that needs neither (an
+/// ASCII envelope, header and body: some clients declare whatever is
+/// offered) reaches an upstream that offers neither, as Postfix relays
+/// it; one whose header is UTF-8 is still refused (553 5.6.7) at once.
+#[test]
+fn a_message_that_needs_no_extension_is_relayed_without_it() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    up.set_mode("plain-ehlo");
+    let sluice = Sluice::start(&plain(up.port));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    assert!(raw.cmd("EHLO raw.test").starts_with("250"));
+    let message = |raw: &mut Raw, subject: &str| {
+        let mail = raw.cmd("MAIL FROM:<a@example.com> BODY=8BITMIME SMTPUTF8");
+        assert!(mail.starts_with("250"), "{mail}");
+        assert!(raw.cmd("RCPT TO:<user@example.org>").starts_with("250"));
+        assert!(raw.cmd("DATA").starts_with("354"));
+        raw.cmd(&format!("Subject: {subject}\r\n\r\nplain body\r\n."))
+    };
+    let done = message(&mut raw, "plain");
+    assert!(done.starts_with("250"), "{done}");
+    let refused = message(&mut raw, "caf\u{e9}");
+    assert!(refused.starts_with("553 5.6.7"), "{refused}");
+    let got = up.wait_arrivals(1, Duration::from_secs(5));
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0]["subject"], "plain");
+}
+
 /// An upstream that takes the connection and never greets: the session
 /// setup is part of the relay, so the client has its 4xx by
 /// `relay_timeout` (2 s), not by the far longer `connect_timeout`.

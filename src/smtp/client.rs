@@ -465,10 +465,18 @@ impl Session {
         body: &[u8],
         deadline: Instant,
     ) -> Result<Reply, RelayError> {
-        if env.smtputf8 && !self.caps.smtputf8 {
+        // A message declared SMTPUTF8 or 8BITMIME that does not need it
+        // (its envelope and header, or its body, all ASCII: some clients
+        // declare whatever is offered) goes to an upstream without the
+        // extension as it is, as Postfix relays it.
+        let head = header_section(body);
+        let smtputf8 = env.smtputf8
+            && !(env.from.is_ascii() && env.rcpts.iter().all(|r| r.is_ascii()) && head.is_ascii());
+        let eightbit = env.eightbit && !body.is_ascii();
+        if smtputf8 && !self.caps.smtputf8 {
             return Err(RelayError::Incapable(super::reply::UTF8_UNSUPPORTED));
         }
-        if env.eightbit && !self.caps.eightbit {
+        if eightbit && !self.caps.eightbit {
             return Err(RelayError::Incapable(super::reply::EIGHTBIT_UNSUPPORTED));
         }
         if self.caps.size && self.caps.max_size > 0 && body.len() > self.caps.max_size {
@@ -483,10 +491,10 @@ impl Session {
         }
         self.messages += 1;
         let mut mail = format!("MAIL FROM:{}", path(&env.from));
-        if env.eightbit {
+        if env.eightbit && (eightbit || self.caps.eightbit) {
             mail.push_str(" BODY=8BITMIME");
         }
-        if env.smtputf8 {
+        if env.smtputf8 && (smtputf8 || self.caps.smtputf8) {
             mail.push_str(" SMTPUTF8");
         }
         if self.caps.size {
@@ -649,6 +657,15 @@ fn parse_reply(raw: &[u8], after_dot: bool) -> Result<Reply, RelayError> {
         }
         reply
     })
+}
+
+/// A message's header section: up to its first empty line.
+fn header_section(message: &[u8]) -> &[u8] {
+    let end = message
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(message.len(), |i| i + 4);
+    &message[..end]
 }
 
 /// The enhanced status code of a reply's first line (RFC 3463: `class.

@@ -15,7 +15,8 @@ Prints `PORT <n>` first, then one JSON line per message taken:
                  "550-606" (MAIL refused `550 5.7.606`), "550-close"
                  (MAIL refused `550 5.7.1`, then the connection closed
                  without answering the rest of a pipelined group),
-                 "no-ehlo" (EHLO answered 502: HELO only)
+                 "no-ehlo" (EHLO answered 502: HELO only), "plain-ehlo"
+                 (EHLO offers neither 8BITMIME nor SMTPUTF8)
 """
 import argparse
 import asyncio
@@ -46,6 +47,9 @@ class Upstream:
     async def handle_EHLO(self, server, session, envelope, hostname, responses):
         if self.mode() == "no-ehlo":
             return ["502 5.5.2 Error: command not recognized"]
+        if self.mode() == "plain-ehlo":
+            responses = [r for r in responses
+                         if r[4:] not in ("8BITMIME", "SMTPUTF8")]
         session.host_name = hostname
         responses.insert(1, "250-PIPELINING")
         responses.insert(1, "250-ENHANCEDSTATUSCODES")
