@@ -311,6 +311,36 @@ fn a_client_that_hangs_up_while_held_sends_nothing_and_its_slot_goes_to_the_next
     );
 }
 
+/// A client that pipelines QUIT after its message's end and then closes
+/// its sending side (a half-close) is still reading: its held message is
+/// relayed and it gets its 250 and 221. Taken for a client gone, the
+/// message was withdrawn and the client, with no reply, sent it again.
+/// A client that closes both ways (above) is still gone.
+#[test]
+fn a_client_that_half_closes_after_a_pipelined_quit_gets_its_replies() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"1/s\"\ncapacity = 10",
+    ));
+    let (addr, admin) = (sluice.smtp.unwrap(), sluice.admin.unwrap());
+    let mut first = Raw::connect(addr);
+    start_message(&mut first, "first");
+    assert!(first.cmd(".").starts_with("250"));
+    let mut held = Raw::connect(addr);
+    start_message(&mut held, "held");
+    held.send(".\r\nQUIT\r\n");
+    wait_queued(admin, 1);
+    held.shut_write();
+    let reply = held.reply();
+    assert!(reply.starts_with("250"), "{reply}");
+    let bye = held.reply();
+    assert!(bye.starts_with("221"), "{bye}");
+    let got = up.wait_arrivals(2, Duration::from_secs(5));
+    assert_eq!(got[1]["subject"], "held");
+}
+
 #[test]
 fn a_throttling_upstream_pauses_releases_and_the_client_gets_its_reply() {
     let up = SmtpUpstream::start(UpstreamOpts::default());

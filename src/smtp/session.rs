@@ -1024,16 +1024,31 @@ fn decode(text: &str) -> Option<Vec<u8>> {
 /// Resolve when the client has gone away. What it sends meanwhile (its
 /// next pipelined commands) is kept, up to [`MAX_AHEAD`]; past that
 /// nothing more is read until it is answered.
+///
+/// A client that pipelined QUIT after its message and then closed its
+/// sending side (a TCP half-close, which RFC 2920 clients may do) has not
+/// gone: it reads its answers, and is answered.
 async fn watch(inbuf: &mut InBuf, stream: &mut Stream) {
     loop {
         if inbuf.len() >= MAX_AHEAD {
             std::future::pending::<()>().await;
         }
         match inbuf.fill(stream).await {
+            Ok(0) if ends_with_quit(inbuf.unread()) => std::future::pending::<()>().await,
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
     }
+}
+
+/// Whether the last line of `input` is a whole QUIT command.
+fn ends_with_quit(input: &[u8]) -> bool {
+    let Some(body) = input.strip_suffix(b"\n") else {
+        return false;
+    };
+    let body = body.strip_suffix(b"\r").unwrap_or(body);
+    let last = body.rsplit(|&b| b == b'\n').next().unwrap_or(body);
+    last.eq_ignore_ascii_case(b"QUIT")
 }
 
 /// Whether an address the parser gave can go into an upstream command
@@ -1063,7 +1078,17 @@ fn names_postmaster(line: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::sound_address;
+    use super::{ends_with_quit, sound_address};
+
+    #[test]
+    fn a_quit_is_seen_only_as_the_whole_last_line() {
+        assert!(ends_with_quit(b"QUIT\r\n"));
+        assert!(ends_with_quit(b"NOOP\r\nquit\n"));
+        assert!(!ends_with_quit(b"QUIT"));
+        assert!(!ends_with_quit(b"QUIT\r\nNOOP\r\n"));
+        assert!(!ends_with_quit(b"NOQUIT\r\n"));
+        assert!(!ends_with_quit(b""));
+    }
 
     #[test]
     fn an_address_goes_upstream_only_with_a_plain_domain() {
