@@ -875,3 +875,37 @@ async fn instances_with_different_caps_keep_their_own_calendars() {
     let span = at[7] - at[0];
     assert!(span >= Duration::from_millis(1_100), "{span:?}");
 }
+
+/// A call Redis runs only after sluice stopped waiting for it (Redis
+/// paused 4 s, past the 2 s a call may run on): nothing is reserved. The
+/// reservation it made could never be given back, and the client's next
+/// request (1/m here) was held a minute for a departure nobody took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_redis_runs_after_sluice_gave_up_reserves_nothing() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let cfg =
+        config(ds.addr, &url, "allow", 1, "300ms").replace("rate = \"5/s\"", "rate = \"1/m\"");
+    let s = Sluice::start(&cfg);
+    let c = client();
+    // The scripts are loaded, and Redis's clock seen.
+    let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
+    assert_eq!(warm.status, StatusCode::OK);
+    pause_redis(&redis, 4_000);
+    let first = get(&c, &s.url("/first"), &[("x-client", "k")]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    // The pause ends (4 s), the call runs, finds its deadline gone.
+    tokio::time::sleep(Duration::from_millis(5_000)).await;
+    let t = Instant::now();
+    let second = tokio::time::timeout(
+        Duration::from_secs(10),
+        get(&c, &s.url("/second"), &[("x-client", "k")]),
+    )
+    .await
+    .expect("the second was held for the reservation nobody took");
+    assert_eq!(second.status, StatusCode::OK);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    let (allowed, m) = fallbacks(&s, "allow").await;
+    assert_eq!(allowed, Some(1.0), "the second was decided by Redis: {m}");
+}

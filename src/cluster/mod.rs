@@ -36,6 +36,8 @@ pub enum ClusterError {
     Postgres(#[from] tokio_postgres::Error),
     #[error("unexpected reply from the admission script")]
     Reply,
+    #[error("the store ran the admission after its caller stopped waiting")]
+    Late,
     #[error("{0}")]
     Setup(String),
 }
@@ -440,13 +442,6 @@ impl Drop for Answer {
     }
 }
 
-/// How long a store call may run on after its caller gave up (at
-/// `timeout`): long enough for a slow store to answer, so that a
-/// reservation it made is known and given back, bounded so that a store
-/// that never answers leaks no task. The Redis client's own response
-/// timeouts are this, not `timeout`: a reply it stopped waiting for could
-/// not be given back, and its cluster client retried a script that had
-/// run (a second reservation).
 /// How long a store connection may take to be made: the call's timeout
 /// is for a round trip, and a connection takes several (TCP, TLS, AUTH,
 /// set-up), which a store a few ms away cannot make in the default 50 ms.
@@ -455,6 +450,13 @@ pub(crate) fn connect_limit(timeout: Duration) -> Duration {
     timeout.max(Duration::from_secs(1))
 }
 
+/// How long a store call may run on after its caller gave up (at
+/// `timeout`): long enough for a slow store to answer, so that a
+/// reservation it made is known and given back, bounded so that a store
+/// that never answers leaks no task. The Redis client's own response
+/// timeouts are this, not `timeout`: a reply it stopped waiting for could
+/// not be given back, and its cluster client retried a script that had
+/// run (a second reservation).
 pub(crate) fn orphan_limit(timeout: Duration) -> Duration {
     timeout.saturating_mul(4).max(Duration::from_secs(2))
 }
@@ -471,7 +473,7 @@ async fn withdraw(store: &Backend, timeout: Duration, r: &Reservation) {
 fn decode(ask: Ask, reply: &[i64]) -> Result<Verdict, ClusterError> {
     let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
     match reply {
-        [1, delay, new_d, first_slot] => Ok(Verdict::Go {
+        [1, delay, new_d, first_slot, ..] => Ok(Verdict::Go {
             delay: micros(*delay),
             reservation: Reservation {
                 key: ask.key,
@@ -489,6 +491,8 @@ fn decode(ask: Ask, reply: &[i64]) -> Result<Verdict, ClusterError> {
         [2, retry, ..] => Ok(Verdict::MaxWait {
             retry_after: micros(*retry),
         }),
+        // Run after its caller stopped waiting: nothing was reserved.
+        [3, ..] => Err(ClusterError::Late),
         _ => Err(ClusterError::Reply),
     }
 }

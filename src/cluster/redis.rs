@@ -24,6 +24,7 @@
 //! connection down with it.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -39,13 +40,19 @@ use super::{Ask, ClusterError, Reservation, Trouble};
 use crate::config::RedisMode;
 
 /// Admission: KEYS = client key, [slot calendar]; ARGV = step, capacity,
-/// cost, tau, slot interval (0: uncapped), max_wait (µs). Returns
-/// {verdict, value, newD, first slot}: verdict 1 = go after `value` µs;
-/// 0 = queue full, retry after `value` µs; 2 = departure past max_wait,
-/// retry after `value` µs.
+/// cost, tau, slot interval (0: uncapped), max_wait, deadline (µs; the
+/// deadline on Redis's clock, 0: none). Returns {verdict, value, newD,
+/// first slot, Redis's now}: verdict 1 = go after `value` µs; 0 = queue
+/// full, retry after `value` µs; 2 = departure past max_wait, retry after
+/// `value` µs; 3 = run past the deadline, nothing done (the caller has
+/// given up: a reservation made now would never be taken nor given back).
 const ADMIT: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local deadline = tonumber(ARGV[7] or '0')
+if deadline > 0 and now > deadline then
+  return {3, 0, 0, 0, now}
+end
 local step = tonumber(ARGV[1])
 local cap = tonumber(ARGV[2])
 local cost = tonumber(ARGV[3])
@@ -84,10 +91,10 @@ end
 if d > now and waiting + cost > cap then
   local at = own - (cap - cost + 1) * step
   if cost > cap then at = own end
-  return {0, math.max(at - now, 1), 0, 0}
+  return {0, math.max(at - now, 1), 0, 0, now}
 end
 if max_wait > 0 and d - now > max_wait then
-  return {2, d - max_wait - now, 0, 0}
+  return {2, d - max_wait - now, 0, 0, now}
 end
 local newD = math.max(D, d) + cost * step
 redis.call('SET', KEYS[1], newD, 'PX', math.floor((newD - now) / 1000) + 1000)
@@ -100,7 +107,7 @@ if gstep > 0 then
     redis.call('PEXPIRE', KEYS[2], until_ms)
   end
 end
-return {1, d - now, newD, first}
+return {1, d - now, newD, first, now}
 ";
 
 /// Cancel: KEYS = client key, [slot calendar]; ARGV = newD, undo, first
@@ -187,6 +194,11 @@ pub struct Redis {
     problem: super::Problem,
     /// The runtime every call runs on (the caller's, when made outside one).
     runtime: Option<Handle>,
+    /// Redis's clock less ours (µs) as the last admission saw it: Redis's
+    /// `TIME` when it ran, less our clock when it was sent (so no less
+    /// than the true difference; a stall makes it larger, never smaller).
+    /// `i64::MIN` until the first.
+    offset_us: AtomicI64,
 }
 
 /// Every connection to Redis: no Nagle delay on the small script calls
@@ -244,6 +256,7 @@ impl Redis {
             admit: Lua::new(ADMIT),
             cancel: Lua::new(CANCEL),
             problem: super::Problem::default(),
+            offset_us: AtomicI64::new(i64::MIN),
         }
     }
 
@@ -552,6 +565,20 @@ impl Redis {
             keys.push(s);
         }
         let us = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        // A call Redis runs after the caller stopped waiting for its
+        // answer (Redis paused or stalled past `orphan_limit`: the client
+        // library gives up, the command still runs when Redis resumes)
+        // reserves nothing: its reservation could never be given back.
+        let sent = epoch_us();
+        let offset = self.offset_us.load(Ordering::Relaxed);
+        let deadline = if offset == i64::MIN {
+            0
+        } else {
+            let limit =
+                us(u64::try_from(super::orphan_limit(self.timeout).as_micros())
+                    .unwrap_or(u64::MAX));
+            sent.saturating_add(limit).saturating_add(offset).max(1)
+        };
         let args = [
             us(ask.step_us.max(1)),
             i64::from(ask.capacity),
@@ -563,8 +590,14 @@ impl Redis {
                 0
             }),
             us(ask.max_wait_us),
+            deadline,
         ];
-        self.run(&self.admit, &keys, &args).await
+        let reply: Vec<i64> = self.run(&self.admit, &keys, &args).await?;
+        if let Some(&now) = reply.get(4) {
+            self.offset_us
+                .store(now.saturating_sub(sent), Ordering::Relaxed);
+        }
+        Ok(reply)
     }
 
     pub async fn cancel(&self, r: &Reservation) -> Result<(), ClusterError> {
@@ -577,6 +610,13 @@ impl Redis {
             .await
             .map(|_| ())
     }
+}
+
+/// Our wall clock in µs since the Unix epoch (Redis's `TIME` is one too).
+fn epoch_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
 #[cfg(test)]
