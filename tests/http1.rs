@@ -256,7 +256,8 @@ async fn a_get_with_a_chunked_body_reaches_the_upstream_whole() {
 
 /// A chunked body with a trailer reaches the upstream with its trailer
 /// when it is staged (its request waits behind another), as when it goes
-/// at once: a staged body's known length had no room for it.
+/// at once: a staged body's known length had no room for it. A staged
+/// trailer no `Trailer` field names is named (hyper writes only those).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_staged_body_keeps_its_trailers() {
     let ds = Downstream::start().await;
@@ -264,15 +265,19 @@ async fn a_staged_body_keeps_its_trailers() {
     let addr = sluice.addr;
     tokio::task::spawn_blocking(move || {
         let c = &mut connect(addr);
-        let post = |at_once: bool| {
-            let path = if at_once { "/now" } else { "/staged" };
+        let post = |path: &str, declared: &str| {
             format!(
-                "POST {path} HTTP/1.1\r\nHost: t\r\nX-Client: t\r\nTransfer-Encoding: chunked\r\nTrailer: x-checksum\r\n\r\n5\r\nhello\r\n0\r\nx-checksum: abc\r\n\r\n"
+                "POST {path} HTTP/1.1\r\nHost: t\r\nX-Client: t\r\nTransfer-Encoding: chunked\r\n{declared}\r\n5\r\nhello\r\n0\r\nx-checksum: abc\r\n\r\n"
             )
         };
-        // The first goes at once; the second waits 500 ms, staged.
-        for at_once in [true, false] {
-            send(c, post(at_once).as_bytes());
+        // The first goes at once; the others wait 500 ms each, staged,
+        // the last without a `Trailer` field naming its trailer.
+        for (path, declared) in [
+            ("/now", "Trailer: x-checksum\r\n"),
+            ("/staged", "Trailer: x-checksum\r\n"),
+            ("/undeclared", ""),
+        ] {
+            send(c, post(path, declared).as_bytes());
             let a = read_answer(c, false);
             assert_eq!(a.status, 200, "{a:?}");
         }
@@ -280,7 +285,7 @@ async fn a_staged_body_keeps_its_trailers() {
     .await
     .unwrap();
     let seen = ds.seen();
-    assert_eq!(seen.len(), 2);
+    assert_eq!(seen.len(), 3);
     for s in &seen {
         let trailer = s.trailers.as_ref().and_then(|t| t.get("x-checksum"));
         assert_eq!(

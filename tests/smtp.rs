@@ -315,14 +315,15 @@ fn a_client_that_hangs_up_while_held_sends_nothing_and_its_slot_goes_to_the_next
 /// its sending side (a half-close) is still reading: its held message is
 /// relayed and it gets its 250 and 221. Taken for a client gone, the
 /// message was withdrawn and the client, with no reply, sent it again.
-/// A client that closes both ways (above) is still gone.
+/// A client whose close comes seconds after its QUIT has gone: its
+/// message is withdrawn, as is one that closes both ways at once.
 #[test]
 fn a_client_that_half_closes_after_a_pipelined_quit_gets_its_replies() {
     let up = SmtpUpstream::start(UpstreamOpts::default());
     let sluice = Sluice::start(&config(
         up.port,
         "tls = \"none\"",
-        "key = \"global\"\nrate = \"1/s\"\ncapacity = 10",
+        "key = \"global\"\nrate = \"0.2/s\"\ncapacity = 10",
     ));
     let (addr, admin) = (sluice.smtp.unwrap(), sluice.admin.unwrap());
     let mut first = Raw::connect(addr);
@@ -339,6 +340,30 @@ fn a_client_that_half_closes_after_a_pipelined_quit_gets_its_replies() {
     assert!(bye.starts_with("221"), "{bye}");
     let got = up.wait_arrivals(2, Duration::from_secs(5));
     assert_eq!(got[1]["subject"], "held");
+    // Held 5 s (its slot); its QUIT sent, then a close 2.5 s later, past
+    // the 2 s a half-close comes within.
+    let mut late = Raw::connect(addr);
+    start_message(&mut late, "late");
+    late.send(".\r\nQUIT\r\n");
+    wait_queued(admin, 1);
+    let sent = Instant::now();
+    std::thread::sleep(Duration::from_millis(2_500));
+    late.shut_write();
+    let cancelled = r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 1"#;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !metrics(&sluice).contains(cancelled) {
+        assert!(
+            Instant::now() < deadline,
+            "the late closer was not withdrawn"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        sent.elapsed() < Duration::from_secs(4),
+        "withdrawn only at its slot"
+    );
+    std::thread::sleep(Duration::from_millis(1_000));
+    assert_eq!(up.arrivals().len(), 2, "{:?}", up.arrivals());
 }
 
 #[test]

@@ -39,6 +39,11 @@ struct Last {
 /// c·T/2.
 struct Lines<C> {
     last: HashMap<C, Last>,
+    /// Releases given back after a later one replaced them on a line, by
+    /// line and sequence number: what each replaced (and when it stops
+    /// mattering), so that the later one, given back in its turn, puts
+    /// back a release that was made rather than one that was not.
+    revoked: HashMap<(C, u64), (Nanos, Option<Last>)>,
     /// The size past which the next prune comes.
     prune_at: usize,
     /// The number of releases taken.
@@ -53,6 +58,7 @@ impl<C> Default for Spacing<C> {
     fn default() -> Self {
         Spacing(Mutex::new(Lines {
             last: HashMap::new(),
+            revoked: HashMap::new(),
             prune_at: PRUNE_AT,
             seq: 0,
         }))
@@ -116,15 +122,30 @@ impl<C: Hash + Eq + Clone> Spacing<C> {
 
     /// Work released by `taken` did not start (its client left, or it was
     /// refused): each line it was taken on gets back its previous
-    /// release, unless a later release was taken there since.
+    /// release (the one before that, if that was given back too), unless
+    /// a later release was taken there since; then the later one, if
+    /// given back, puts back what this one replaced.
     pub fn give_back(&self, taken: Taken<C>) {
         let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        for (line, before) in taken.before {
-            if guard.last.get(&line).is_some_and(|l| l.seq == taken.seq) {
+        let lines = &mut *guard;
+        for (line, mut before) in taken.before {
+            let current = lines.last.get(&line);
+            if current.is_some_and(|l| l.seq == taken.seq) {
+                while let Some(prev) = before {
+                    match lines.revoked.remove(&(line.clone(), prev.seq)) {
+                        Some((_, earlier)) => before = earlier,
+                        None => break,
+                    }
+                }
                 match before {
-                    Some(prev) => guard.last.insert(line, prev),
-                    None => guard.last.remove(&line),
+                    Some(prev) => lines.last.insert(line, prev),
+                    None => lines.last.remove(&line),
                 };
+            } else if let Some(later) = current {
+                // Kept while the later one's spacing lasts (no shorter
+                // than this one's, but for a cost of its own).
+                let until = later.until;
+                lines.revoked.insert((line, taken.seq), (until, before));
             }
         }
     }
@@ -153,9 +174,13 @@ impl<C: Hash + Eq + Clone> Lines<C> {
         // Pruned when it has doubled since the last prune: amortized O(1)
         // per release even when every entry is still live (slow rates
         // keep theirs for hours).
-        if self.last.len() >= self.prune_at {
+        if self.last.len() + self.revoked.len() >= self.prune_at {
             self.last.retain(|_, prev| prev.until > now);
-            self.prune_at = self.last.len().saturating_mul(2).max(PRUNE_AT);
+            // A release given back whose line's spacing has passed holds
+            // nothing back, whatever is put back in its place.
+            self.revoked.retain(|_, (until, _)| *until > now);
+            let live = self.last.len() + self.revoked.len();
+            self.prune_at = live.saturating_mul(2).max(PRUNE_AT);
         }
         self.seq = self.seq.wrapping_add(1);
         let seq = self.seq;
@@ -363,5 +388,30 @@ mod tests {
         let Some(only) = own(&d, 0, 0) else { panic!() };
         s.give_back(only);
         assert_eq!(own(&d, 300, 0).map(|t| t.at()), Some(0));
+    }
+
+    #[test]
+    fn a_release_given_back_never_comes_back() {
+        let s = Spacing::default();
+        let up = client("up");
+        // Three starts on an upstream's line (whole `half` of 100 ms
+        // between any two): a at 0, b held to 100, c to 200.
+        let take = |who: &str, from| {
+            let who = client(who);
+            s.take_all(&[(&up, None, 100 * MS)], from, from, Nanos::MAX)
+                .map(|t| (who, t))
+        };
+        let Some((_, _a)) = take("a", 0) else {
+            panic!()
+        };
+        let Some((_, b)) = take("b", 0) else { panic!() };
+        let Some((_, c)) = take("c", 0) else { panic!() };
+        assert_eq!((b.at(), c.at()), (100 * MS, 200 * MS));
+        // b's client leaves (c follows it on the line), then c's: the
+        // line holds a's start again, not b's that was never made.
+        s.give_back(b);
+        s.give_back(c);
+        let Some((_, d)) = take("d", 0) else { panic!() };
+        assert_eq!(d.at(), 100 * MS);
     }
 }

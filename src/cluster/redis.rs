@@ -569,9 +569,13 @@ impl Redis {
         // answer (Redis paused or stalled past `orphan_limit`: the client
         // library gives up, the command still runs when Redis resumes)
         // reserves nothing: its reservation could never be given back.
+        // On one server only: a Redis Cluster's masters keep clocks of
+        // their own, and one learned offset could refuse every call to a
+        // master whose clock is behind another's.
         let sent = epoch_us();
         let offset = self.offset_us.load(Ordering::Relaxed);
-        let deadline = if offset == i64::MIN {
+        let single = matches!(**self.conn.load(), Some(Conn::Single(_)));
+        let deadline = if offset == i64::MIN || !single {
             0
         } else {
             let limit =

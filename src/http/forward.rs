@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{
-    CONNECTION, CONTENT_LENGTH, EXPECT, HOST, HeaderMap, HeaderValue, TE, TRANSFER_ENCODING,
-    UPGRADE,
+    CONNECTION, CONTENT_LENGTH, EXPECT, HOST, HeaderMap, HeaderName, HeaderValue, TE, TRAILER,
+    TRANSFER_ENCODING, UPGRADE,
 };
 use http::request::Parts;
 use http::uri::{Authority, PathAndQuery, Scheme};
@@ -684,7 +684,7 @@ impl Upstream {
             (None, Some(s)) => (s, true),
             (None, None) => match Box::pin(self.connect()).await? {
                 Connected::H1(s) => (s, false),
-                Connected::H2(tx) => return Box::pin(self.send_on_h2(tx, None, req)).await,
+                Connected::H2(tx) => return Box::pin(self.send_on_h2_anew(tx, req)).await,
             },
         };
         let req = match sender.ready().await {
@@ -700,7 +700,7 @@ impl Upstream {
         };
         let mut sender = match Box::pin(self.connect()).await? {
             Connected::H1(s) => s,
-            Connected::H2(tx) => return Box::pin(self.send_on_h2(tx, None, req)).await,
+            Connected::H2(tx) => return Box::pin(self.send_on_h2_anew(tx, req)).await,
         };
         sender.ready().await.map_err(SendError::Request)?;
         let response = sender
@@ -761,6 +761,18 @@ impl Upstream {
             },
             (Connected::H1(sender), _) => self.send_h1(req, Some(sender)).await,
         }
+    }
+
+    /// The first stream on a new HTTP/2 connection an `auto` upstream's
+    /// ALPN chose where it had chosen HTTP/1.1 before: its connects wait
+    /// for each other again (each would be a connection of its own).
+    async fn send_on_h2_anew(
+        &self,
+        tx: H2Sender,
+        req: Request<OutBody>,
+    ) -> Result<(Response<Incoming>, Back), SendError> {
+        self.pool.alpn_h1.store(false, Ordering::Relaxed);
+        self.send_on_h2(tx, None, req).await
     }
 
     /// One stream on `tx` (added to the pool when new): the request in
@@ -930,8 +942,9 @@ pub enum OutBody {
         data: Option<Bytes>,
         trailers: Option<Box<HeaderMap>>,
     },
-    /// A gRPC call's body: what it sent while it waited, then the rest.
-    Begun(Box<Begun>, RequestBody),
+    /// A gRPC call's body: what it sent while it waited, then the rest
+    /// (and when that last moved on).
+    Begun(Box<Begun>, RequestBody, Progress),
 }
 
 /// When a streamed request body last moved on (a frame, or its end): an
@@ -958,10 +971,16 @@ impl OutBody {
         OutBody::Stream(body, progress)
     }
 
+    /// A gRPC call's body, what it sent while it waited first.
+    pub fn begun(first: Box<Begun>, rest: RequestBody) -> OutBody {
+        OutBody::Begun(first, rest, Progress::default())
+    }
+
     fn progress(&self) -> Option<Progress> {
         match self {
             OutBody::Stream(_, progress) => progress.clone(),
-            _ => None,
+            OutBody::Begun(.., progress) => Some(progress.clone()),
+            OutBody::Staged { .. } => None,
         }
     }
 
@@ -995,11 +1014,17 @@ impl Body for OutBody {
                     .map(|d| Ok(Frame::data(d)))
                     .or_else(|| trailers.take().map(|t| Ok(Frame::trailers(*t)))),
             ),
-            OutBody::Begun(first, rest) => match first.next_frame() {
-                Some(frame) => Poll::Ready(Some(Ok(frame))),
-                None if first.ended() => Poll::Ready(None),
-                None => Pin::new(rest).poll_frame(cx),
-            },
+            OutBody::Begun(first, rest, progress) => {
+                let frame = match first.next_frame() {
+                    Some(frame) => Poll::Ready(Some(Ok(frame))),
+                    None if first.ended() => Poll::Ready(None),
+                    None => Pin::new(rest).poll_frame(cx),
+                };
+                if frame.is_ready() {
+                    progress.mark();
+                }
+                frame
+            }
         }
     }
 
@@ -1007,7 +1032,7 @@ impl Body for OutBody {
         match self {
             OutBody::Stream(body, _) => body.is_end_stream(),
             OutBody::Staged { data, trailers } => data.is_none() && trailers.is_none(),
-            OutBody::Begun(first, rest) => {
+            OutBody::Begun(first, rest, _) => {
                 first.is_empty() && (first.ended() || rest.is_end_stream())
             }
         }
@@ -1019,7 +1044,7 @@ impl Body for OutBody {
             OutBody::Staged { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
-            OutBody::Begun(first, rest) => {
+            OutBody::Begun(first, rest, _) => {
                 let read = first.len() as u64;
                 if first.ended() {
                     return SizeHint::with_exact(read);
@@ -1062,6 +1087,10 @@ async fn within_after<F: Future>(
 /// method (hyper sends a `GET`, `HEAD` or `CONNECT` of unknown length as
 /// if it had none), and so does a staged body with trailers (a known
 /// length has no room for them), as nginx and HAProxy pass them on.
+///
+/// (An HTTP/2 `GET` that ends its stream with an empty DATA frame, not on
+/// its HEADERS, is not known to be empty when it departs: it goes with
+/// an empty chunked body, as Envoy sends it.)
 fn framed_for_h1(mut req: Request<OutBody>) -> Request<OutBody> {
     let body = req.body();
     let chunked = match body {
@@ -1075,6 +1104,20 @@ fn framed_for_h1(mut req: Request<OutBody>) -> Request<OutBody> {
     if chunked && !req.headers().contains_key(TRANSFER_ENCODING) {
         req.headers_mut()
             .insert(TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+    }
+    // hyper writes only the trailers a `Trailer` field names: a staged
+    // body's are known, and named when the client did not (an HTTP/2
+    // client never has to).
+    if let OutBody::Staged {
+        trailers: Some(trailers),
+        ..
+    } = req.body()
+        && !req.headers().contains_key(TRAILER)
+    {
+        let names: Vec<&str> = trailers.keys().map(HeaderName::as_str).collect();
+        if let Ok(value) = HeaderValue::from_str(&names.join(", ")) {
+            req.headers_mut().insert(TRAILER, value);
+        }
     }
     req
 }

@@ -731,7 +731,7 @@ impl Handler {
         let out = match body {
             Body::Stream(b) => OutBody::stream(b),
             Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
-            Body::Begun(first, rest) => OutBody::Begun(first, rest),
+            Body::Begun(first, rest) => OutBody::begun(first, rest),
         };
         let mut parts = parts;
         let permit = match self.in_flight_slot(upstream, &mut parts, call).await {

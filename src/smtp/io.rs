@@ -7,6 +7,7 @@ use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
 use rustls::pki_types::ServerName;
@@ -120,6 +121,10 @@ impl AsyncWrite for Stream {
 #[derive(Default)]
 pub struct InBuf {
     data: BytesMut,
+    /// When bytes last came.
+    last: Option<Instant>,
+    /// When the stream's end first came.
+    end: Option<Instant>,
 }
 
 impl InBuf {
@@ -151,6 +156,17 @@ impl InBuf {
     /// read given up on loses nothing and adds nothing.
     pub async fn fill<S: AsyncRead + Unpin>(&mut self, stream: &mut S) -> io::Result<usize> {
         self.data.reserve(READ_CHUNK);
-        stream.read_buf(&mut self.data).await
+        let n = stream.read_buf(&mut self.data).await?;
+        if n > 0 {
+            self.last = Some(Instant::now());
+        } else if self.end.is_none() {
+            self.end = Some(Instant::now());
+        }
+        Ok(n)
+    }
+
+    /// How long after its last bytes the stream's end came, once it has.
+    pub fn end_after_data(&self) -> Option<Duration> {
+        Some(self.end?.saturating_duration_since(self.last?))
     }
 }

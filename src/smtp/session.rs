@@ -57,6 +57,9 @@ const MAX_ERRORS: u32 = 20;
 /// `smtpd_junk_command_limit`): a client cannot hold a session for ever
 /// by sending one now and then.
 const MAX_JUNK: u32 = 100;
+/// How soon after its last bytes (a pipelined QUIT) a client's close
+/// must come to be taken for a half-close (see `watch`).
+const HALF_CLOSE_WITH_QUIT: Duration = Duration::from_secs(2);
 /// What a client may send ahead while its message is held, kept to be
 /// answered in order; past it, sluice stops reading until it answers.
 const MAX_AHEAD: usize = 64 * 1024;
@@ -1027,14 +1030,24 @@ fn decode(text: &str) -> Option<Vec<u8>> {
 ///
 /// A client that pipelined QUIT after its message and then closed its
 /// sending side (a TCP half-close, which RFC 2920 clients may do) has not
-/// gone: it reads its answers, and is answered.
+/// gone: it reads its answers, and is answered. Told apart from a client
+/// that sent QUIT and later went away (which must not have its message
+/// relayed: it would send it again) by its close coming with its QUIT,
+/// within [`HALF_CLOSE_WITH_QUIT`] of its last bytes.
 async fn watch(inbuf: &mut InBuf, stream: &mut Stream) {
     loop {
         if inbuf.len() >= MAX_AHEAD {
             std::future::pending::<()>().await;
         }
         match inbuf.fill(stream).await {
-            Ok(0) if ends_with_quit(inbuf.unread()) => std::future::pending::<()>().await,
+            Ok(0)
+                if ends_with_quit(inbuf.unread())
+                    && inbuf
+                        .end_after_data()
+                        .is_some_and(|d| d < HALF_CLOSE_WITH_QUIT) =>
+            {
+                std::future::pending::<()>().await;
+            }
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }

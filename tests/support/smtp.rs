@@ -224,12 +224,12 @@ impl Raw {
         }
     }
 
-    /// Hang up.
     /// Close the sending side only (a TCP half-close): replies still come.
     pub fn shut_write(&mut self) {
         self.stream.shutdown(std::net::Shutdown::Write).unwrap();
     }
 
+    /// Hang up.
     pub fn hang_up(self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
