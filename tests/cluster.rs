@@ -729,12 +729,12 @@ fn pause_redis(redis: &RedisServer, ms: u32) {
     assert!(paused.status.success(), "{paused:?}");
 }
 
-/// A reservation the store makes after sluice gave up on the call (Redis
-/// paused past the timeout; the request went on under `on_failure =
-/// "allow"`) is given back: the client's next request is not held for a
-/// departure nobody took. (It used to wait out the interval, a minute here.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reservation_made_after_the_timeout_is_given_back() {
+/// Redis paused for `pause_ms` while a client's first request (1/m) is
+/// asked about: it goes on under `on_failure = "allow"`; once the pause
+/// is over (and `settle_ms` more), the same client's second request is
+/// decided by Redis and goes at once, not held a minute for a
+/// reservation nobody takes.
+async fn a_late_call_leaves_no_reservation(pause_ms: u32, settle_ms: u64) {
     let redis = RedisServer::start();
     let ds = Downstream::start().await;
     let url = format!("redis://127.0.0.1:{}", redis.port);
@@ -742,12 +742,10 @@ async fn a_reservation_made_after_the_timeout_is_given_back() {
         config(ds.addr, &url, "allow", 1, "300ms").replace("rate = \"5/s\"", "rate = \"1/m\"");
     let s = Sluice::start(&cfg);
     let c = client();
-    // The scripts are loaded (a first call).
+    // The scripts are loaded (a first call), and Redis's clock seen.
     let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
     assert_eq!(warm.status, StatusCode::OK);
-    // Held by Redis for 1 s, then run: after sluice's 300 ms, and well
-    // within the 2 s the call itself may take.
-    pause_redis(&redis, 1_000);
+    pause_redis(&redis, pause_ms);
     let first = get(&c, &s.url("/first"), &[("x-client", "k")]).await;
     assert_eq!(first.status, StatusCode::OK);
     let (allowed, m) = fallbacks(&s, "allow").await;
@@ -760,8 +758,7 @@ async fn a_reservation_made_after_the_timeout_is_given_back() {
         m.contains("sluice_cluster_calls_total{backend=\"redis\",result=\"ok\"} 1\n"),
         "the warm-up was decided by Redis: {m}"
     );
-    // The pause ends, the script reserves, sluice gives it back.
-    tokio::time::sleep(Duration::from_millis(3000)).await;
+    tokio::time::sleep(Duration::from_millis(u64::from(pause_ms) + settle_ms)).await;
     let t = Instant::now();
     let second = tokio::time::timeout(
         Duration::from_secs(10),
@@ -773,6 +770,14 @@ async fn a_reservation_made_after_the_timeout_is_given_back() {
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     let (allowed, m) = fallbacks(&s, "allow").await;
     assert_eq!(allowed, Some(1.0), "the second was decided by Redis: {m}");
+}
+
+/// A reservation the store makes after sluice gave up on the call (Redis
+/// paused 1 s, past the 300 ms timeout, well within the 2 s the call
+/// itself may run on) is given back once its answer comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_made_after_the_timeout_is_given_back() {
+    a_late_call_leaves_no_reservation(1_000, 2_000).await;
 }
 
 /// With `on_failure = "local"`, requests that fell back after a slow store
@@ -876,36 +881,11 @@ async fn instances_with_different_caps_keep_their_own_calendars() {
     assert!(span >= Duration::from_millis(1_100), "{span:?}");
 }
 
-/// A call Redis runs only after sluice stopped waiting for it (Redis
-/// paused 4 s, past the 2 s a call may run on): nothing is reserved. The
-/// reservation it made could never be given back, and the client's next
-/// request (1/m here) was held a minute for a departure nobody took.
+/// A call Redis runs only after sluice stopped waiting for its answer
+/// too (Redis paused 4 s, past the 2 s a call may run on) reserves
+/// nothing: its deadline has passed on Redis's clock. The reservation it
+/// made could never be given back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_redis_runs_after_sluice_gave_up_reserves_nothing() {
-    let redis = RedisServer::start();
-    let ds = Downstream::start().await;
-    let url = format!("redis://127.0.0.1:{}", redis.port);
-    let cfg =
-        config(ds.addr, &url, "allow", 1, "300ms").replace("rate = \"5/s\"", "rate = \"1/m\"");
-    let s = Sluice::start(&cfg);
-    let c = client();
-    // The scripts are loaded, and Redis's clock seen.
-    let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
-    assert_eq!(warm.status, StatusCode::OK);
-    pause_redis(&redis, 4_000);
-    let first = get(&c, &s.url("/first"), &[("x-client", "k")]).await;
-    assert_eq!(first.status, StatusCode::OK);
-    // The pause ends (4 s), the call runs, finds its deadline gone.
-    tokio::time::sleep(Duration::from_millis(5_000)).await;
-    let t = Instant::now();
-    let second = tokio::time::timeout(
-        Duration::from_secs(10),
-        get(&c, &s.url("/second"), &[("x-client", "k")]),
-    )
-    .await
-    .expect("the second was held for the reservation nobody took");
-    assert_eq!(second.status, StatusCode::OK);
-    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
-    let (allowed, m) = fallbacks(&s, "allow").await;
-    assert_eq!(allowed, Some(1.0), "the second was decided by Redis: {m}");
+    a_late_call_leaves_no_reservation(4_000, 1_000).await;
 }

@@ -84,6 +84,35 @@ capacity = 40
     )
 }
 
+/// `n` tunnels to `/held`, their clients keeping them open for 30 s
+/// unless closed, once `/status` counts them; and a runtime for more
+/// admin calls.
+fn hold_tunnels(sluice: &Sluice, n: u64) -> (support::KillOnDrop, tokio::runtime::Runtime) {
+    let url = format!("ws://{}/held", sluice.addr);
+    let count = n.to_string();
+    let client = support::KillOnDrop::new(
+        ws_client(
+            &url,
+            &["--count", &count, "--hold", "30", "--timeout", "10"],
+        )
+        .spawn()
+        .unwrap(),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = rt.block_on(sluice.status());
+        if status["tunnels"].as_u64() == Some(n) {
+            return (client, rt);
+        }
+        assert!(Instant::now() < deadline, "{status}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A reconnect storm: 30 clients at once, r = 10/s, b = 40: all open,
 /// their handshakes reach the server 100 ms apart, and every tunnel
 /// echoes at once after opening; closes pass both ways.
@@ -153,27 +182,9 @@ fn thirty_clients_open_paced_and_echo_at_once() {
 fn sigterm_closes_open_tunnels_after_the_drain_timeout() {
     let server = WsServer::start();
     let mut sluice = Sluice::start(&config(server.port(), "1s"));
-    let url = format!("ws://{}/held", sluice.addr);
     // Held for 30 s unless closed: sluice ignoring drain_timeout (1 s)
     // would wait for the clients and exit after about 30 s.
-    let client = support::KillOnDrop::new(
-        ws_client(&url, &["--count", "2", "--hold", "30", "--timeout", "10"])
-            .spawn()
-            .unwrap(),
-    );
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let status = rt.block_on(sluice.status());
-        if status["tunnels"].as_u64() == Some(2) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{status}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (client, rt) = hold_tunnels(&sluice, 2);
     let metrics = rt.block_on(support::get(
         &support::client(),
         &sluice.admin_url("/metrics"),
@@ -221,20 +232,7 @@ fn an_open_tunnel_holds_its_max_concurrency_slot() {
     );
     let sluice = Sluice::start(&cfg);
     let url = format!("ws://{}/held", sluice.addr);
-    let _held = support::KillOnDrop::new(
-        ws_client(&url, &["--count", "1", "--hold", "20", "--timeout", "10"])
-            .spawn()
-            .unwrap(),
-    );
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while rt.block_on(sluice.status())["tunnels"].as_u64() != Some(1) {
-        assert!(Instant::now() < deadline, "the first tunnel never opened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let _held = hold_tunnels(&sluice, 1);
     let out = ws_client(&url, &["--count", "1", "--timeout", "8"])
         .output()
         .unwrap();
