@@ -1405,6 +1405,42 @@ fn junk_commands_past_a_hundred_count_as_errors() {
     assert!(reply.starts_with("421 4.7.0"), "{reply}");
 }
 
+/// Every arrival gets an outcome: a message that departed at once (an
+/// idle key) and was dropped before its data (RSET here) counts as
+/// cancelled, as a held one does. It counted nothing, so arrivals ran
+/// ahead of the answers.
+#[test]
+fn a_transaction_dropped_before_its_data_counts_as_cancelled() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&plain(up.port));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    assert!(raw.cmd("EHLO raw.test").starts_with("250"));
+    assert!(raw.cmd("MAIL FROM:<a@example.com>").starts_with("250"));
+    assert!(raw.cmd("RCPT TO:<user@example.org>").starts_with("250"));
+    assert!(raw.cmd("RSET").starts_with("250"));
+    let m = metrics(&sluice);
+    assert!(
+        m.contains(r#"sluice_arrivals_total{route="mail",protocol="smtp"} 1"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 1"#),
+        "{m}"
+    );
+    // And one delivered counts as forwarded only.
+    start_message(&mut raw, "kept");
+    assert!(raw.cmd(".").starts_with("250"));
+    let m = metrics(&sluice);
+    assert!(
+        m.contains(r#"sluice_requests_total{route="mail",protocol="smtp",outcome="forwarded"} 1"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 1"#),
+        "{m}"
+    );
+}
+
 /// README "SMTP" table: `max_clients` / `max_queued` reached gives
 /// `421 4.3.2` and the connection is closed. With `limits.max_queued = 1`
 /// and one message held (1/m: it waits a minute), a third message's MAIL

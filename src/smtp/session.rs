@@ -89,11 +89,43 @@ struct Tx {
     /// The admission's verdict, once asked: `Some(None)` departed at once,
     /// `Some(Some(hold))` waits.
     admitted: Option<Option<Hold>>,
+    /// Departed at once and not yet answered (see [`AtOnce`]).
+    at_once: AtOnce,
     /// When it was asked.
     admitted_at: Instant,
 }
 
+/// A transaction that departed at once, until its outcome is counted:
+/// dropped before (RSET, EHLO, QUIT, a timeout, the client gone before
+/// its data was in), it counts as cancelled, as a held one's dropped hold
+/// does; every arrival gets an outcome.
+#[derive(Default)]
+struct AtOnce(Option<Arc<Rule>>);
+
+impl AtOnce {
+    /// Its outcome is counted elsewhere.
+    fn settle(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for AtOnce {
+    fn drop(&mut self) {
+        if let Some(rule) = self.0.take() {
+            rule.count(Outcome::Cancelled);
+        }
+    }
+}
+
 impl Tx {
+    /// The admission's verdict.
+    fn admitted(&mut self, admitted: Option<Hold>) {
+        if admitted.is_none() {
+            self.at_once = AtOnce(Some(self.listener.rule.clone()));
+        }
+        self.admitted = Some(admitted);
+    }
+
     /// What it costs: 1, or its recipients with `cost = "recipients"`
     /// (asked at DATA, when they are known).
     fn cost(&self) -> u32 {
@@ -505,11 +537,12 @@ impl Session {
             key,
             listener: self.listener.clone(),
             admitted: None,
+            at_once: AtOnce::default(),
             admitted_at: Instant::now(),
         };
         if cfg.cost == SmtpCost::Message {
             match self.admit(&tx).await? {
-                Some(admitted) => tx.admitted = Some(admitted),
+                Some(admitted) => tx.admitted(admitted),
                 None => return Ok(()),
             }
         }
@@ -627,7 +660,7 @@ impl Session {
         if tx.admitted.is_none() {
             tx.admitted_at = Instant::now();
             match self.admit(&tx).await? {
-                Some(admitted) => tx.admitted = Some(admitted),
+                Some(admitted) => tx.admitted(admitted),
                 // Refused: the transaction is over, the client starts again.
                 None => return Ok(()),
             }
@@ -661,6 +694,7 @@ impl Session {
                 if let Some(Some(hold)) = tx.admitted.take() {
                     hold.withdraw();
                 }
+                tx.at_once.settle();
                 tx.listener.rule.count(Outcome::Invalid);
                 return Ok(refusal);
             }
@@ -756,8 +790,11 @@ impl Session {
             key,
             listener,
             admitted,
+            mut at_once,
             admitted_at,
         } = tx;
+        // From here every way out counts its outcome itself.
+        at_once.settle();
         let rule = listener.rule.clone();
         let mut slot = admitted_at;
         if let Some(Some(mut hold)) = admitted {
@@ -809,6 +846,7 @@ impl Session {
         // The drain gave up: no relay starts now (one cut short by the
         // exit after its end of data could be delivered twice).
         if admission.closing().is_cancelled() {
+            rule.count(Outcome::Cancelled);
             self.say(&reply::SHUTTING_DOWN);
             return Err(End::Closed);
         }
