@@ -44,7 +44,7 @@ use super::key;
 use super::path;
 use super::response::{ProxyBody, full, problem};
 use super::route::{App, Route, sound_host};
-use super::stage::{Begun, Refused, StageError, Staged, linger, stage};
+use super::stage::{Begun, Refused, STARVED_RETRY, StageError, Staged, linger, stage};
 use super::tunnel::Slot;
 use crate::admission::{Hold, HoldError, Key, Overload, Refusal, Verdict};
 use crate::metrics::Outcome;
@@ -645,6 +645,9 @@ impl Handler {
                             return Err(self.stage_failed(route, refused, true));
                         }
                     },
+                    // Paused for want of budget: tried again. (After the
+                    // read's branch, whose condition sets it.)
+                    () = tokio::time::sleep(STARVED_RETRY), if first.starved() => {}
                 }
             }
         }

@@ -204,12 +204,23 @@ pub struct Begun {
     trailers: Option<Box<HeaderMap>>,
     /// The end of the body was read.
     ended: bool,
-    /// Reading stopped: `max_staged_body` or the budget reached; the rest
-    /// waits in flow control until the call departs.
-    stopped: bool,
+    /// Reading stopped: `max_staged_body` reached; the rest waits in flow
+    /// control until the call departs.
+    full: bool,
+    /// Reading paused: the budget has no room (or had none for what was
+    /// read last, which is not yet counted); tried again while the call
+    /// waits (every [`STARVED_RETRY`]). Stopped for good, the call's
+    /// unread data held its connection's window until it departed, and
+    /// another client filling the budget stalled every call on it.
+    starved: bool,
+    uncounted: bool,
     /// Given back once the data is handed on.
     room: Option<Room>,
 }
+
+/// How often a waiting call whose reading paused for want of budget
+/// tries again.
+pub const STARVED_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
 
 impl Begun {
     pub fn new(budget: &Arc<StageBudget>) -> Begun {
@@ -217,7 +228,9 @@ impl Begun {
             data: BytesMut::new(),
             trailers: None,
             ended: false,
-            stopped: false,
+            full: false,
+            starved: false,
+            uncounted: false,
             room: Some(budget.room()),
         }
     }
@@ -228,10 +241,26 @@ impl Begun {
     /// taken ahead for parts that never come would be counted for
     /// nothing: a unary call sends a few hundred bytes.)
     pub fn wants(&mut self, max: usize, budget: &StageBudget) -> bool {
-        if !self.ended && !self.stopped && (self.data.len() >= max || !budget.has_room()) {
-            self.stopped = true;
+        if self.ended || self.full {
+            return false;
         }
-        !self.ended && !self.stopped
+        if self.data.len() >= max {
+            self.full = true;
+            return false;
+        }
+        self.starved = if self.uncounted {
+            let cap = self.data.capacity();
+            self.uncounted = !self.room.as_mut().is_some_and(|r| r.set_to(cap));
+            self.uncounted
+        } else {
+            !budget.has_room()
+        };
+        !self.starved
+    }
+
+    /// Reading paused for want of budget (see [`Begun::wants`]).
+    pub fn starved(&self) -> bool {
+        self.starved && !self.ended && !self.full
     }
 
     /// Read the next part of `body` into this.
@@ -241,11 +270,11 @@ impl Begun {
             Some(frame) => match frame.map_err(body_error)?.into_data() {
                 Ok(part) => {
                     self.data.extend_from_slice(&part);
-                    // Counted as held; past the budget, reading stops (the
-                    // rest waits in flow control).
+                    // Counted as held; past the budget, reading pauses
+                    // (the rest waits in flow control) until it is.
                     let cap = self.data.capacity();
                     if !self.room.as_mut().is_some_and(|r| r.set_to(cap)) {
-                        self.stopped = true;
+                        self.uncounted = true;
                     }
                 }
                 Err(frame) => {
@@ -281,5 +310,34 @@ impl Begun {
     /// Bytes read and not yet forwarded.
     pub fn len(&self) -> usize {
         self.data.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::{Begun, StageBudget};
+
+    #[test]
+    fn a_waiting_call_starved_of_budget_reads_again_once_there_is_room() {
+        let budget = Arc::new(StageBudget::new(1 << 20, 1_000));
+        let mut call = Begun::new(&budget);
+        assert!(call.wants(1 << 20, &budget));
+        // Another client fills the budget: reading pauses...
+        let mut other = budget.room();
+        assert!(other.grow_to(1_000));
+        assert!(!call.wants(1 << 20, &budget));
+        assert!(call.starved());
+        // ... and goes on once it has room again.
+        drop(other);
+        assert!(call.wants(1 << 20, &budget));
+        assert!(!call.starved());
+        // `max_staged_body` reached stops it for good.
+        let mut small = Begun::new(&budget);
+        small.data.extend_from_slice(&[0; 10]);
+        assert!(!small.wants(10, &budget));
+        assert!(!small.starved());
+        assert!(!small.wants(1 << 20, &budget));
     }
 }
