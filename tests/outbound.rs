@@ -848,3 +848,57 @@ async fn auto_upstreams_that_speak_http1_connect_side_by_side() {
     // five on one of the two workers: 2 s or more.
     assert!(took < Duration::from_millis(1_800), "took {took:?}");
 }
+
+/// An HTTP/2 upstream that drops SYNs (its accept queue full): requests
+/// waiting for the connect that fails are told 502 with it, at
+/// `connect_timeout`, instead of each trying again after the one before
+/// (six over two workers took three connect timeouts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_for_a_failed_h2_connect_fail_with_it() {
+    use socket2::{Domain, Socket, Type};
+    // A listener that never accepts, its queue (one) filled: the kernel
+    // drops every further SYN.
+    let mute = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    mute.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+        .unwrap();
+    mute.listen(0).unwrap();
+    let addr = mute.local_addr().unwrap().as_socket().unwrap();
+    let _queued = TcpStream::connect(addr).unwrap();
+    let s = Sluice::start(&format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[[upstream]]
+name = "h2"
+url = "http://{addr}"
+protocol = "h2c"
+connect_timeout = "1s"
+request_timeout = "20s"
+
+[[route]]
+name = "all"
+upstream = "h2"
+key = "header:x-client"
+rate = "1000/s"
+capacity = 10
+"#
+    ));
+    let started = Instant::now();
+    let calls: Vec<_> = (0..6)
+        .map(|i| {
+            let url = s.url(&format!("/{i}"));
+            tokio::spawn(async move {
+                let who = format!("c{i}");
+                get(&client(), &url, &[("x-client", who.as_str())]).await
+            })
+        })
+        .collect();
+    for c in calls {
+        assert_eq!(c.await.unwrap().status, StatusCode::BAD_GATEWAY);
+    }
+    let took = started.elapsed();
+    // One connect timeout (1 s) per worker, side by side; one after
+    // another, three or more on one of the two.
+    assert!(took < Duration::from_millis(2_500), "took {took:?}");
+}

@@ -20,7 +20,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -94,6 +94,11 @@ struct Pool {
     /// An `auto` upstream's ALPN chose HTTP/1.1: its connects need not
     /// wait for each other (each would be a connection of its own).
     alpn_h1: AtomicBool,
+    /// HTTP/2 connects that failed: a request that waited for one that
+    /// failed fails with it, instead of trying again after it (one
+    /// `connect_timeout` after another behind an upstream that drops
+    /// SYNs).
+    h2_failures: AtomicU64,
 }
 
 impl Pool {
@@ -177,6 +182,8 @@ enum ConnectError {
     NoH2,
     #[error("the new HTTP/2 connection closed at once")]
     Closed,
+    #[error("the connect this request waited for failed")]
+    FailedMeanwhile,
 }
 
 /// A new upstream connection.
@@ -734,12 +741,18 @@ impl Upstream {
         // One connect at a time: whoever waited here uses the connection
         // the one before it made (it is in the pool before the lock goes),
         // or, once ALPN chose HTTP/1.1, connects on its own.
+        let failures = self.pool.h2_failures.load(Ordering::Relaxed);
         let connected = {
             let _one = self.pool.h2_connecting.lock().await;
             match self.pool.h2() {
                 Some((tx, streams)) => Some((Connected::H2(tx), Some(streams))),
                 None if auto_h1() => None,
-                None => match Box::pin(self.connect()).await? {
+                None if self.pool.h2_failures.load(Ordering::Relaxed) != failures => {
+                    return Err(SendError::Connect(ConnectError::FailedMeanwhile));
+                }
+                None => match Box::pin(self.connect()).await.inspect_err(|_| {
+                    self.pool.h2_failures.fetch_add(1, Ordering::Relaxed);
+                })? {
                     Connected::H2(tx) => {
                         let streams = self.pool.add_h2(tx.clone());
                         Some((Connected::H2(tx), Some(streams)))
