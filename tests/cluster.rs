@@ -305,9 +305,9 @@ async fn an_unreachable_store_leaves_a_local_fallback_instance_ready() {
     assert!(problem.contains("cannot reach"), "{status}");
 }
 
-/// With `on_failure = "reject"`, an instance made unready by a failed call
-/// is ready again once the store answers, with no traffic to tell it (a
-/// load balancer sends none to an unready instance).
+/// With `on_failure = "reject"`, an instance made unready by failed calls
+/// (three in a row) is ready again once the store answers, with no
+/// traffic to tell it (a load balancer sends none to an unready instance).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_comes_back_with_the_store_without_traffic() {
     let redis = RedisServer::start();
@@ -315,8 +315,10 @@ async fn readiness_comes_back_with_the_store_without_traffic() {
     let s = Sluice::start(&config(ds.addr, &redis.url(), "reject", 1, "150ms"));
     let c = client();
     redis.signal("STOP");
-    let a = get(&c, &s.url("/stopped"), &[("x-client", "k")]).await;
-    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    for i in 0..3 {
+        let a = get(&c, &s.url(&format!("/stopped/{i}")), &[("x-client", "k")]).await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    }
     assert_eq!(
         get(&c, &s.admin_url("/readyz"), &[]).await.status,
         StatusCode::SERVICE_UNAVAILABLE
@@ -888,4 +890,36 @@ async fn instances_with_different_caps_keep_their_own_calendars() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_redis_runs_after_sluice_gave_up_reserves_nothing() {
     a_late_call_leaves_no_reservation(4_000, 1_000).await;
+}
+
+/// One call that fails (Redis held past the timeout) is not an outage:
+/// under `on_failure = "reject"` the request gets its 503 and `/readyz`
+/// stays 200; three in a row make it 503, as the store is down. One slow
+/// call made the instance unready until the next succeeded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_failed_call_does_not_make_the_instance_unready() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let url = format!("redis://127.0.0.1:{}", redis.port);
+    let s = Sluice::start(&config(ds.addr, &url, "reject", 1, "150ms"));
+    let c = client();
+    let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
+    assert_eq!(warm.status, StatusCode::OK);
+    pause_redis(&redis, 3_000);
+    let ready = |c: &support::HttpClient| {
+        let (c, url) = (c.clone(), s.admin_url("/readyz"));
+        async move { get(&c, &url, &[]).await.status }
+    };
+    for i in 0..3 {
+        if i == 1 {
+            assert_eq!(ready(&c).await, StatusCode::OK, "after one failed call");
+        }
+        let a = get(&c, &s.url(&format!("/{i}")), &[("x-client", "k")]).await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert_eq!(
+        ready(&c).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "after three"
+    );
 }

@@ -17,7 +17,7 @@ pub mod postgres;
 mod redis;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tracing::warn;
@@ -211,8 +211,9 @@ pub struct Cluster {
     timeout: Duration,
     pub on_failure: OnFailure,
     pub instances: u32,
-    /// Whether the last call succeeded (see [`Cluster::is_healthy`]).
-    healthy: AtomicBool,
+    /// Calls failed in a row since the last that succeeded (see
+    /// [`Cluster::is_healthy`]).
+    failed_in_row: AtomicU32,
     /// The store's count of good checks when a call last failed.
     failed_at: AtomicU64,
     duration: Arc<m::Histogram>,
@@ -228,6 +229,11 @@ fn hex(bytes: &[u8]) -> String {
     }
     out
 }
+
+/// Calls failed in a row after which the store counts as down (for
+/// `/readyz` under `on_failure = "reject"`, and `sluice_cluster_healthy`),
+/// as Envoy's outlier detection counts consecutive errors.
+const UNHEALTHY_AFTER: u32 = 3;
 
 /// Client keys longer than this are named in the store by their digest.
 const LONGEST_STORED_KEY: usize = 256;
@@ -278,7 +284,7 @@ impl Cluster {
             timeout: cfg.timeout,
             on_failure: cfg.on_failure,
             instances: cfg.instances,
-            healthy: AtomicBool::new(true),
+            failed_in_row: AtomicU32::new(0),
             failed_at: AtomicU64::new(0),
             duration: m::histogram(m::CLUSTER_DURATION_SECONDS, &[("backend", backend)]),
         })
@@ -324,11 +330,13 @@ impl Cluster {
         self.backend
     }
 
-    /// Whether the store answers: the last call succeeded, or a
-    /// background check did since the last call failed (so an instance
-    /// that no traffic reaches, being unready, sees the store come back).
+    /// Whether the store answers: fewer than [`UNHEALTHY_AFTER`] calls
+    /// failed in a row (one slow call is not an outage: it made `/readyz`
+    /// flap), or a background check succeeded since the last call failed
+    /// (so an instance that no traffic reaches, being unready, sees the
+    /// store come back).
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
+        self.failed_in_row.load(Ordering::Relaxed) < UNHEALTHY_AFTER
             || self.store.problem().checks_ok() > self.failed_at.load(Ordering::Relaxed)
     }
 
@@ -362,7 +370,13 @@ impl Cluster {
             let checks = self.store.problem().checks_ok();
             self.failed_at.store(checks, Ordering::Relaxed);
         }
-        self.healthy.store(ok, Ordering::Relaxed);
+        if ok {
+            self.failed_in_row.store(0, Ordering::Relaxed);
+        } else {
+            let _ = self
+                .failed_in_row
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_add(1));
+        }
         self.duration.record(started.elapsed());
         metrics::counter!(m::CLUSTER_CALLS_TOTAL, "backend" => self.backend, "result" => result)
             .increment(1);
