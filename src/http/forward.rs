@@ -106,13 +106,22 @@ impl Pool {
     /// counting the stream on it (`Arc` strong count: 1 + streams); when
     /// all are full, the least busy once `H2_CONNECTIONS` are open.
     fn h2(&self) -> Option<(H2Sender, Arc<()>)> {
+        self.h2_with_room(true)
+    }
+
+    /// The least busy open HTTP/2 connection, however busy.
+    fn h2_least(&self) -> Option<(H2Sender, Arc<()>)> {
+        self.h2_with_room(false)
+    }
+
+    fn h2_with_room(&self, room: bool) -> Option<(H2Sender, Arc<()>)> {
         let mut conns = self.h2.lock().unwrap_or_else(|e| e.into_inner());
         conns.retain(|(tx, _)| !tx.is_closed());
         let least = conns
             .iter()
             .min_by_key(|(_, streams)| Arc::strong_count(streams))?;
         let busy = Arc::strong_count(&least.1) > H2_STREAMS;
-        if busy && conns.len() < H2_CONNECTIONS {
+        if room && busy && conns.len() < H2_CONNECTIONS {
             return None;
         }
         Some((least.0.clone(), least.1.clone()))
@@ -747,8 +756,14 @@ impl Upstream {
             match self.pool.h2() {
                 Some((tx, streams)) => Some((Connected::H2(tx), Some(streams))),
                 None if auto_h1() => None,
+                // A connect failed while this one waited: on the least
+                // busy open connection, however busy (the connect was
+                // for one more), else a 502 with it.
                 None if self.pool.h2_failures.load(Ordering::Relaxed) != failures => {
-                    return Err(SendError::Connect(ConnectError::FailedMeanwhile));
+                    match self.pool.h2_least() {
+                        Some((tx, streams)) => Some((Connected::H2(tx), Some(streams))),
+                        None => return Err(SendError::Connect(ConnectError::FailedMeanwhile)),
+                    }
                 }
                 None => match Box::pin(self.connect()).await.inspect_err(|_| {
                     self.pool.h2_failures.fetch_add(1, Ordering::Relaxed);

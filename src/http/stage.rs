@@ -207,13 +207,12 @@ pub struct Begun {
     /// Reading stopped: `max_staged_body` reached; the rest waits in flow
     /// control until the call departs.
     full: bool,
-    /// Reading paused: the budget has no room (or had none for what was
-    /// read last, which is not yet counted); tried again while the call
-    /// waits (every [`STARVED_RETRY`]). Stopped for good, the call's
-    /// unread data held its connection's window until it departed, and
-    /// another client filling the budget stalled every call on it.
+    /// Reading paused: the budget has no room (what was read is counted
+    /// whatever it says); tried again while the call waits (every
+    /// [`STARVED_RETRY`]). Stopped for good, the call's unread data held
+    /// its connection's window until it departed, and another client
+    /// filling the budget stalled every call on it.
     starved: bool,
-    uncounted: bool,
     /// Given back once the data is handed on.
     room: Option<Room>,
 }
@@ -230,7 +229,6 @@ impl Begun {
             ended: false,
             full: false,
             starved: false,
-            uncounted: false,
             room: Some(budget.room()),
         }
     }
@@ -248,13 +246,7 @@ impl Begun {
             self.full = true;
             return false;
         }
-        self.starved = if self.uncounted {
-            let cap = self.data.capacity();
-            self.uncounted = !self.room.as_mut().is_some_and(|r| r.set_to(cap));
-            self.uncounted
-        } else {
-            !budget.has_room()
-        };
+        self.starved = !budget.has_room();
         !self.starved
     }
 
@@ -270,11 +262,12 @@ impl Begun {
             Some(frame) => match frame.map_err(body_error)?.into_data() {
                 Ok(part) => {
                     self.data.extend_from_slice(&part);
-                    // Counted as held; past the budget, reading pauses
-                    // (the rest waits in flow control) until it is.
+                    // Counted as held, whatever the budget says; past
+                    // it, reading pauses (`wants`) and the rest waits in
+                    // flow control until there is room.
                     let cap = self.data.capacity();
-                    if !self.room.as_mut().is_some_and(|r| r.set_to(cap)) {
-                        self.uncounted = true;
+                    if let Some(room) = self.room.as_mut() {
+                        room.set_to(cap);
                     }
                 }
                 Err(frame) => {

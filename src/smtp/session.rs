@@ -432,6 +432,9 @@ impl Session {
             }
             Request::Noop { .. } => self.junk(&reply::OK)?,
             Request::Quit => {
+                // An open transaction ends here (counted now, not when
+                // the connection is gone).
+                self.tx = None;
                 self.say(&reply::BYE);
                 return Err(End::Closed);
             }
@@ -846,7 +849,8 @@ impl Session {
         // The drain gave up: no relay starts now (one cut short by the
         // exit after its end of data could be delivered twice).
         if admission.closing().is_cancelled() {
-            rule.count(Outcome::Cancelled);
+            // As a held one the drain ends is counted.
+            rule.count(Outcome::Expired);
             self.say(&reply::SHUTTING_DOWN);
             return Err(End::Closed);
         }
