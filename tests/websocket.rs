@@ -98,6 +98,12 @@ fn hold_tunnels(sluice: &Sluice, n: u64) -> (support::KillOnDrop, tokio::runtime
         .spawn()
         .unwrap(),
     );
+    (client, wait_tunnels(sluice, n))
+}
+
+/// Wait (up to 10 s) until `/status` counts `n` tunnels open; a runtime
+/// for more admin calls.
+fn wait_tunnels(sluice: &Sluice, n: u64) -> tokio::runtime::Runtime {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -106,7 +112,7 @@ fn hold_tunnels(sluice: &Sluice, n: u64) -> (support::KillOnDrop, tokio::runtime
     loop {
         let status = rt.block_on(sluice.status());
         if status["tunnels"].as_u64() == Some(n) {
-            return (client, rt);
+            return rt;
         }
         assert!(Instant::now() < deadline, "{status}");
         std::thread::sleep(Duration::from_millis(50));
@@ -160,20 +166,8 @@ fn thirty_clients_open_paced_and_echo_at_once() {
     assert_eq!(rs.len(), 1, "{rs:?}");
     assert_eq!(rs[0]["server_closed"], true, "{rs:?}");
     assert_eq!(rs[0]["close_code"], 1000, "{rs:?}");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
     // All tunnels gone from the count.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let tunnels = rt.block_on(sluice.status())["tunnels"].as_u64();
-        if tunnels == Some(0) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "tunnels: {tunnels:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_tunnels(&sluice, 0);
 }
 
 /// SIGTERM with open tunnels: they stay until the drain timeout, then
