@@ -306,7 +306,9 @@ async fn a_staged_body_keeps_its_trailers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_upload_is_not_cut_at_request_timeout() {
     let ds = Downstream::start().await;
-    let sluice = Sluice::start(&config(ds.addr).replace("\"5s\"", "\"1s\""));
+    // 2 s; the body's parts 900 ms apart (1.1 s to spare for a busy
+    // machine), 2.7 s in all.
+    let sluice = Sluice::start(&config(ds.addr).replace("\"5s\"", "\"2s\""));
     let addr = sluice.addr;
     tokio::task::spawn_blocking(move || {
         let c = &mut connect(addr);
@@ -315,7 +317,7 @@ async fn a_slow_upload_is_not_cut_at_request_timeout() {
             b"POST /echo HTTP/1.1\r\nHost: t\r\nX-Client: u\r\nContent-Length: 3\r\n\r\n",
         );
         for byte in [b"a", b"b", b"c"] {
-            std::thread::sleep(Duration::from_millis(600));
+            std::thread::sleep(Duration::from_millis(900));
             send(c, byte);
         }
         let a = read_answer(c, false);

@@ -832,6 +832,29 @@ fn cost_by_recipients_is_decided_at_data() {
     assert_eq!(counts, [Some(3), Some(3)], "{got:?}");
 }
 
+/// `capacity = 0` with `cost = "recipients"`: nothing waits, and a message
+/// of any number of recipients goes from an idle queue, so recipients are
+/// not held to `capacity` (every RCPT would get 452).
+#[test]
+fn with_capacity_zero_a_message_keeps_all_its_recipients() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"1/s\"\ncapacity = 0\ncost = \"recipients\"",
+    ));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    assert!(raw.cmd("EHLO raw.test").starts_with("250"));
+    assert!(raw.cmd("MAIL FROM:<a@example.com>").starts_with("250"));
+    for r in ["x", "y", "z"] {
+        let answer = raw.cmd(&format!("RCPT TO:<{r}@example.org>"));
+        assert!(answer.starts_with("250"), "{answer}");
+    }
+    assert!(raw.cmd("DATA").starts_with("354"));
+    let done = raw.cmd("Subject: three\r\n\r\nhi\r\n.");
+    assert!(done.starts_with("250"), "{done}");
+}
+
 #[test]
 fn a_client_outside_allow_from_without_auth_is_refused_at_the_greeting() {
     let up = SmtpUpstream::start(UpstreamOpts::default());

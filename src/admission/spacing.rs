@@ -372,8 +372,8 @@ mod tests {
         drop(late);
         // On a line of its own: a's second start given back, a's line
         // holds its first again (a slot 50 ms after the first starts at
-        // 50 ms, not 200 ms after the second); d's
-        // only one given back, d's line is empty.
+        // 50 ms, not 200 ms after the second); d's only start given back,
+        // d's line is empty.
         let own = |who, slot, from| {
             s.take_all(&[(who, Some(slot * MS), 100 * MS)], from, from, Nanos::MAX)
         };

@@ -693,7 +693,12 @@ impl Validator {
                 let most = match l.cost {
                     SmtpCost::Message => 1,
                     SmtpCost::Recipients => {
-                        u32::try_from(l.max_recipients).map_or(l.capacity, |n| n.min(l.capacity))
+                        let most = u32::try_from(l.max_recipients).unwrap_or(u32::MAX);
+                        if l.capacity > 0 {
+                            most.min(l.capacity)
+                        } else {
+                            most
+                        }
                     }
                 };
                 let cap = smtp_upstreams.get(l.upstream).and_then(|u| u.rate);

@@ -469,14 +469,17 @@ impl Session {
         // (its envelope and header, or its body, all ASCII: some clients
         // declare whatever is offered) goes to an upstream without the
         // extension as it is, as Postfix relays it.
-        let head = header_section(body);
-        let smtputf8 = env.smtputf8
-            && !(env.from.is_ascii() && env.rcpts.iter().all(|r| r.is_ascii()) && head.is_ascii());
-        let eightbit = env.eightbit && !body.is_ascii();
-        if smtputf8 && !self.caps.smtputf8 {
+        let utf8 = env.smtputf8 && self.caps.smtputf8;
+        if env.smtputf8
+            && !utf8
+            && !(env.from.is_ascii()
+                && env.rcpts.iter().all(|r| r.is_ascii())
+                && header_section(body).is_ascii())
+        {
             return Err(RelayError::Incapable(super::reply::UTF8_UNSUPPORTED));
         }
-        if eightbit && !self.caps.eightbit {
+        let eightbit = env.eightbit && self.caps.eightbit;
+        if env.eightbit && !eightbit && !body.is_ascii() {
             return Err(RelayError::Incapable(super::reply::EIGHTBIT_UNSUPPORTED));
         }
         if self.caps.size && self.caps.max_size > 0 && body.len() > self.caps.max_size {
@@ -491,10 +494,10 @@ impl Session {
         }
         self.messages += 1;
         let mut mail = format!("MAIL FROM:{}", path(&env.from));
-        if env.eightbit && (eightbit || self.caps.eightbit) {
+        if eightbit {
             mail.push_str(" BODY=8BITMIME");
         }
-        if env.smtputf8 && (smtputf8 || self.caps.smtputf8) {
+        if utf8 {
             mail.push_str(" SMTPUTF8");
         }
         if self.caps.size {

@@ -86,28 +86,46 @@ struct Tx {
     rcpts: Vec<String>,
     key: Key,
     listener: Arc<Listener>,
-    /// The admission's verdict, once asked: `Some(None)` departed at once,
-    /// `Some(Some(hold))` waits.
-    admitted: Option<Option<Hold>>,
-    /// Departed at once and not yet answered (see [`AtOnce`]).
-    at_once: AtOnce,
+    /// The admission's verdict, once asked.
+    admitted: Option<Admitted>,
     /// When it was asked.
     admitted_at: Instant,
+}
+
+/// What the admission layer said of a transaction.
+enum Admitted {
+    /// Departed at once.
+    Now(AtOnce),
+    /// Waits for its departure.
+    Held(Hold),
+}
+
+impl Admitted {
+    fn new(hold: Option<Hold>, rule: &Arc<Rule>) -> Admitted {
+        match hold {
+            Some(hold) => Admitted::Held(hold),
+            None => Admitted::Now(AtOnce(Some(rule.clone()))),
+        }
+    }
+
+    /// Its outcome is counted elsewhere from now on: the hold, if it
+    /// waits (to wait on or withdraw).
+    fn settle(self) -> Option<Hold> {
+        match self {
+            Admitted::Held(hold) => Some(hold),
+            Admitted::Now(mut at_once) => {
+                at_once.0 = None;
+                None
+            }
+        }
+    }
 }
 
 /// A transaction that departed at once, until its outcome is counted:
 /// dropped before (RSET, EHLO, QUIT, a timeout, the client gone before
 /// its data was in), it counts as cancelled, as a held one's dropped hold
 /// does; every arrival gets an outcome.
-#[derive(Default)]
 struct AtOnce(Option<Arc<Rule>>);
-
-impl AtOnce {
-    /// Its outcome is counted elsewhere.
-    fn settle(&mut self) {
-        self.0 = None;
-    }
-}
 
 impl Drop for AtOnce {
     fn drop(&mut self) {
@@ -118,14 +136,6 @@ impl Drop for AtOnce {
 }
 
 impl Tx {
-    /// The admission's verdict.
-    fn admitted(&mut self, admitted: Option<Hold>) {
-        if admitted.is_none() {
-            self.at_once = AtOnce(Some(self.listener.rule.clone()));
-        }
-        self.admitted = Some(admitted);
-    }
-
     /// What it costs: 1, or its recipients with `cost = "recipients"`
     /// (asked at DATA, when they are known).
     fn cost(&self) -> u32 {
@@ -540,12 +550,11 @@ impl Session {
             key,
             listener: self.listener.clone(),
             admitted: None,
-            at_once: AtOnce::default(),
             admitted_at: Instant::now(),
         };
         if cfg.cost == SmtpCost::Message {
             match self.admit(&tx).await? {
-                Some(admitted) => tx.admitted(admitted),
+                Some(hold) => tx.admitted = Some(Admitted::new(hold, &tx.listener.rule)),
                 None => return Ok(()),
             }
         }
@@ -623,10 +632,12 @@ impl Session {
         // recipient past it and sends the rest in a further transaction.
         let cfg = &self.listener.cfg;
         let max = match cfg.cost {
-            SmtpCost::Message => cfg.max_recipients,
-            SmtpCost::Recipients => cfg
+            // (`capacity = 0`: nothing waits, any cost goes from an idle
+            // queue alone.)
+            SmtpCost::Recipients if cfg.capacity > 0 => cfg
                 .max_recipients
                 .min(usize::try_from(cfg.capacity).unwrap_or(usize::MAX)),
+            SmtpCost::Recipients | SmtpCost::Message => cfg.max_recipients,
         };
         let Some(tx) = self.tx.as_mut() else {
             return self.error(&reply::NEED_MAIL);
@@ -663,7 +674,7 @@ impl Session {
         if tx.admitted.is_none() {
             tx.admitted_at = Instant::now();
             match self.admit(&tx).await? {
-                Some(admitted) => tx.admitted(admitted),
+                Some(hold) => tx.admitted = Some(Admitted::new(hold, &tx.listener.rule)),
                 // Refused: the transaction is over, the client starts again.
                 None => return Ok(()),
             }
@@ -694,10 +705,9 @@ impl Session {
         let (message, room) = match self.read_data(max).await? {
             Ok(m) => m,
             Err(refusal) => {
-                if let Some(Some(hold)) = tx.admitted.take() {
+                if let Some(hold) = tx.admitted.take().and_then(Admitted::settle) {
                     hold.withdraw();
                 }
-                tx.at_once.settle();
                 tx.listener.rule.count(Outcome::Invalid);
                 return Ok(refusal);
             }
@@ -793,14 +803,13 @@ impl Session {
             key,
             listener,
             admitted,
-            mut at_once,
             admitted_at,
         } = tx;
         // From here every way out counts its outcome itself.
-        at_once.settle();
+        let admitted = admitted.and_then(Admitted::settle);
         let rule = listener.rule.clone();
         let mut slot = admitted_at;
-        if let Some(Some(mut hold)) = admitted {
+        if let Some(mut hold) = admitted {
             slot = hold.departure().unwrap_or(slot);
             self.flush().await?;
             let waited = tokio::select! {
