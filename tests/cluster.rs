@@ -306,7 +306,7 @@ async fn an_unreachable_store_leaves_a_local_fallback_instance_ready() {
 }
 
 /// With `on_failure = "reject"`, an instance made unready by failed calls
-/// (three in a row) is ready again once the store answers, with no
+/// (for a second, in a row) is ready again once the store answers, with no
 /// traffic to tell it (a load balancer sends none to an unready instance).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_comes_back_with_the_store_without_traffic() {
@@ -315,7 +315,10 @@ async fn readiness_comes_back_with_the_store_without_traffic() {
     let s = Sluice::start(&config(ds.addr, &redis.url(), "reject", 1, "150ms"));
     let c = client();
     redis.signal("STOP");
-    for i in 0..3 {
+    let stopped = Instant::now();
+    let mut i = 0;
+    while i < 3 || stopped.elapsed() < Duration::from_millis(1_100) {
+        i += 1;
         let a = get(&c, &s.url(&format!("/stopped/{i}")), &[("x-client", "k")]).await;
         assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
     }
@@ -892,12 +895,14 @@ async fn a_call_redis_runs_after_sluice_gave_up_reserves_nothing() {
     a_late_call_leaves_no_reservation(4_000, 1_000).await;
 }
 
-/// One call that fails (Redis held past the timeout) is not an outage:
-/// under `on_failure = "reject"` the request gets its 503 and `/readyz`
-/// stays 200; three in a row make it 503, as the store is down. One slow
-/// call made the instance unready until the next succeeded.
+/// One stall is not an outage: Redis held past the timeout fails the
+/// eight calls in flight together; under `on_failure = "reject"` each
+/// request gets its 503, and `/readyz` stays 200. Calls failing in a row
+/// for a second make it 503, as the store is down. One slow call made the
+/// instance unready until the next succeeded, and counting calls alone
+/// made one stall under traffic do the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_failed_call_does_not_make_the_instance_unready() {
+async fn one_stall_does_not_make_the_instance_unready() {
     let redis = RedisServer::start();
     let ds = Downstream::start().await;
     let url = format!("redis://127.0.0.1:{}", redis.port);
@@ -910,16 +915,32 @@ async fn one_failed_call_does_not_make_the_instance_unready() {
         let (c, url) = (c.clone(), s.admin_url("/readyz"));
         async move { get(&c, &url, &[]).await.status }
     };
-    for i in 0..3 {
-        if i == 1 {
-            assert_eq!(ready(&c).await, StatusCode::OK, "after one failed call");
-        }
-        let a = get(&c, &s.url(&format!("/{i}")), &[("x-client", "k")]).await;
+    let stalled = Instant::now();
+    let together: Vec<_> = (0..8)
+        .map(|i| {
+            let (c, url) = (c.clone(), s.url(&format!("/{i}")));
+            tokio::spawn(async move { get(&c, &url, &[("x-client", &format!("k{i}"))]).await })
+        })
+        .collect();
+    for h in together {
+        assert_eq!(h.await.unwrap().status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert_eq!(
+        ready(&c).await,
+        StatusCode::OK,
+        "after eight calls failed together ({:?} into the stall)",
+        stalled.elapsed()
+    );
+    // The store stays silent: a second of calls failing in a row is down.
+    let mut n = 0;
+    while stalled.elapsed() < Duration::from_millis(1_300) {
+        let a = get(&c, &s.url(&format!("/more/{n}")), &[("x-client", "k")]).await;
         assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+        n += 1;
     }
     assert_eq!(
         ready(&c).await,
         StatusCode::SERVICE_UNAVAILABLE,
-        "after three"
+        "after {n} more failed calls"
     );
 }

@@ -214,6 +214,9 @@ pub struct Cluster {
     /// Calls failed in a row since the last that succeeded (see
     /// [`Cluster::is_healthy`]).
     failed_in_row: AtomicU32,
+    /// When the first of them failed, in µs since `epoch`.
+    failing_since: AtomicU64,
+    epoch: Instant,
     /// The store's count of good checks when a call last failed.
     failed_at: AtomicU64,
     duration: Arc<m::Histogram>,
@@ -232,8 +235,15 @@ fn hex(bytes: &[u8]) -> String {
 
 /// Calls failed in a row after which the store counts as down (for
 /// `/readyz` under `on_failure = "reject"`, and `sluice_cluster_healthy`),
-/// as Envoy's outlier detection counts consecutive errors.
+/// as Envoy's outlier detection counts consecutive errors, once they have
+/// gone on for [`UNHEALTHY_FOR`].
 const UNHEALTHY_AFTER: u32 = 3;
+
+/// How long calls must have failed in a row for the store to count as
+/// down. Under heavy traffic one stall longer than `timeout` fails every
+/// call in flight at once (many in a row), and the next call succeeds:
+/// that is not an outage, and counting alone made `/readyz` flap.
+const UNHEALTHY_FOR: Duration = Duration::from_secs(1);
 
 /// Client keys longer than this are named in the store by their digest.
 const LONGEST_STORED_KEY: usize = 256;
@@ -285,6 +295,8 @@ impl Cluster {
             on_failure: cfg.on_failure,
             instances: cfg.instances,
             failed_in_row: AtomicU32::new(0),
+            failing_since: AtomicU64::new(0),
+            epoch: Instant::now(),
             failed_at: AtomicU64::new(0),
             duration: m::histogram(m::CLUSTER_DURATION_SECONDS, &[("backend", backend)]),
         })
@@ -331,13 +343,23 @@ impl Cluster {
     }
 
     /// Whether the store answers: fewer than [`UNHEALTHY_AFTER`] calls
-    /// failed in a row (one slow call is not an outage: it made `/readyz`
+    /// failed in a row, or they have failed for less than
+    /// [`UNHEALTHY_FOR`] (one slow call, or one stall that failed the
+    /// calls in flight together, is not an outage: it made `/readyz`
     /// flap), or a background check succeeded since the last call failed
     /// (so an instance that no traffic reaches, being unready, sees the
     /// store come back).
     pub fn is_healthy(&self) -> bool {
+        let failing_for = self
+            .micros_now()
+            .saturating_sub(self.failing_since.load(Ordering::Relaxed));
         self.failed_in_row.load(Ordering::Relaxed) < UNHEALTHY_AFTER
+            || Duration::from_micros(failing_for) < UNHEALTHY_FOR
             || self.store.problem().checks_ok() > self.failed_at.load(Ordering::Relaxed)
+    }
+
+    fn micros_now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
     /// Store keys for a client of `route` (and its capped upstream, with
@@ -372,10 +394,15 @@ impl Cluster {
         }
         if ok {
             self.failed_in_row.store(0, Ordering::Relaxed);
-        } else {
-            let _ = self
-                .failed_in_row
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_add(1));
+        } else if let Ok(0) =
+            self.failed_in_row
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_add(1))
+        {
+            // The first of a run (the failure whose call started first
+            // ends about first too: every call has the same timeout).
+            let since = started.saturating_duration_since(self.epoch).as_micros();
+            self.failing_since
+                .store(u64::try_from(since).unwrap_or(u64::MAX), Ordering::Relaxed);
         }
         self.duration.record(started.elapsed());
         metrics::counter!(m::CLUSTER_CALLS_TOTAL, "backend" => self.backend, "result" => result)

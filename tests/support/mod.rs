@@ -1087,7 +1087,8 @@ pub async fn throttled_then_another(s: &Sluice, ds: &Downstream) -> (Answer, Ans
 
 /// The shared-schedule store of `s` (route key X-Client, on_failure =
 /// "reject") stops answering: `stop` (SIGSTOP), requests get 503 with
-/// Retry-After within 1 s and /readyz is 503; after `stopped_for`,
+/// Retry-After within 1 s and, once calls have failed for a second,
+/// /readyz is 503; after `stopped_for` (or that second),
 /// `resume` (SIGCONT), and sluice recovers by itself within 10 s.
 /// Returns the /metrics text after recovery.
 pub async fn store_stopped_then_resumed(
@@ -1102,7 +1103,9 @@ pub async fn store_stopped_then_resumed(
     assert_eq!(ok.status, StatusCode::OK);
     stop();
     let stopped = Instant::now();
-    for i in 0..3 {
+    let mut i = 0;
+    while i < 3 || stopped.elapsed() < Duration::from_millis(1_100) {
+        i += 1;
         let t = Instant::now();
         let a = get(&c, &s.url(&format!("/stopped/{i}")), &[("x-client", "k")]).await;
         assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
