@@ -576,9 +576,11 @@ capacity = 10
 }
 
 /// A host route cannot be skipped by the root's trailing dot
-/// (`api.example.` is `api.example`), and userinfo in the target or in
-/// Host is a 400 (RFC 9110 4.2.4), never a host to route by; so is a
-/// host that is not a name or address with a port (RFC 9112 3.2).
+/// (`api.example.` is `api.example`) or raw UTF-8 in the name (sound, as
+/// nginx takes it, and under a wildcard like any other name), and userinfo
+/// in the target or in Host is a 400 (RFC 9110 4.2.4), never a host to
+/// route by; so is a host that is not a name or address with a port (RFC
+/// 9112 3.2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_route_cannot_be_skipped_by_a_trailing_dot_userinfo_or_a_bad_port() {
     use std::io::{Read, Write};
@@ -587,6 +589,14 @@ async fn a_host_route_cannot_be_skipped_by_a_trailing_dot_userinfo_or_a_bad_port
 [[route]]
 name = "strict"
 match = { host = "api.example" }
+upstream = "api"
+key = "global"
+rate = "1/h"
+capacity = 0
+
+[[route]]
+name = "shops"
+match = { host = "*.shop.example" }
 upstream = "api"
 key = "global"
 rate = "1/h"
@@ -644,8 +654,12 @@ capacity = 10
     // A port is not another host: still the strict route.
     let port = status("GET /g HTTP/1.1\r\nHost: api.example:8080\r\nConnection: close\r\n\r\n");
     assert_eq!(port, "429");
+    let shop = status("GET /h HTTP/1.1\r\nHost: b.shop.example\r\nConnection: close\r\n\r\n");
+    assert_eq!(shop, "200");
+    let raw = status("GET /i HTTP/1.1\r\nHost: bücher.shop.example\r\nConnection: close\r\n\r\n");
+    assert_eq!(raw, "429", "a raw UTF-8 name took another route");
     let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
-    assert_eq!(paths, ["/a"]);
+    assert_eq!(paths, ["/a", "/h"]);
 }
 
 /// The admin listener holds at most 64 connections: past them a new one

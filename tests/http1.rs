@@ -418,7 +418,9 @@ async fn connection_close_ends_the_connection_after_its_answer() {
 /// Host as RFC 9112 3.2 has it: an HTTP/1.1 request without a Host, or
 /// with two, gets 400; an absolute-form target's authority comes before
 /// Host; an HTTP/1.0 request without one reaches the upstream with the
-/// upstream's own (sluice speaks HTTP/1.1 to it).
+/// upstream's own (sluice speaks HTTP/1.1 to it), and without the
+/// `X-Forwarded-Host` its client made up (it used to pass: there was no
+/// host to replace it with).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_is_required_once_and_the_targets_authority_comes_first() {
     let ds = Downstream::start().await;
@@ -441,7 +443,10 @@ async fn host_is_required_once_and_the_targets_authority_comes_first() {
         );
         assert_eq!(read_answer(c, false).status, 200);
         let c = &mut connect(addr);
-        send(c, b"GET /old HTTP/1.0\r\nX-Client: h\r\n\r\n");
+        send(
+            c,
+            b"GET /old HTTP/1.0\r\nX-Client: h\r\nX-Forwarded-Host: evil.example\r\n\r\n",
+        );
         let mut line = String::new();
         c.read_line(&mut line).unwrap();
         assert_eq!(line, "HTTP/1.0 200 OK\r\n");
@@ -461,6 +466,49 @@ async fn host_is_required_once_and_the_targets_authority_comes_first() {
         Some("a.example")
     );
     assert_eq!(host(1), Some(ds.addr.to_string().as_str()));
+    assert_eq!(seen[1].headers.get("x-forwarded-host"), None);
+}
+
+/// A connection hyper serves (from a request with a body on) is kept for
+/// `keepalive_timeout` between requests, like any other: hyper's header
+/// timer ran while it waited for its next request and closed it at
+/// `header_read_timeout` (1 s here, against 8 s). A head begun on it must
+/// still end within `header_read_timeout` of its first byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_hyper_serves_keeps_its_keepalive_timeout() {
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr).replace(
+        "[server]\n",
+        "[server]\nheader_read_timeout = \"1s\"\nkeepalive_timeout = \"8s\"\n",
+    );
+    let sluice = Sluice::start(&cfg);
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        let c = &mut connect(addr);
+        send(
+            c,
+            b"POST /echo HTTP/1.1\r\nHost: t\r\nX-Client: k\r\nContent-Length: 5\r\n\r\nhello",
+        );
+        assert_eq!(read_answer(c, false).status, 200);
+        std::thread::sleep(Duration::from_millis(2_500));
+        send(c, b"GET /later HTTP/1.1\r\nHost: t\r\nX-Client: k\r\n\r\n");
+        let a = read_answer(c, false);
+        assert_eq!((a.status, a.body.as_slice()), (200, &b"ok"[..]), "{a:?}");
+        // Half a head, then nothing: closed at the head's 1 s, not at the
+        // 8 s of keep-alive.
+        send(c, b"GET /half HTTP/1.1\r\nHo");
+        let begun = Instant::now();
+        let mut rest = Vec::new();
+        let read = c.read_to_end(&mut rest);
+        let took = begun.elapsed();
+        assert!(read.is_ok(), "{read:?} after {took:?}");
+        assert!(
+            took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+            "closed {took:?} after the head began"
+        );
+    })
+    .await
+    .unwrap();
 }
 
 /// An upstream that stops in the middle of its answer: after

@@ -743,22 +743,35 @@ async fn a_pause_cut_short_by_max_pause_sends_nothing_again() {
 }
 
 /// `forwarded_headers = false`: a third party is not told the callers'
-/// internal addresses (no X-Forwarded-*), while what the call needs passes
-/// (Authorization) and Via still says a proxy was on the way.
+/// internal addresses (no X-Forwarded-* or Forwarded, not even those a
+/// caller behind an internal load balancer brings), while what the call
+/// needs passes (Authorization) and Via still says a proxy was on the way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwarded_headers_can_be_kept_from_a_third_party() {
     let ds = Downstream::start().await;
     let config = queue_config(ds.addr, "").replace("url = ", "forwarded_headers = false\nurl = ");
     let s = Sluice::start(&config);
     let c = client();
-    let headers = [("x-client", "p"), ("authorization", "Bearer sk_test_1")];
+    let headers = [
+        ("x-client", "p"),
+        ("authorization", "Bearer sk_test_1"),
+        ("x-forwarded-for", "10.1.2.3"),
+        ("x-forwarded-proto", "https"),
+        ("x-forwarded-host", "billing.internal"),
+        ("forwarded", "for=10.1.2.3;host=billing.internal"),
+    ];
     assert_eq!(
         get(&c, &s.url("/charge"), &headers).await.status,
         StatusCode::OK
     );
     let seen = ds.seen();
     let h = &seen[0].headers;
-    for name in ["x-forwarded-for", "x-forwarded-proto", "x-forwarded-host"] {
+    for name in [
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "forwarded",
+    ] {
         assert!(!h.contains_key(name), "{name} was sent: {h:?}");
     }
     assert_eq!(h["authorization"], "Bearer sk_test_1");

@@ -106,7 +106,8 @@ pub struct Upstream {
     pub max_pause: Duration,
     pub protocol: UpstreamProtocol,
     /// Whether `X-Forwarded-For`, `-Proto` and `-Host` are added (off for a
-    /// third party that has no use for the callers' internal addresses).
+    /// third party that has no use for the callers' internal addresses:
+    /// then those the callers sent, and `Forwarded`, are removed).
     pub forwarded_headers: bool,
 }
 

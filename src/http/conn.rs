@@ -5,7 +5,11 @@
 //! connection is closed `header_read_timeout` after it opened if it never
 //! sent a request (a silent socket), and `keepalive_timeout` after its
 //! last request otherwise (HTTP/1.1 keep-alive and HTTP/2 alike; nginx's
-//! `client_header_timeout`, `keepalive_timeout`, `http2_idle_timeout`).
+//! `client_header_timeout`, `keepalive_timeout`, `http2_idle_timeout`);
+//! a head begun on an HTTP/1.1 connection must end `header_read_timeout`
+//! after its first byte (sluice's own server checks that itself; on
+//! hyper's, which would time an idle connection's wait for its next head
+//! as a head, [`Conns::head_bytes`] starts the clock here).
 //! When the worker is at its share of `max_connections`, a new connection
 //! closes the oldest idle one instead of waiting (nginx does the same with
 //! its "reusable" connections), so silent sockets cannot lock clients out.
@@ -39,6 +43,9 @@ pub struct ConnState {
     idle_since: AtomicU64,
     /// Whether it sits in the worker's idle queue.
     queued: AtomicBool,
+    /// When the bytes of a next head first came while idle, in ms since
+    /// the worker's epoch, plus 1; 0 for none (see [`Conns::head_bytes`]).
+    head_from: AtomicU64,
     /// Response bodies (on hyper's path) that handed hyper a frame hyper
     /// has not come back for: waiting for the client to take what was sent
     /// (a full socket, a closed HTTP/2 flow-control window) ...
@@ -217,6 +224,7 @@ impl Conns {
             served: AtomicBool::new(false),
             idle_since: AtomicU64::new(self.now_ms()),
             queued: AtomicBool::new(false),
+            head_from: AtomicU64::new(0),
             owed: AtomicU32::new(0),
             progress_at: AtomicU64::new(0),
             close: Close::default(),
@@ -321,6 +329,7 @@ impl Conns {
     pub fn request(self: &Arc<Self>, state: &Arc<ConnState>) -> RequestGuard {
         state.in_flight.fetch_add(1, Ordering::AcqRel);
         state.served.store(true, Ordering::Relaxed);
+        state.head_from.store(0, Ordering::Relaxed);
         RequestGuard {
             conns: self.clone(),
             state: state.clone(),
@@ -339,7 +348,29 @@ impl Conns {
             self.header_read_timeout
         };
         let since = Duration::from_millis(state.idle_since.load(Ordering::Acquire));
-        Some(self.epoch + since + timeout)
+        let idle = self.epoch + since + timeout;
+        match state.head_from.load(Ordering::Acquire) {
+            0 => Some(idle),
+            from => {
+                let head = self.epoch + Duration::from_millis(from - 1) + self.header_read_timeout;
+                Some(idle.min(head))
+            }
+        }
+    }
+
+    /// Bytes came in on `state`'s HTTP/1.1 connection served by hyper:
+    /// while it is idle, they begin a head, which must end within
+    /// `header_read_timeout` (hyper's own timer is off: it also ran while
+    /// the connection waited for its next request, and closed keep-alive
+    /// connections at `header_read_timeout` instead of `keepalive_timeout`).
+    pub fn head_bytes(&self, state: &ConnState) {
+        if state.in_flight.load(Ordering::Acquire) == 0
+            && state.head_from.load(Ordering::Relaxed) == 0
+        {
+            state
+                .head_from
+                .store(self.now_ms().saturating_add(1), Ordering::Release);
+        }
     }
 }
 

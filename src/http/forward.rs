@@ -50,7 +50,7 @@ use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
 use super::headers::{
     accepts_trailers, add_forwarded, append_via, foreign_transfer_coding, join_cookies, one_length,
-    strip_hop_by_hop, upgrade_to,
+    strip_forwarded, strip_hop_by_hop, upgrade_to,
 };
 use super::in_flight::{CallSlot, InFlight};
 use super::response::{ProxyBody, problem};
@@ -415,6 +415,8 @@ impl Upstream {
         join_cookies(&mut parts.headers);
         if self.forwarded_headers {
             add_forwarded(&mut parts.headers, peer, trusted, host.as_ref());
+        } else {
+            strip_forwarded(&mut parts.headers);
         }
         append_via(&mut parts.headers, parts.version);
         let host = match &self.host {

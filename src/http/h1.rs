@@ -116,6 +116,9 @@ pub struct Rewind {
     io: TcpStream,
     /// `send_timeout`, for writes.
     stall: Stall,
+    /// HTTP/1.1: told of bytes read, which start the clock of a head
+    /// when the connection is idle ([`Conns::head_bytes`]).
+    heads: Option<(Arc<Conns>, Arc<ConnState>)>,
 }
 
 impl Rewind {
@@ -145,7 +148,14 @@ impl AsyncRead for Rewind {
             this.prefix.advance(n);
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut this.io).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let read = Pin::new(&mut this.io).poll_read(cx, buf);
+        if buf.filled().len() > before
+            && let Some((conns, state)) = &this.heads
+        {
+            conns.head_bytes(state);
+        }
+        read
     }
 }
 
@@ -266,13 +276,19 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                         if first && H2_PREFACE.starts_with(&buf[..buf.len().min(H2_PREFACE.len())])
                         {
                             if buf.len() >= H2_PREFACE.len() {
-                                return hand_over(buf, stream, true, s.conns.send_timeout);
+                                return hand_over(buf, stream, None, s.conns.send_timeout);
                             }
                         } else {
                             let bad = match parse(&mut buf, s.max_head) {
                                 Parsed::Request(head) => break head,
                                 Parsed::Hyper => {
-                                    return hand_over(buf, stream, false, s.conns.send_timeout);
+                                    let heads = (s.conns.clone(), s.state.clone());
+                                    return hand_over(
+                                        buf,
+                                        stream,
+                                        Some(heads),
+                                        s.conns.send_timeout,
+                                    );
                                 }
                                 Parsed::Bad => true,
                                 Parsed::Partial => false,
@@ -351,14 +367,21 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
     }
 }
 
-fn hand_over(buf: BytesMut, io: TcpStream, h2: bool, send_timeout: Duration) -> Next {
+/// `heads`: for HTTP/1.1 (`None`: HTTP/2).
+fn hand_over(
+    buf: BytesMut,
+    io: TcpStream,
+    heads: Option<(Arc<Conns>, Arc<ConnState>)>,
+    send_timeout: Duration,
+) -> Next {
     Next::Hyper {
+        h2: heads.is_none(),
         io: Rewind {
             prefix: buf.freeze(),
             io,
             stall: Stall::new(send_timeout),
+            heads,
         },
-        h2,
     }
 }
 

@@ -13,8 +13,8 @@ use super::response::ceil_secs;
 use super::route::Route;
 use crate::admission::{ClientView, Nanos};
 use http::header::{
-    CONNECTION, CONTENT_LENGTH, COOKIE, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING,
-    UPGRADE, VIA,
+    CONNECTION, CONTENT_LENGTH, COOKIE, FORWARDED, HeaderMap, HeaderName, HeaderValue, TE,
+    TRANSFER_ENCODING, UPGRADE, VIA,
 };
 
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
@@ -347,10 +347,28 @@ pub fn add_forwarded(
     if !(trusted && headers.contains_key(&X_FORWARDED_PROTO)) {
         headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
     }
-    if let Some(host) = host
-        && !(trusted && headers.contains_key(&X_FORWARDED_HOST))
-    {
-        headers.insert(X_FORWARDED_HOST, host.clone());
+    if !(trusted && headers.contains_key(&X_FORWARDED_HOST)) {
+        // A request with no host at all (HTTP/1.0, an HTTP/2 request
+        // without `:authority`): none, rather than the client's own.
+        match host {
+            Some(host) => headers.insert(X_FORWARDED_HOST, host.clone()),
+            None => headers.remove(X_FORWARDED_HOST),
+        };
+    }
+}
+
+/// Remove what names the callers and the way they came (for an upstream
+/// with `forwarded_headers = false`, a third party): a caller behind an
+/// internal load balancer brings `X-Forwarded-*` or `Forwarded` fields
+/// with internal addresses and host names in them.
+pub fn strip_forwarded(headers: &mut HeaderMap) {
+    for name in [
+        X_FORWARDED_FOR,
+        X_FORWARDED_PROTO,
+        X_FORWARDED_HOST,
+        FORWARDED,
+    ] {
+        headers.remove(name);
     }
 }
 
@@ -709,5 +727,27 @@ mod tests {
         add_forwarded(&mut h, peer, true, Some(&host));
         assert_eq!(h[&X_FORWARDED_PROTO], "http");
         assert_eq!(h[&X_FORWARDED_HOST], "internal:8080");
+        // A request with no host (HTTP/1.0): the client's goes all the
+        // same, unless a trusted proxy sent it.
+        let mut h = sent();
+        add_forwarded(&mut h, peer, false, None);
+        assert!(h.get(X_FORWARDED_HOST).is_none());
+        let mut h = sent();
+        add_forwarded(&mut h, peer, true, None);
+        assert_eq!(h[&X_FORWARDED_HOST], "shop.example");
+    }
+
+    #[test]
+    fn a_third_party_learns_nothing_of_the_callers() {
+        let mut h = map(&[
+            ("x-forwarded-for", "10.1.2.3"),
+            ("x-forwarded-proto", "https"),
+            ("x-forwarded-host", "internal.corp"),
+            ("forwarded", "for=10.1.2.3;host=internal.corp"),
+            ("x-request-id", "7"),
+        ]);
+        strip_forwarded(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert_eq!(h["x-request-id"], "7");
     }
 }

@@ -100,14 +100,15 @@ fn cost_of(cost: &Cost, headers: &HeaderMap) -> Result<u32, String> {
 
 /// Whether a request for `host` matches a route's `pattern` (lower case;
 /// `*.example.com` takes any name under example.com, not example.com
-/// itself, as nginx's `server_name`).
-fn host_matches(pattern: &str, host: &str) -> bool {
-    match pattern.strip_prefix('*') {
+/// itself, as nginx's `server_name`). Compared as bytes: a name with raw
+/// UTF-8 in it (which [`sound_host`] lets through, as nginx does) is
+/// matched like any other, not left for a route without a host.
+fn host_matches(pattern: &str, host: &[u8]) -> bool {
+    let pattern = pattern.as_bytes();
+    match pattern.strip_prefix(b"*") {
         Some(suffix) => {
             host.len() > suffix.len()
-                && host
-                    .get(host.len() - suffix.len()..)
-                    .is_some_and(|tail| tail.eq_ignore_ascii_case(suffix))
+                && host[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
         }
         None => host.eq_ignore_ascii_case(pattern),
     }
@@ -173,20 +174,20 @@ pub fn sound_host(raw: &[u8]) -> bool {
 /// The host a request is for, without port: the target's authority (an
 /// absolute-form target, which RFC 9112 3.2.2 puts before `Host`, or
 /// HTTP/2's `:authority`), else `Host`.
-pub fn request_host<B>(req: &Request<B>) -> Option<&str> {
-    let raw = req.uri().authority().map(|a| a.as_str()).or_else(|| {
-        req.headers()
-            .get(http::header::HOST)
-            .and_then(|h| h.to_str().ok())
-    })?;
-    let host = match raw.strip_prefix('[') {
-        Some(v6) => v6.split(']').next().unwrap_or(v6),
+pub fn request_host<B>(req: &Request<B>) -> Option<&[u8]> {
+    let raw = req
+        .uri()
+        .authority()
+        .map(|a| a.as_str().as_bytes())
+        .or_else(|| req.headers().get(http::header::HOST).map(|h| h.as_bytes()))?;
+    let host = match raw.strip_prefix(b"[") {
+        Some(v6) => v6.split(|&b| b == b']').next().unwrap_or(v6),
         None => {
             // [`sound_host`] was checked: at most one colon, then a port.
-            let name = raw.split_once(':').map_or(raw, |(h, _)| h);
+            let name = raw.split(|&b| b == b':').next().unwrap_or(raw);
             // The root's dot names the same host ("api.example." is
             // "api.example"), as nginx takes it.
-            name.strip_suffix('.').unwrap_or(name)
+            name.strip_suffix(b".").unwrap_or(name)
         }
     };
     Some(host)
@@ -379,12 +380,15 @@ mod tests {
 
     #[test]
     fn a_wildcard_host_takes_names_under_it_only() {
-        assert!(host_matches("*.example.com", "api.example.com"));
-        assert!(host_matches("*.example.com", "a.b.EXAMPLE.com"));
-        assert!(!host_matches("*.example.com", "example.com"));
-        assert!(!host_matches("*.example.com", "badexample.com"));
-        assert!(!host_matches("*.example.com", ".example.com"));
-        assert!(host_matches("api.example.com", "API.example.com"));
-        assert!(!host_matches("api.example.com", "x.api.example.com"));
+        let m = |pattern: &str, host: &str| host_matches(pattern, host.as_bytes());
+        assert!(m("*.example.com", "api.example.com"));
+        assert!(m("*.example.com", "a.b.EXAMPLE.com"));
+        assert!(!m("*.example.com", "example.com"));
+        assert!(!m("*.example.com", "badexample.com"));
+        assert!(!m("*.example.com", ".example.com"));
+        assert!(m("api.example.com", "API.example.com"));
+        assert!(!m("api.example.com", "x.api.example.com"));
+        // Raw UTF-8 (sound, as nginx takes it) is under the wildcard too.
+        assert!(m("*.shop.example", "ü.shop.example"));
     }
 }

@@ -36,7 +36,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use super::Concurrency;
-use super::conn::{Conns, Guarded, OwnedPermit, Reason};
+use super::conn::{ConnState, Conns, Guarded, OwnedPermit, Reason};
 use super::h1::{self, RequestBody, Rewind};
 use super::handler::Handler;
 use super::route::App;
@@ -208,7 +208,11 @@ impl Server {
         let mut http1 = http1::Builder::new();
         http1
             .timer(TokioTimer::new())
-            .header_read_timeout(config.server.header_read_timeout)
+            // Timed by the connection's task instead (`Conns::head_bytes`):
+            // hyper's timer also runs while a keep-alive connection waits
+            // for its next request, which closed it at this timeout rather
+            // than at `keepalive_timeout`.
+            .header_read_timeout(None)
             .max_buf_size(config.server.max_header_size);
         let mut http2 = http2::Builder::new(TokioExecutor::new());
         http2
@@ -481,7 +485,12 @@ impl Worker {
                 let deadline = self.conns.idle_deadline(&state);
                 let recheck = deadline
                     .unwrap_or_else(|| Instant::now() + self.conns.keepalive_timeout.min(grace));
+                let timer = tokio::time::sleep_until(recheck.into());
+                tokio::pin!(timer);
                 tokio::select! {
+                    // The connection first: the bytes it reads may bring
+                    // the idle deadline forward (a head begun).
+                    biased;
                     result = conn.as_mut() => {
                         if let Err(e) = result {
                             debug!(%peer, error = %e, "connection ended with an error");
@@ -496,7 +505,7 @@ impl Worker {
                         closing = true;
                         give_up = Instant::now() + grace;
                     }
-                    () = tokio::time::sleep_until(recheck.into()), if !closing => {
+                    () = idle_timer(&self.conns, &state, timer.as_mut()), if !closing => {
                         if self.conns.stalled(&state) {
                             debug!(%peer, "client took nothing of its answers for send_timeout: closed");
                             break;
@@ -524,6 +533,24 @@ impl Worker {
             drop(permit);
         }
     }
+}
+
+/// `timer`, brought forward to the connection's idle deadline when that
+/// has come earlier since it was set (the first bytes of a head, read by
+/// hyper, start the header timeout).
+fn idle_timer<'a>(
+    conns: &'a Conns,
+    state: &'a ConnState,
+    mut timer: Pin<&'a mut tokio::time::Sleep>,
+) -> impl Future<Output = ()> + 'a {
+    std::future::poll_fn(move |cx| {
+        if let Some(due) = conns.idle_deadline(state)
+            && due < timer.deadline().into_std()
+        {
+            timer.as_mut().reset(due.into());
+        }
+        timer.as_mut().poll(cx)
+    })
 }
 
 impl<S, B> Conn<S>
