@@ -450,6 +450,52 @@ capacity = 10
     );
 }
 
+/// A request released while the upstream's slots are all taken, and
+/// `max_queued` is used up by another waiting for one, gets 503 at once
+/// and counts as `overloaded` (it was counted `expired`, which says the
+/// drain gave up on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_room_to_wait_for_an_upstream_slot_counts_as_overloaded() {
+    let ds = Downstream::start().await;
+    let routes = format!(
+        "{}\n[limits]\nmax_queued = 1\n",
+        default_route("header:X-Client", "1000/s", 10)
+    );
+    let config = base(ds.addr, "", &routes).replace("url = ", "max_concurrency = 1\nurl = ");
+    let s = Sluice::start(&config);
+    let c = client();
+    let slow = {
+        let (c, url) = (c.clone(), s.url("/slow"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await.status })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let waiting = {
+        let (c, url) = (c.clone(), s.url("/waiting"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "b")]).await.status })
+    };
+    s.wait_queued(1).await;
+    let third = get(&c, &s.url("/third"), &[("x-client", "c")]).await;
+    assert_eq!(third.status, StatusCode::SERVICE_UNAVAILABLE);
+    let text =
+        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
+    let count = |outcome: &str| {
+        let series = format!(
+            "sluice_requests_total{{route=\"default\",protocol=\"http\",outcome=\"{outcome}\"}} "
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .map(str::to_owned)
+    };
+    assert_eq!(count("overloaded").as_deref(), Some("1"), "{text}");
+    assert_eq!(count("expired").as_deref(), Some("0"), "{text}");
+    assert_eq!(slow.await.unwrap(), StatusCode::OK);
+    assert_eq!(waiting.await.unwrap(), StatusCode::OK);
+}
+
 /// A queued request whose body stops arriving is answered 408 after
 /// `server.body_read_timeout` with no new part, and gives its room in the
 /// staging budget back (nginx's `client_body_timeout`): a client cannot

@@ -612,6 +612,47 @@ async fn an_upstream_429_pauses_it_and_retries_what_is_safe() {
         text.contains("sluice_upstream_pauses_total{upstream=\"api\",protocol=\"http\"} 2"),
         "{text}"
     );
+    // Three requests, each one arrival and one outcome: the one sent
+    // again is not a second arrival.
+    for line in [
+        "sluice_arrivals_total{route=\"pay\",protocol=\"http\"} 3",
+        "sluice_requests_total{route=\"pay\",protocol=\"http\",outcome=\"forwarded\"} 3",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line}: {text}");
+    }
+}
+
+/// A request the upstream throttled, whose second send is refused (here
+/// capacity = 0: nothing may wait out the pause), gets the upstream's
+/// answer and counts once, as forwarded: its refusal was counted as well,
+/// and its second admission as a second arrival.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_request_counts_once_when_it_cannot_go_again() {
+    let ds = Downstream::start().await;
+    let config = pausing_at_100(ds.addr).replace("capacity = 10", "capacity = 0");
+    let s = Sluice::start(&config);
+    let c = client();
+    let a = get(&c, &s.url("/throttle/once"), &[("x-client", "k")]).await;
+    assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(&a.body[..], b"slow down", "the upstream's own answer");
+    assert_eq!(ds.seen().len(), 1);
+    let text =
+        String::from_utf8_lossy(&get(&c, &s.admin_url("/metrics"), &[]).await.body).into_owned();
+    let series = |outcome: &str| {
+        format!("sluice_requests_total{{route=\"pay\",protocol=\"http\",outcome=\"{outcome}\"}} ")
+    };
+    let value = |prefix: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .map(str::to_owned)
+    };
+    assert_eq!(value(&series("forwarded")).as_deref(), Some("1"), "{text}");
+    assert_eq!(value(&series("rejected")).as_deref(), Some("0"), "{text}");
+    assert_eq!(
+        value("sluice_arrivals_total{route=\"pay\",protocol=\"http\"} ").as_deref(),
+        Some("1"),
+        "{text}"
+    );
 }
 
 /// A request without a body that waited its turn is sent again after the

@@ -358,10 +358,20 @@ impl Hold {
         std::future::poll_fn(move |cx| self.poll_wait(cx))
     }
 
+    /// As [`Hold::wait`] for a hold from [`Admission::admit_again`]: its
+    /// wait and its end are not counted.
+    pub fn wait_again(&mut self) -> impl Future<Output = Result<(), HoldError>> + Send + '_ {
+        std::future::poll_fn(move |cx| self.poll_settled(cx, Count::No))
+    }
+
     /// Ready when the request may depart, or may not (the drain ended, or
     /// `max_wait` passed). Polled in place, with no future of its own: a
     /// held request's whole state is what it carries while it waits.
     pub fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), HoldError>> {
+        self.poll_settled(cx, Count::Yes)
+    }
+
+    fn poll_settled(&mut self, cx: &mut Context<'_>, count: Count) -> Poll<Result<(), HoldError>> {
         let result = match self.kind.as_mut() {
             None => Ok(()),
             Some(HoldKind::Shared(s)) => match s.poll_departed(&self.closing, cx) {
@@ -393,6 +403,7 @@ impl Hold {
             }
         }
         match result {
+            _ if count == Count::No => {}
             Ok(()) => self.rule.queue_wait.record(self.arrival.elapsed()),
             Err(_) => self.rule.count(Outcome::Expired),
         }
@@ -430,6 +441,14 @@ impl Drop for Hold {
             self.release(kind);
         }
     }
+}
+
+/// Whether an admission is counted (an arrival's), or not (a request
+/// admitted again after its upstream throttled it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Count {
+    Yes,
+    No,
 }
 
 /// Outcome totals, for `/status`.
@@ -608,11 +627,36 @@ impl Admission {
     /// `arrival` (a clock read the front end made anyway).
     pub async fn admit(&self, rule: &Arc<Rule>, key: Key, cost: u32, arrival: Instant) -> Verdict {
         rule.arrivals.increment(1);
+        self.decide(rule, key, cost, arrival, Count::Yes).await
+    }
+
+    /// Admit once more a request already admitted and sent (its upstream
+    /// throttled it), at `now`: not a second arrival, and its refusal or
+    /// its wait's end is not counted (its one outcome is the front end's
+    /// to count). Wait with [`Hold::wait_again`].
+    pub async fn admit_again(
+        &self,
+        rule: &Arc<Rule>,
+        key: Key,
+        cost: u32,
+        now: Instant,
+    ) -> Verdict {
+        self.decide(rule, key, cost, now, Count::No).await
+    }
+
+    async fn decide(
+        &self,
+        rule: &Arc<Rule>,
+        key: Key,
+        cost: u32,
+        arrival: Instant,
+        count: Count,
+    ) -> Verdict {
         let (mut local, mut at) = (rule.local, arrival);
         if let Some(cluster) = &self.cluster {
             // Boxed: the shared store's round trip is a large future that
             // a local admission need not carry.
-            match Box::pin(self.admit_shared(cluster, rule, &key, cost, arrival)).await {
+            match Box::pin(self.admit_shared(cluster, rule, &key, cost, arrival, count)).await {
                 Shared::Decided(v) => return v,
                 // Decided here, now: the arrival is as old as the failed
                 // call (up to `timeout`), and two requests admitted at
@@ -622,7 +666,7 @@ impl Admission {
                 }
             }
         }
-        self.admit_local(rule, local, key, cost, (arrival, at))
+        self.admit_local(rule, local, key, cost, (arrival, at), count)
     }
 
     /// [`Admission::admit`] with no future at all when no shared store is
@@ -637,7 +681,7 @@ impl Admission {
     ) -> Option<Verdict> {
         self.cluster.is_none().then(|| {
             rule.arrivals.increment(1);
-            self.admit_local(rule, rule.local, key, cost, (arrival, arrival))
+            self.admit_local(rule, rule.local, key, cost, (arrival, arrival), Count::Yes)
         })
     }
 
@@ -652,6 +696,7 @@ impl Admission {
         key: Key,
         cost: u32,
         (arrival, at): (Instant, Instant),
+        count: Count,
     ) -> Verdict {
         let verdict = match self.shaper.admit_at(local, key, cost, at) {
             Ok(Admitted::Now) => Verdict::Go,
@@ -681,16 +726,20 @@ impl Admission {
             Err(Rejection::TooManyClients) => Verdict::Overloaded(Overload::Clients),
             Err(Rejection::TooManyQueued) => Verdict::Overloaded(Overload::Queued),
         };
-        self.settle(rule, verdict, Duration::ZERO)
+        self.settle(rule, verdict, Duration::ZERO, count)
     }
 
-    /// Count a verdict, and apply dry-run: decide and count, go anyway.
-    fn settle(&self, rule: &Arc<Rule>, verdict: Verdict, wait: Duration) -> Verdict {
+    /// Count a verdict (unless told not to), and apply dry-run: decide and
+    /// count, go anyway.
+    fn settle(&self, rule: &Arc<Rule>, verdict: Verdict, wait: Duration, count: Count) -> Verdict {
+        let count = count == Count::Yes;
         match verdict {
             Verdict::Go => {
                 // Departed on arrival (or after a shared-schedule round
                 // trip, which is what it waited).
-                rule.queue_wait.record(wait);
+                if count {
+                    rule.queue_wait.record(wait);
+                }
                 Verdict::Go
             }
             Verdict::Wait(hold) if rule.dry_run => {
@@ -698,17 +747,23 @@ impl Admission {
                 Verdict::Go
             }
             Verdict::Refused { .. } | Verdict::Overloaded(_) if rule.dry_run => {
-                rule.refused.fetch_add(1, Ordering::Relaxed);
-                rule.dry_run_refusals.increment(1);
-                debug!(route = %rule.name, "dry run: would have refused");
+                if count {
+                    rule.refused.fetch_add(1, Ordering::Relaxed);
+                    rule.dry_run_refusals.increment(1);
+                    debug!(route = %rule.name, "dry run: would have refused");
+                }
                 Verdict::Go
             }
             Verdict::Refused { why, retry_after } => {
-                rule.refuse(Outcome::Rejected);
+                if count {
+                    rule.refuse(Outcome::Rejected);
+                }
                 Verdict::Refused { why, retry_after }
             }
             Verdict::Overloaded(o) => {
-                rule.refuse(Outcome::Overloaded);
+                if count {
+                    rule.refuse(Outcome::Overloaded);
+                }
                 Verdict::Overloaded(o)
             }
             wait @ Verdict::Wait(_) => wait,
@@ -725,6 +780,7 @@ impl Admission {
         key: &Key,
         cost: u32,
         arrival: Instant,
+        count: Count,
     ) -> Shared {
         let us = |ns: u64| ns / 1_000;
         let step = rule.policy.rate.interval_nanos();
@@ -812,7 +868,7 @@ impl Admission {
                 }
             }
         };
-        Shared::Decided(self.settle(rule, verdict, arrival.elapsed()))
+        Shared::Decided(self.settle(rule, verdict, arrival.elapsed(), count))
     }
 
     /// Resolves when work of `cost` for `key` that departed under `rule`

@@ -39,7 +39,7 @@ use super::forward::{Origin, OutBody, Upstream};
 use super::grpc;
 use super::h1::RequestBody;
 use super::headers::{Packed, add_ratelimit_headers, pack, upgrade_to};
-use super::in_flight::CallSlot;
+use super::in_flight::{CallSlot, InFlight};
 use super::key;
 use super::path;
 use super::response::{ProxyBody, full, problem};
@@ -739,8 +739,8 @@ impl Handler {
         let mut parts = parts;
         let permit = match self.in_flight_slot(upstream, &mut parts, call).await {
             Ok(p) => p,
-            Err(response) => {
-                route.rule.count(Outcome::Expired);
+            Err((response, outcome)) => {
+                route.rule.count(outcome);
                 return response;
             }
         };
@@ -825,18 +825,19 @@ impl Handler {
                 );
             }
         };
+        // Not a new arrival: the request's one outcome is counted below.
         let again = match admission
-            .admit(&route.rule, key.clone(), cost, Instant::now())
+            .admit_again(&route.rule, key.clone(), cost, Instant::now())
             .await
         {
             Verdict::Go => true,
             // Its max_wait still runs from its first arrival.
             Verdict::Wait(mut hold) => {
                 let departed = match deadline {
-                    Some(d) => tokio::time::timeout_at(d.into(), hold.wait())
+                    Some(d) => tokio::time::timeout_at(d.into(), hold.wait_again())
                         .await
                         .is_ok_and(|r| r.is_ok()),
-                    None => hold.wait().await.is_ok(),
+                    None => hold.wait_again().await.is_ok(),
                 };
                 if !departed {
                     hold.withdraw();
@@ -851,8 +852,8 @@ impl Handler {
         }
         let permit = match self.in_flight_slot(upstream, &mut parts, call).await {
             Ok(p) => p,
-            Err(response) => {
-                route.rule.count(Outcome::Expired);
+            Err((response, outcome)) => {
+                route.rule.count(outcome);
                 return response;
             }
         };
@@ -874,13 +875,13 @@ impl Handler {
     /// The request's head is packed while it waits, as in the queue. A
     /// gRPC call's deadline counts the wait too: it ends the wait (504,
     /// DEADLINE_EXCEEDED), and what is left of it is what the upstream is
-    /// told.
+    /// told. Refused, the answer and how it counts.
     async fn in_flight_slot(
         &self,
         upstream: &Upstream,
         head: &mut Parts,
         call: Option<(Instant, Duration)>,
-    ) -> Result<Option<CallSlot>, Response<ProxyBody>> {
+    ) -> Result<Option<CallSlot>, (Response<ProxyBody>, Outcome)> {
         let Some(cap) = upstream.concurrency() else {
             return Ok(None);
         };
@@ -889,8 +890,24 @@ impl Handler {
         }
         let admission = &self.shared.admission;
         let Some(_room) = admission.reserve_wait() else {
-            return Err(self.shared.overloaded(Overload::Queued));
+            let full = self.shared.overloaded(Overload::Queued);
+            return Err((full, Outcome::Overloaded));
         };
+        self.wait_for_slot(cap, upstream, head, call)
+            .await
+            .map_err(|answer| (answer, Outcome::Expired))
+    }
+
+    /// [`Handler::in_flight_slot`]'s wait for a slot of `cap`, with its
+    /// room in `max_queued` taken.
+    async fn wait_for_slot(
+        &self,
+        cap: &Arc<InFlight>,
+        upstream: &Upstream,
+        head: &mut Parts,
+        call: Option<(Instant, Duration)>,
+    ) -> Result<Option<CallSlot>, Response<ProxyBody>> {
+        let admission = &self.shared.admission;
         let left = call
             .and_then(|(arrival, t)| arrival.checked_add(t))
             .map(|d| d.saturating_duration_since(Instant::now()));
