@@ -298,7 +298,7 @@ async fn a_reload_that_changes_start_time_settings_is_refused_whole() {
     sluice.signal("HUP");
     wait_for_log(
         &sluice,
-        "server.max_connections, server.keepalive_timeout changed: restart sluice to apply",
+        "running config: server.max_connections, server.keepalive_timeout changed: restart sluice to apply",
     )
     .await;
     let c = client();

@@ -60,6 +60,9 @@ pub enum ServeError {
     Admission(#[from] AdmissionError),
     #[error("cannot set up the upstream client: {0}")]
     Client(String),
+    /// A reload that changes what only a restart applies.
+    #[error("{0} changed: restart sluice to apply (nothing was reloaded)")]
+    Restart(String),
     #[error("cannot start worker thread {0}: {1}")]
     Worker(usize, std::io::Error),
     #[error("cluster mode: {0}")]
@@ -91,12 +94,16 @@ pub(crate) struct Shared {
 
 /// The settings read once at start (sockets, worker runtimes, connection
 /// handling, the admin listener, the shared store), each with its value
-/// as text: a reload that changes one is refused whole.
+/// as text: a reload that changes one is refused whole. The same
+/// addresses in another order, or the worker count written out as what it
+/// was by default, are no change.
 pub(crate) fn fixed_at_start(config: &Config) -> Vec<(&'static str, String)> {
     let s = &config.server;
+    let mut listen = s.listen.clone();
+    listen.sort_unstable();
     vec![
-        ("server.listen", format!("{:?}", s.listen)),
-        ("server.workers", format!("{:?}", s.workers)),
+        ("server.listen", format!("{listen:?}")),
+        ("server.workers", serve::worker_count(s.workers).to_string()),
         ("server.max_connections", s.max_connections.to_string()),
         (
             "server.header_read_timeout",
@@ -227,10 +234,11 @@ impl Handle {
             .map(|((name, _), _)| *name)
             .collect();
         if !changed.is_empty() {
-            return Err(ServeError::Client(format!(
-                "{} changed: restart sluice to apply (nothing was reloaded)",
-                changed.join(", ")
-            )));
+            return Err(ServeError::Restart(changed.join(", ")));
+        }
+        if !shared.smtp.same_listeners(config) {
+            let what = "[[smtp]] listeners (their names and addresses)";
+            return Err(ServeError::Restart(what.to_owned()));
         }
         let smtp_pools = shared.smtp.prepare(config).map_err(ServeError::Client)?;
         let mut concurrency = lock(&shared.concurrency).clone();
@@ -474,4 +482,31 @@ pub(crate) fn limits(config: &Config) -> crate::admission::Limits {
 /// The counter for requests that matched no route (`route=""`).
 fn unrouted_counter() -> Counter {
     metrics::counter!(m::REQUESTS_TOTAL, "route" => "", "protocol" => "http", "outcome" => Outcome::Invalid.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixed(server: &str) -> Vec<(&'static str, String)> {
+        let text = format!(
+            "[server]\n{server}\n[[upstream]]\nname = \"api\"\nurl = \"http://127.0.0.1:9000\"\n\n\
+             [[route]]\nname = \"default\"\nupstream = \"api\"\nkey = \"ip\"\nrate = \"5/s\"\ncapacity = 10\n"
+        );
+        match Config::from_toml(&text) {
+            Ok(config) => fixed_at_start(&config),
+            Err(problems) => panic!("{problems:?}"),
+        }
+    }
+
+    #[test]
+    fn the_same_start_time_settings_written_otherwise_are_no_change() {
+        let a = fixed(r#"listen = ["127.0.0.1:8080", "127.0.0.1:8081"]"#);
+        let b = fixed(r#"listen = ["127.0.0.1:8081", "127.0.0.1:8080"]"#);
+        assert_eq!(a, b);
+        let cores = serve::worker_count(None);
+        assert_eq!(fixed(""), fixed(&format!("workers = {cores}")));
+        assert_ne!(fixed(""), fixed(&format!("workers = {}", cores + 1)));
+        assert_ne!(a, fixed(r#"listen = ["127.0.0.1:8080"]"#));
+    }
 }

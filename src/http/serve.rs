@@ -94,7 +94,7 @@ pub struct Server {
 }
 
 /// Workers for this machine: one per core, at most `configured` when set.
-fn worker_count(configured: Option<usize>) -> usize {
+pub(super) fn worker_count(configured: Option<usize>) -> usize {
     configured.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 

@@ -146,21 +146,10 @@ impl Front {
 
     /// What can fail in applying `config`, done first: its upstreams'
     /// pools (nothing changes until [`Front::install`]). A reload cannot
-    /// add, remove or move listeners: their sockets need a restart. An
-    /// upstream whose settings did not change keeps its pool, its open
+    /// add, remove or move listeners ([`Front::same_listeners`]): their
+    /// sockets need a restart. An upstream whose settings did not change keeps its pool, its open
     /// sessions and its `max_connections` count.
     pub fn prepare(&self, config: &Config) -> Result<Pools, String> {
-        let now: Vec<(String, Vec<SocketAddr>)> = config
-            .smtp
-            .iter()
-            .map(|l| (l.name.clone(), l.listen.clone()))
-            .collect();
-        if now != self.listen {
-            return Err(
-                "[[smtp]] listeners (their names and addresses) changed: restart sluice to apply"
-                    .to_owned(),
-            );
-        }
         let running = self.table.load();
         let pools = config
             .smtp_upstreams
@@ -171,6 +160,17 @@ impl Front {
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Pools(pools))
+    }
+
+    /// Whether `config` has the listeners running (names and addresses):
+    /// they are bound at start, and a reload cannot change them.
+    pub fn same_listeners(&self, config: &Config) -> bool {
+        config.smtp.len() == self.listen.len()
+            && config
+                .smtp
+                .iter()
+                .zip(&self.listen)
+                .all(|(l, (name, listen))| l.name == *name && l.listen == *listen)
     }
 
     /// Apply `config` with its prepared pools: its policies go to the
