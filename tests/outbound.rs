@@ -784,7 +784,7 @@ async fn a_pause_cut_short_by_max_pause_sends_nothing_again() {
 }
 
 /// `forwarded_headers = false`: a third party is not told the callers'
-/// internal addresses (no X-Forwarded-* or Forwarded, not even those a
+/// internal addresses (no X-Forwarded-*, X-Real-IP or Forwarded, not even those a
 /// caller behind an internal load balancer brings), while what the call
 /// needs passes (Authorization) and Via still says a proxy was on the way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -800,6 +800,8 @@ async fn forwarded_headers_can_be_kept_from_a_third_party() {
         ("x-forwarded-proto", "https"),
         ("x-forwarded-host", "billing.internal"),
         ("forwarded", "for=10.1.2.3;host=billing.internal"),
+        ("x-forwarded-server", "lb-3.internal"),
+        ("x-real-ip", "10.1.2.3"),
     ];
     assert_eq!(
         get(&c, &s.url("/charge"), &headers).await.status,
@@ -812,6 +814,8 @@ async fn forwarded_headers_can_be_kept_from_a_third_party() {
         "x-forwarded-proto",
         "x-forwarded-host",
         "forwarded",
+        "x-forwarded-server",
+        "x-real-ip",
     ] {
         assert!(!h.contains_key(name), "{name} was sent: {h:?}");
     }

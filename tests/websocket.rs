@@ -239,3 +239,42 @@ fn an_open_tunnel_holds_its_max_concurrency_slot() {
     );
     assert_eq!(server.opens().len(), 1, "the second reached the server");
 }
+
+/// An open tunnel does not stand in the way of the connection limit: one
+/// worker at `max_connections = 2` with two idle keep-alive connections
+/// beside a tunnel, and a new connection closes the oldest idle one at
+/// once. The tunnel kept its former connection's state alive, and an
+/// eviction took that state's place in the idle queue, closing nothing:
+/// the new connection waited for a keep-alive timeout (30 s here).
+#[test]
+fn an_open_tunnel_takes_no_eviction_meant_for_idle_connections() {
+    use std::io::{BufRead, BufReader, Write};
+    let server = WsServer::start();
+    let cfg = config(server.port(), "1s").replace(
+        "listen = [\"127.0.0.1:0\"]\n",
+        "listen = [\"127.0.0.1:0\"]\nworkers = 1\nmax_connections = 2\nkeepalive_timeout = \"30s\"\n",
+    );
+    let sluice = Sluice::start(&cfg);
+    let _held = hold_tunnels(&sluice, 1);
+    let ask = |path: &str| {
+        let sock = std::net::TcpStream::connect(sluice.addr).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut conn = BufReader::new(sock);
+        let head = format!("GET {path} HTTP/1.1\r\nHost: t\r\n\r\n");
+        conn.get_mut().write_all(head.as_bytes()).unwrap();
+        let mut line = String::new();
+        let _ = conn.read_line(&mut line);
+        (conn, line)
+    };
+    // Two idle keep-alive connections: the worker is at its limit.
+    let idle: Vec<_> = ["/one", "/two"].into_iter().map(ask).collect();
+    for (_, line) in &idle {
+        assert!(line.starts_with("HTTP/1.1 "), "{line:?}");
+    }
+    let t = Instant::now();
+    let (_, line) = ask("/three");
+    let took = t.elapsed();
+    assert!(line.starts_with("HTTP/1.1 "), "{line:?} after {took:?}");
+    assert!(took < Duration::from_secs(5), "answered after {took:?}");
+}

@@ -16,8 +16,8 @@
 pub mod postgres;
 mod redis;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tracing::warn;
@@ -211,15 +211,46 @@ pub struct Cluster {
     timeout: Duration,
     pub on_failure: OnFailure,
     pub instances: u32,
-    /// Calls failed in a row since the last that succeeded (see
-    /// [`Cluster::is_healthy`]).
-    failed_in_row: AtomicU32,
-    /// When the first of them failed, in µs since `epoch`.
-    failing_since: AtomicU64,
-    epoch: Instant,
-    /// The store's count of good checks when a call last failed.
-    failed_at: AtomicU64,
+    /// The calls failing in a row now (see [`Cluster::is_healthy`]).
+    streak: Mutex<Streak>,
     duration: Arc<m::Histogram>,
+}
+
+/// Calls failed in a row since the last that succeeded (or since a good
+/// background check), and since when.
+#[derive(Default)]
+struct Streak {
+    failed: u32,
+    /// When the first of them was told it failed.
+    since: Option<Instant>,
+    /// The store's count of good checks when a call last failed.
+    checks_then: u64,
+}
+
+impl Streak {
+    /// A call was told at `now` that it failed; `checks` good background
+    /// checks so far. One since the last failure ended that run: this one
+    /// starts another. A run is timed from when its first call was told
+    /// (not from its start, which a `timeout` of a second or more would
+    /// put past [`UNHEALTHY_FOR`] already).
+    fn fail(&mut self, now: Instant, checks: u64) {
+        if self.failed == 0 || checks > self.checks_then {
+            self.failed = 0;
+            self.since = Some(now);
+        }
+        self.failed = self.failed.saturating_add(1);
+        self.checks_then = checks;
+    }
+
+    /// Whether the store counts as down at `now`, with `checks` good
+    /// background checks so far (see [`Cluster::is_healthy`]).
+    fn down(&self, now: Instant, checks: u64) -> bool {
+        self.failed >= UNHEALTHY_AFTER
+            && self
+                .since
+                .is_some_and(|t| now.saturating_duration_since(t) >= UNHEALTHY_FOR)
+            && checks <= self.checks_then
+    }
 }
 
 /// Hex of a key's bytes, safe inside a store key name.
@@ -294,10 +325,7 @@ impl Cluster {
             timeout: cfg.timeout,
             on_failure: cfg.on_failure,
             instances: cfg.instances,
-            failed_in_row: AtomicU32::new(0),
-            failing_since: AtomicU64::new(0),
-            epoch: Instant::now(),
-            failed_at: AtomicU64::new(0),
+            streak: Mutex::default(),
             duration: m::histogram(m::CLUSTER_DURATION_SECONDS, &[("backend", backend)]),
         })
     }
@@ -343,23 +371,19 @@ impl Cluster {
     }
 
     /// Whether the store answers: fewer than [`UNHEALTHY_AFTER`] calls
-    /// failed in a row, or they have failed for less than
-    /// [`UNHEALTHY_FOR`] (one slow call, or one stall that failed the
+    /// failed in a row, or less than [`UNHEALTHY_FOR`] passed since the
+    /// first of them failed (one slow call, or one stall that failed the
     /// calls in flight together, is not an outage: it made `/readyz`
     /// flap), or a background check succeeded since the last call failed
     /// (so an instance that no traffic reaches, being unready, sees the
     /// store come back).
     pub fn is_healthy(&self) -> bool {
-        let failing_for = self
-            .micros_now()
-            .saturating_sub(self.failing_since.load(Ordering::Relaxed));
-        self.failed_in_row.load(Ordering::Relaxed) < UNHEALTHY_AFTER
-            || Duration::from_micros(failing_for) < UNHEALTHY_FOR
-            || self.store.problem().checks_ok() > self.failed_at.load(Ordering::Relaxed)
+        let checks = self.store.problem().checks_ok();
+        !self.streak().down(Instant::now(), checks)
     }
 
-    fn micros_now(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    fn streak(&self) -> std::sync::MutexGuard<'_, Streak> {
+        self.streak.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Store keys for a client of `route` (and its capped upstream, with
@@ -388,21 +412,13 @@ impl Cluster {
     }
 
     fn record(&self, started: Instant, ok: bool, result: &'static str) {
-        if !ok {
-            let checks = self.store.problem().checks_ok();
-            self.failed_at.store(checks, Ordering::Relaxed);
-        }
-        if ok {
-            self.failed_in_row.store(0, Ordering::Relaxed);
-        } else if let Ok(0) =
-            self.failed_in_row
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_add(1))
         {
-            // The first of a run (the failure whose call started first
-            // ends about first too: every call has the same timeout).
-            let since = started.saturating_duration_since(self.epoch).as_micros();
-            self.failing_since
-                .store(u64::try_from(since).unwrap_or(u64::MAX), Ordering::Relaxed);
+            let mut streak = self.streak();
+            if ok {
+                *streak = Streak::default();
+            } else {
+                streak.fail(Instant::now(), self.store.problem().checks_ok());
+            }
         }
         self.duration.record(started.elapsed());
         metrics::counter!(m::CLUSTER_CALLS_TOTAL, "backend" => self.backend, "result" => result)
@@ -540,7 +556,36 @@ fn decode(ask: Ask, reply: &[i64]) -> Result<Verdict, ClusterError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{LONGEST_STORED_KEY, hex, store_name};
+    use std::time::{Duration, Instant};
+
+    use super::{LONGEST_STORED_KEY, Streak, hex, store_name};
+
+    #[test]
+    fn the_store_is_down_after_a_second_of_calls_failing_in_a_row() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut s = Streak::default();
+        // One stall: eight calls in flight fail together.
+        for _ in 0..8 {
+            s.fail(at(0), 0);
+        }
+        assert!(!s.down(at(999), 0));
+        assert!(s.down(at(1_000), 0));
+        // A good background check since: up, and the next failure starts
+        // a run of its own (it was down at once on one failed call).
+        assert!(!s.down(at(1_000), 1));
+        s.fail(at(6_000), 1);
+        assert!(!s.down(at(6_001), 1));
+        s.fail(at(6_500), 1);
+        s.fail(at(6_900), 1);
+        assert!(!s.down(at(6_999), 1));
+        assert!(s.down(at(7_000), 1));
+        // Two calls failing for a long time are not three.
+        let mut s = Streak::default();
+        s.fail(at(0), 0);
+        s.fail(at(5_000), 0);
+        assert!(!s.down(at(9_000), 0));
+    }
 
     #[test]
     fn a_key_is_named_by_its_hex_and_a_long_one_by_its_digest() {

@@ -107,7 +107,7 @@ pub struct Upstream {
     pub protocol: UpstreamProtocol,
     /// Whether `X-Forwarded-For`, `-Proto` and `-Host` are added (off for a
     /// third party that has no use for the callers' internal addresses:
-    /// then those the callers sent, and `Forwarded`, are removed).
+    /// then those the callers sent, `X-Real-IP` and `Forwarded` are removed).
     pub forwarded_headers: bool,
 }
 

@@ -29,7 +29,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -117,8 +117,11 @@ pub struct Rewind {
     /// `send_timeout`, for writes.
     stall: Stall,
     /// HTTP/1.1: told of bytes read, which start the clock of a head
-    /// when the connection is idle ([`Conns::head_bytes`]).
-    heads: Option<(Arc<Conns>, Arc<ConnState>)>,
+    /// when the connection is idle ([`Conns::head_bytes`]). Weak: after a
+    /// protocol switch the tunnel keeps this socket, and the connection's
+    /// state must go with its task (its entry in the idle queue, upgraded,
+    /// would take an eviction that closes nothing).
+    heads: Option<(Arc<Conns>, Weak<ConnState>)>,
 }
 
 impl Rewind {
@@ -152,8 +155,9 @@ impl AsyncRead for Rewind {
         let read = Pin::new(&mut this.io).poll_read(cx, buf);
         if buf.filled().len() > before
             && let Some((conns, state)) = &this.heads
+            && let Some(state) = state.upgrade()
         {
-            conns.head_bytes(state);
+            conns.head_bytes(&state);
         }
         read
     }
@@ -282,7 +286,7 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                             let bad = match parse(&mut buf, s.max_head) {
                                 Parsed::Request(head) => break head,
                                 Parsed::Hyper => {
-                                    let heads = (s.conns.clone(), s.state.clone());
+                                    let heads = (s.conns.clone(), Arc::downgrade(s.state));
                                     return hand_over(
                                         buf,
                                         stream,
@@ -371,7 +375,7 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
 fn hand_over(
     buf: BytesMut,
     io: TcpStream,
-    heads: Option<(Arc<Conns>, Arc<ConnState>)>,
+    heads: Option<(Arc<Conns>, Weak<ConnState>)>,
     send_timeout: Duration,
 ) -> Next {
     Next::Hyper {

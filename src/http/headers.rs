@@ -8,6 +8,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http::request::Parts;
 use http::uri::InvalidUri;
 use http::{Extensions, Method, Request, Uri, Version};
+use smallvec::SmallVec;
 
 use super::response::ceil_secs;
 use super::route::Route;
@@ -22,6 +23,7 @@ const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection")
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 pub(super) const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub(super) const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
@@ -359,15 +361,16 @@ pub fn add_forwarded(
 
 /// Remove what names the callers and the way they came (for an upstream
 /// with `forwarded_headers = false`, a third party): a caller behind an
-/// internal load balancer brings `X-Forwarded-*` or `Forwarded` fields
-/// with internal addresses and host names in them.
+/// internal load balancer brings `X-Forwarded-*` (Traefik adds `-Server`,
+/// `-Port`, `-Prefix` too), `X-Real-IP` or `Forwarded` fields with
+/// internal addresses and host names in them.
 pub fn strip_forwarded(headers: &mut HeaderMap) {
-    for name in [
-        X_FORWARDED_FOR,
-        X_FORWARDED_PROTO,
-        X_FORWARDED_HOST,
-        FORWARDED,
-    ] {
+    let named: SmallVec<[HeaderName; 4]> = headers
+        .keys()
+        .filter(|n| n.as_str().starts_with("x-forwarded-") || *n == X_REAL_IP || *n == FORWARDED)
+        .cloned()
+        .collect();
+    for name in named {
         headers.remove(name);
     }
 }
@@ -744,6 +747,9 @@ mod tests {
             ("x-forwarded-proto", "https"),
             ("x-forwarded-host", "internal.corp"),
             ("forwarded", "for=10.1.2.3;host=internal.corp"),
+            ("x-forwarded-server", "lb-3.internal.corp"),
+            ("x-forwarded-port", "8443"),
+            ("x-real-ip", "10.1.2.3"),
             ("x-request-id", "7"),
         ]);
         strip_forwarded(&mut h);

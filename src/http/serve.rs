@@ -94,7 +94,7 @@ pub struct Server {
 }
 
 /// Workers for this machine: one per core, at most `configured` when set.
-pub(super) fn worker_count(configured: Option<usize>) -> usize {
+fn worker_count(configured: Option<usize>) -> usize {
     configured.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
@@ -246,7 +246,7 @@ impl Server {
                 loaded_at: AtomicU64::new(unix_now()),
                 unrouted: unrouted_counter(),
                 tunnels: super::tunnel::Tunnels::new(config.server.max_tunnels),
-                fixed: super::fixed_at_start(config),
+                fixed: super::fixed_at_start(config, workers),
             }),
             listeners,
             addrs,
