@@ -75,9 +75,11 @@ impl Cap {
     }
 
     /// Advance the slot for a departure of `cost` scheduled at `at` and made
-    /// at `now`: the cap keeps its grid through short release delays,
-    /// catching up no faster than twice its rate; a delay longer than
-    /// [`CAP_REANCHOR`] (or one slot, when slots are longer) restarts it.
+    /// at `now`: the cap keeps its grid through release delays under half
+    /// a slot; a later release is followed half a slot after it at the
+    /// earliest (no faster than twice its rate), and the grid goes on from
+    /// there; a delay longer than [`CAP_REANCHOR`] (or one slot, when slots
+    /// are longer) restarts it a whole slot after the release.
     fn advance(&mut self, cost: u64, at: Nanos, now: Nanos) {
         let gap = cost.saturating_mul(self.step);
         let late = now.saturating_sub(at);
