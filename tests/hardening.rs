@@ -409,21 +409,7 @@ capacity = 10
     let config = base(ds.addr, "drain_timeout = \"1s\"", routes)
         .replace("url = ", "max_concurrency = 1\nurl = ");
     let mut s = Sluice::start(&config);
-    let c = client();
-    let slow = {
-        let (c, url) = (c.clone(), s.url("/slow"));
-        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await.status })
-    };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while ds.seen().is_empty() {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let second = {
-        let (c, url) = (c.clone(), s.url("/second"));
-        tokio::spawn(async move { get(&c, &url, &[("x-client", "b")]).await })
-    };
-    s.wait_queued(1).await;
+    let (slow, second) = one_in_flight_one_waiting(&s, &ds).await;
     let term = Instant::now();
     s.signal("TERM");
     let second = second.await.unwrap();
@@ -464,20 +450,7 @@ async fn no_room_to_wait_for_an_upstream_slot_counts_as_overloaded() {
     let config = base(ds.addr, "", &routes).replace("url = ", "max_concurrency = 1\nurl = ");
     let s = Sluice::start(&config);
     let c = client();
-    let slow = {
-        let (c, url) = (c.clone(), s.url("/slow"));
-        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await.status })
-    };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while ds.seen().is_empty() {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let waiting = {
-        let (c, url) = (c.clone(), s.url("/waiting"));
-        tokio::spawn(async move { get(&c, &url, &[("x-client", "b")]).await.status })
-    };
-    s.wait_queued(1).await;
+    let (slow, waiting) = one_in_flight_one_waiting(&s, &ds).await;
     let third = get(&c, &s.url("/third"), &[("x-client", "c")]).await;
     assert_eq!(third.status, StatusCode::SERVICE_UNAVAILABLE);
     let text =
@@ -493,7 +466,35 @@ async fn no_room_to_wait_for_an_upstream_slot_counts_as_overloaded() {
     assert_eq!(count("overloaded").as_deref(), Some("1"), "{text}");
     assert_eq!(count("expired").as_deref(), Some("0"), "{text}");
     assert_eq!(slow.await.unwrap(), StatusCode::OK);
-    assert_eq!(waiting.await.unwrap(), StatusCode::OK);
+    assert_eq!(waiting.await.unwrap().status, StatusCode::OK);
+}
+
+/// Behind an upstream with `max_concurrency = 1` (route key X-Client): a
+/// call to `/slow` (5 s) in flight, then one to `/second` released and
+/// waiting for the slot (counted in `/status` as queued). Their answers.
+async fn one_in_flight_one_waiting(
+    s: &Sluice,
+    ds: &Downstream,
+) -> (
+    tokio::task::JoinHandle<StatusCode>,
+    tokio::task::JoinHandle<support::Answer>,
+) {
+    let c = client();
+    let slow = {
+        let (c, url) = (c.clone(), s.url("/slow"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await.status })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let second = {
+        let (c, url) = (c.clone(), s.url("/second"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "b")]).await })
+    };
+    s.wait_queued(1).await;
+    (slow, second)
 }
 
 /// A queued request whose body stops arriving is answered 408 after
