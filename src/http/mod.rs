@@ -88,6 +88,8 @@ pub(crate) struct Shared {
     loaded_at: AtomicU64,
     unrouted: Counter,
     tunnels: tunnel::Tunnels,
+    /// The HTTP workers running (0 for a pure mail relay).
+    workers: usize,
     /// The settings read once at start, as [`fixed_at_start`] gives them.
     fixed: Vec<(&'static str, String)>,
 }
@@ -228,7 +230,7 @@ impl Handle {
     pub fn reload(&self, config: &Config) -> Result<(), ServeError> {
         let shared = &self.0;
         // Everything that can fail first: all or nothing.
-        let changed: Vec<&str> = fixed_at_start(config, shared.apps.len())
+        let changed: Vec<&str> = fixed_at_start(config, shared.workers)
             .iter()
             .zip(&shared.fixed)
             .filter(|(new, old)| new != old)

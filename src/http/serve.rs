@@ -246,6 +246,7 @@ impl Server {
                 loaded_at: AtomicU64::new(unix_now()),
                 unrouted: unrouted_counter(),
                 tunnels: super::tunnel::Tunnels::new(config.server.max_tunnels),
+                workers,
                 fixed: super::fixed_at_start(config, workers),
             }),
             listeners,
