@@ -144,6 +144,10 @@ pub struct Conns {
     idle: Mutex<VecDeque<(u64, Weak<ConnState>)>>,
     registry: Mutex<Registry>,
     open: AtomicUsize,
+    /// A new connection waits for a place and no idle one was there to
+    /// close for it: the next to become idle is (see [`Conns::admit`]).
+    starved: AtomicBool,
+    became_idle: tokio::sync::Notify,
     pub header_read_timeout: Duration,
     pub keepalive_timeout: Duration,
     /// How long one write to a client may wait for it to read.
@@ -167,6 +171,8 @@ impl Conns {
             idle: Mutex::new(VecDeque::new()),
             registry: Mutex::new(Registry::default()),
             open: AtomicUsize::new(0),
+            starved: AtomicBool::new(false),
+            became_idle: tokio::sync::Notify::new(),
             header_read_timeout,
             keepalive_timeout,
             send_timeout,
@@ -179,19 +185,37 @@ impl Conns {
 
     /// A place for a new connection: at once while below the limit;
     /// otherwise the oldest idle connection is asked to close, and the
-    /// place it frees is awaited.
+    /// place it frees is awaited. With none idle (every connection in the
+    /// middle of a request), the first to become idle is asked: it used to
+    /// be left open, and the new connection waited until one closed by
+    /// itself (a keep-alive timeout, 75 s by default).
     pub async fn admit(&self) -> Option<OwnedPermit> {
         match self.limit.clone().try_acquire_owned() {
             Ok(p) => return Some(p),
             Err(TryAcquireError::Closed) => return None,
             Err(TryAcquireError::NoPermits) => {}
         }
-        self.evict_one();
-        self.limit.clone().acquire_owned().await.ok()
+        // Set before looking, so that a connection made idle after the
+        // look sees it (the idle queue's lock orders the two).
+        self.starved.store(true, Ordering::SeqCst);
+        let permit = loop {
+            let idle = self.became_idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.evict_one() {
+                break self.limit.clone().acquire_owned().await.ok();
+            }
+            tokio::select! {
+                p = self.limit.clone().acquire_owned() => break p.ok(),
+                () = idle => {}
+            }
+        };
+        self.starved.store(false, Ordering::SeqCst);
+        permit
     }
 
-    /// Close the connection idle longest, if there is one.
-    fn evict_one(&self) {
+    /// Close the connection idle longest, if there is one (`false`: none).
+    fn evict_one(&self) -> bool {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         while let Some((queued_at, weak)) = idle.pop_front() {
             let Some(state) = weak.upgrade() else {
@@ -206,9 +230,10 @@ impl Conns {
             }
             state.queued.store(false, Ordering::Relaxed);
             if state.in_flight.load(Ordering::Acquire) == 0 && state.close.signal(Reason::Evicted) {
-                return;
+                return true;
             }
         }
+        false
     }
 
     /// A connection opened (asked to close at once if the worker is
@@ -281,6 +306,9 @@ impl Conns {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .push_back((now, Arc::downgrade(state)));
+        }
+        if self.starved.load(Ordering::SeqCst) {
+            self.became_idle.notify_one();
         }
     }
 
@@ -478,6 +506,42 @@ mod tests {
         let p3 = waiting.await.unwrap();
         assert!(p3.is_some());
         drop((p2, busy));
+    }
+
+    #[tokio::test]
+    async fn at_the_limit_with_none_idle_the_first_to_become_idle_is_evicted() {
+        let conns = Arc::new(Conns::new(
+            2,
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        ));
+        let p1 = conns.admit().await.unwrap();
+        let a = conns.opened();
+        let p2 = conns.admit().await.unwrap();
+        let b = conns.opened();
+        let (busy_a, busy_b) = (conns.request(&a), conns.request(&b));
+        let waiting = {
+            let conns = conns.clone();
+            tokio::spawn(async move { conns.admit().await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(a.close.reason(), None);
+        assert_eq!(b.close.reason(), None);
+        // b's request ends: b is asked to close for the new one.
+        drop(busy_b);
+        let why = tokio::time::timeout(Duration::from_secs(1), b.close.wait())
+            .await
+            .unwrap();
+        assert_eq!(why, Reason::Evicted);
+        assert_eq!(a.close.reason(), None);
+        drop(p2); // b closes
+        let p3 = tokio::time::timeout(Duration::from_secs(1), waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(p3.is_some());
+        drop((p1, busy_a));
     }
 
     #[tokio::test]
