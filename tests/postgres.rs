@@ -49,8 +49,8 @@ capacity = 10
 }
 
 /// DESIGN section 1's seed burst from one client, spread over two
-/// instances sharing its schedule in PostgreSQL: 13 admitted (1-12 and
-/// 20), departures 200 ms apart at the downstream.
+/// instances sharing its schedule in PostgreSQL: 13 admitted (1-11, one of
+/// 12 and 13, one later), departures 200 ms apart at the downstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_client_across_two_instances_is_paced_as_one() {
     let pg = PostgresServer::start();

@@ -1006,8 +1006,13 @@ impl Drop for RedisCluster {
 /// DESIGN section 1's seed burst from one client (X-Client: one; route
 /// r = 5/s, b = 10): 20 requests 25 ms apart, spread round-robin over
 /// `fleet` (instances sharing the schedule). Asserts the single-instance
-/// outcome: 13 admitted (1-12 and one more), the rest 429 with
-/// Retry-After, departures on a 200 ms grid at the downstream.
+/// outcome: 13 admitted, the rest 429 with Retry-After, departures on a
+/// 200 ms grid at the downstream. Of the admitted, 1-11 are certain in
+/// any order of arrival (one goes, ten wait, before the first departure);
+/// which of 12 and 13 gets the place the first departure frees depends on
+/// which reaches the store first, and two sent 25 ms apart through two
+/// instances may reach it in either order on a loaded machine (13 before
+/// 12 was seen once).
 pub async fn seed_burst_across(fleet: &[Sluice], ds: &Downstream) {
     let c = client();
     for s in fleet {
@@ -1035,12 +1040,13 @@ pub async fn seed_burst_across(fleet: &[Sluice], ds: &Downstream) {
             s => panic!("request {}: {s}", i + 1),
         }
     }
+    assert_eq!(ok.len(), 13, "admitted {ok:?}");
     assert_eq!(
-        &ok[..12],
-        &(1..=12).collect::<Vec<_>>()[..],
+        &ok[..11],
+        &(1..=11).collect::<Vec<_>>()[..],
         "admitted {ok:?}"
     );
-    assert_eq!(ok.len(), 13, "admitted {ok:?}");
+    assert!(ok[11] == 12 || ok[11] == 13, "admitted {ok:?}");
     let arrivals: Vec<Instant> = ds
         .seen()
         .iter()
