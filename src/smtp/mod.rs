@@ -163,14 +163,11 @@ impl Front {
     }
 
     /// Whether `config` has the listeners running (names and addresses):
-    /// they are bound at start, and a reload cannot change them.
+    /// they are bound at start, and a reload cannot change them. Their
+    /// order, and the order of a listener's addresses, do not matter (a
+    /// session finds its listener by name).
     pub fn same_listeners(&self, config: &Config) -> bool {
-        config.smtp.len() == self.listen.len()
-            && config
-                .smtp
-                .iter()
-                .zip(&self.listen)
-                .all(|(l, (name, listen))| l.name == *name && l.listen == *listen)
+        same_listeners(&self.listen, &config.smtp)
     }
 
     /// Apply `config` with its prepared pools: its policies go to the
@@ -377,5 +374,72 @@ impl Front {
                 drop(open);
             });
         }
+    }
+}
+
+/// Whether `config` names the listeners of `running`, each with the same
+/// addresses, in any order.
+fn same_listeners(running: &[(String, Vec<SocketAddr>)], config: &[SmtpListener]) -> bool {
+    let sorted = |listen: &[SocketAddr]| {
+        let mut listen = listen.to_vec();
+        listen.sort_unstable();
+        listen
+    };
+    config.len() == running.len()
+        && config.iter().all(|l| {
+            running
+                .iter()
+                .find(|(name, _)| *name == l.name)
+                .is_some_and(|(_, listen)| sorted(listen) == sorted(&l.listen))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_listeners;
+    use crate::config::Config;
+    use std::net::SocketAddr;
+
+    fn config(listeners: &[(&str, &[&str])]) -> Config {
+        let mut text =
+            String::from("[[smtp_upstream]]\nname = \"relay\"\nurl = \"smtp://127.0.0.1:2600\"\n");
+        for (name, listen) in listeners {
+            let listen: Vec<String> = listen.iter().map(|a| format!("\"{a}\"")).collect();
+            text += &format!(
+                "[[smtp]]\nname = \"{name}\"\nlisten = [{}]\nupstream = \"relay\"\n\
+                 key = \"global\"\nrate = \"5/s\"\ncapacity = 10\n",
+                listen.join(", ")
+            );
+        }
+        match Config::from_toml(&text) {
+            Ok(c) => c,
+            Err(problems) => panic!("{problems:?}"),
+        }
+    }
+
+    #[test]
+    fn listeners_are_compared_by_name_and_addresses_in_any_order() {
+        let addr = |a: &str| a.parse::<SocketAddr>().unwrap();
+        let running = vec![
+            (
+                "a".to_owned(),
+                vec![addr("127.0.0.1:2601"), addr("[::1]:2601")],
+            ),
+            ("b".to_owned(), vec![addr("127.0.0.1:2602")]),
+        ];
+        let same = config(&[
+            ("b", &["127.0.0.1:2602"]),
+            ("a", &["[::1]:2601", "127.0.0.1:2601"]),
+        ]);
+        assert!(same_listeners(&running, &same.smtp));
+        let moved = config(&[("a", &["127.0.0.1:2601"]), ("b", &["127.0.0.1:2603"])]);
+        assert!(!same_listeners(&running, &moved.smtp));
+        let renamed = config(&[
+            ("a", &["127.0.0.1:2601", "[::1]:2601"]),
+            ("c", &["127.0.0.1:2602"]),
+        ]);
+        assert!(!same_listeners(&running, &renamed.smtp));
+        let fewer = config(&[("a", &["127.0.0.1:2601", "[::1]:2601"])]);
+        assert!(!same_listeners(&running, &fewer.smtp));
     }
 }
