@@ -88,7 +88,8 @@ impl Lead {
 /// deadline (plus the machine's own wake-up latency).
 const TIMER_SLACK: u64 = 1_000;
 
-/// How often idle client states are swept while any are held.
+/// The least time between two sweeps of idle client states (a sweep
+/// comes when the first held may be forgotten, at most this often).
 const SWEEP: Nanos = 100_000_000;
 
 /// Why [`Shaper::acquire`] did not grant a departure.
@@ -112,6 +113,8 @@ enum Msg {
     Timer(Nanos, oneshot::Sender<()>),
     /// Answered at once: the thread is alive and taking messages.
     Ping(oneshot::Sender<()>),
+    /// The engine's next sweep moved earlier: plan the sleep again.
+    Look,
     Stop,
 }
 
@@ -122,6 +125,9 @@ struct Inner<K> {
     lag: OnceLock<LagObserver>,
     /// Set when the pacer thread has ended (stopped, or panicked).
     ended: std::sync::atomic::AtomicBool,
+    /// The pacer thread's wake-ups.
+    #[cfg(test)]
+    wakeups: std::sync::atomic::AtomicUsize,
 }
 
 /// Marks the pacer thread's end, however it ends (a panic unwinds through
@@ -246,6 +252,8 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
             origin: Instant::now(),
             lag: OnceLock::new(),
             ended: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(test)]
+            wakeups: std::sync::atomic::AtomicUsize::new(0),
         });
         let pacer = inner.clone();
         thread::Builder::new()
@@ -284,6 +292,15 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
     pub fn set_policy(&self, route: RouteId, policy: Policy) {
         let now = self.now();
         self.inner.engine.set_policy(route, policy, now);
+        self.look_if_sweep_moved();
+    }
+
+    /// Tell the pacer when what it must next sweep moved earlier than it
+    /// planned (a client made, or its schedule shortened, off its thread).
+    fn look_if_sweep_moved(&self) {
+        if self.inner.engine.sweep_moved_earlier() {
+            let _ = self.inner.inbox.send(Msg::Look);
+        }
     }
 
     /// Change the global bounds on clients and queued requests.
@@ -357,6 +374,7 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
         self.inner
             .engine
             .withdraw_all(self.inner.now(), &mut withdrawn);
+        self.look_if_sweep_moved();
         // Dropping the senders wakes the waiters with an error.
         withdrawn.len()
     }
@@ -420,6 +438,7 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
             rx = Some(r);
             tx
         });
+        self.look_if_sweep_moved();
         match (admission, rx) {
             (Admission::Depart, _) => Ok(Admitted::Now),
             (
@@ -619,6 +638,8 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
             Msg::Ping(tx) => {
                 let _ = tx.send(());
             }
+            // The loop plans again after every message.
+            Msg::Look => {}
             Msg::Stop => return false,
         }
         true
@@ -626,10 +647,21 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
 
     fn run(mut self) {
         loop {
+            #[cfg(test)]
+            self.inner
+                .wakeups
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let now = self.inner.now();
             let due = self.next_due();
             // Idle client states are swept while any are held.
-            let sweep = (self.inner.engine.clients() > 0).then_some(self.next_sweep);
+            // Idle client states are swept when the first may be forgotten,
+            // at most once a period (an arrival that makes an earlier one
+            // sends `Look`).
+            let sweep = self
+                .inner
+                .engine
+                .next_sweep()
+                .map(|at| at.max(self.next_sweep));
             let wake = match (due, sweep) {
                 (Some(d), Some(s)) => Some(d.min(s)),
                 (d, s) => d.or(s),
@@ -743,7 +775,12 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
             // The receiver may be gone (its client left just now): fine.
             let _ = tx.send(());
         }
-        if now >= self.next_sweep {
+        if self
+            .inner
+            .engine
+            .next_sweep()
+            .is_some_and(|at| now >= at.max(self.next_sweep))
+        {
             self.inner.engine.expire(now);
             self.next_sweep = now.saturating_add(SWEEP);
         }
@@ -793,6 +830,59 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         assert!(shaper.ended());
+    }
+
+    /// Clients that never wait send the pacer nothing; their states are
+    /// forgotten once their schedule has passed all the same.
+    #[test]
+    fn clients_that_never_waited_are_forgotten() {
+        let limits = crate::shaper::Limits {
+            max_clients: 1000,
+            max_queued: 10,
+        };
+        let shaper: Shaper<u32> = Shaper::with_shards(limits, 2).unwrap_or_else(|e| panic!("{e}"));
+        let up = shaper.add_upstream(None);
+        let rate = "100/s".parse().unwrap_or_else(|e| panic!("{e:?}"));
+        let route = shaper.add_route(crate::shaper::Policy::new(rate, 10), up);
+        // The pacer has nothing to do and sleeps.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        for key in 0..100 {
+            assert!(matches!(shaper.admit(route, key, 1), Ok(Admitted::Now)));
+        }
+        assert_eq!(shaper.stats().0, 100);
+        // Each may be forgotten 10 ms later; the sweep comes within its
+        // period.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while shaper.stats().0 > 0 {
+            assert!(std::time::Instant::now() < deadline, "never forgotten");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// A client state held for an hour, nothing waiting: the pacer sleeps
+    /// until it may be forgotten (it woke every sweep period, 100 ms).
+    #[test]
+    fn a_pacer_with_nothing_due_sleeps() {
+        let limits = crate::shaper::Limits {
+            max_clients: 10,
+            max_queued: 10,
+        };
+        let shaper: Shaper<u32> = Shaper::with_shards(limits, 2).unwrap_or_else(|e| panic!("{e}"));
+        let up = shaper.add_upstream(None);
+        let hourly = "1/h".parse().unwrap_or_else(|e| panic!("{e:?}"));
+        let route = shaper.add_route(crate::shaper::Policy::new(hourly, 10), up);
+        assert!(matches!(shaper.admit(route, 1, 1), Ok(Admitted::Now)));
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let wakeups = || {
+            shaper
+                .inner
+                .wakeups
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        let before = wakeups();
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        assert_eq!(wakeups(), before, "woke with nothing to do");
+        assert_eq!(shaper.stats().0, 1);
     }
 
     #[test]

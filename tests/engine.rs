@@ -1219,3 +1219,44 @@ fn a_ticket_from_before_memory_was_released_never_matches_a_new_request() {
     assert_eq!(sim.e.cancel(old, 20 * S), None, "the old ticket is stale");
     assert_eq!(sim.e.queued(), 1);
 }
+
+#[test]
+fn the_next_sweep_is_when_the_first_held_client_may_be_forgotten() {
+    // What the releaser sleeps on: an hourly client is held for an hour,
+    // and nothing needs a sweep before then; an arrival that departs at
+    // once on a 100/s route makes one due 10 ms later, and says so once.
+    let mut sim = Sim::new(policy("1/h", 1));
+    assert_eq!(sim.e.next_sweep(), None, "nothing held");
+    sim.arrive(1, 1, 0);
+    let hour = 3600 * S;
+    // Expiries are kept in buckets of 2^26 ns (67 ms), by their start.
+    let bucket = 1 << 26;
+    let hourly = sim.e.next_sweep().expect("the hourly client is held");
+    assert!(hourly <= hour && hour - hourly < bucket, "{hourly}");
+    assert!(!sim.e.sweep_moved_earlier(), "the releaser has read it");
+
+    let fast = sim.add_route(policy("100/s", 1));
+    sim.arrive_on(fast, 2, 1, S);
+    assert!(sim.e.sweep_moved_earlier(), "an earlier sweep is news");
+    assert!(!sim.e.sweep_moved_earlier(), "told once");
+    let soon = sim.e.next_sweep().expect("planned");
+    assert!(soon <= S + 10 * MS && S + 10 * MS - soon < bucket, "{soon}");
+    // A later one changes nothing.
+    sim.arrive_on(fast, 3, 1, S + 5 * MS);
+    assert!(!sim.e.sweep_moved_earlier());
+    assert_eq!(sim.e.next_sweep(), Some(soon));
+
+    // Swept: the fast clients are forgotten. A shard they leave empty
+    // gives its memory back at the next sweep with nothing new, so one
+    // may be planned at once; after that, the hourly client's again.
+    sim.run_to(3 * S);
+    assert_eq!(sim.e.clients(), 1);
+    let next = sim.e.next_sweep();
+    assert!(next == Some(3 * S) || next == Some(hourly), "{next:?}");
+    sim.run_to(4 * S);
+    assert_eq!(sim.e.next_sweep(), Some(hourly));
+    // Past the hour, everything is forgotten: no sweep is planned.
+    sim.run_to(hour + S);
+    assert_eq!(sim.e.clients(), 0);
+    assert_eq!(sim.e.next_sweep(), None);
+}

@@ -37,7 +37,7 @@
 
 use std::cmp::Reverse;
 use std::hash::{BuildHasher, Hash};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::rate::{Nanos, Rate};
@@ -254,6 +254,38 @@ impl Budget {
     }
 }
 
+// === impl Sweeps ===
+
+/// When a sweep ([`Engine::expire`]) may next have work, kept lock-free for
+/// the releaser to sleep on: whoever schedules an earlier expiry lowers
+/// it and raises a flag, so that a releaser with nothing due sleeps until
+/// the first client it can forget (DESIGN 2: an idle pacer uses no CPU),
+/// and is still told when arrivals that never wait make one earlier.
+#[derive(Debug)]
+pub(super) struct Sweeps {
+    /// The earliest instant a sweep may have work; `Nanos::MAX`: none.
+    at: AtomicU64,
+    /// `at` was lowered since the releaser last read it.
+    lowered: AtomicBool,
+}
+
+impl Sweeps {
+    fn new() -> Sweeps {
+        Sweeps {
+            at: AtomicU64::new(Nanos::MAX),
+            lowered: AtomicBool::new(false),
+        }
+    }
+
+    /// A sweep may have work at `at`.
+    pub(super) fn note(&self, at: Nanos) {
+        // A load first: in the common case (not earlier) nothing is written.
+        if at < self.at.load(Ordering::Relaxed) && self.at.fetch_min(at, Ordering::AcqRel) > at {
+            self.lowered.store(true, Ordering::Release);
+        }
+    }
+}
+
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every operation re-validates what it reads, so a lock poisoned by a
     // panic elsewhere is still safe to use.
@@ -270,6 +302,7 @@ pub struct Engine<K, P> {
     shards: Box<[Mutex<Shard<K, P>>]>,
     hasher: foldhash::fast::RandomState,
     budget: Budget,
+    sweeps: Arc<Sweeps>,
     /// The cap of each upstream (`None`: uncapped), by [`UpstreamId`].
     upstreams: Mutex<Vec<Option<Arc<Mutex<Cap>>>>>,
     /// Every route as registered, by [`RouteId`]; each shard keeps a copy.
@@ -280,13 +313,15 @@ impl<K: Hash + Eq, P> Engine<K, P> {
     /// An engine with no routes and `shards` shards (at least one).
     pub fn new(limits: Limits, shards: usize) -> Engine<K, P> {
         let hasher = foldhash::fast::RandomState::default();
+        let sweeps = Arc::new(Sweeps::new());
         let shards = (0..shards.clamp(1, 1024) as u32)
-            .map(|i| Mutex::new(Shard::new(i)))
+            .map(|i| Mutex::new(Shard::new(i, sweeps.clone())))
             .collect();
         Engine {
             shards,
             hasher,
             budget: Budget::new(limits),
+            sweeps,
             upstreams: Mutex::new(Vec::new()),
             routes: Mutex::new(Vec::new()),
         }
@@ -643,16 +678,19 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         }
     }
 
-    /// Forget idle clients of one shard whose schedule has passed; returns
-    /// when that shard next has some to forget.
+    /// Forget idle clients of one shard whose schedule has passed, and
+    /// give its memory back if a load has passed; returns when that shard
+    /// next has work for a sweep (`now` when memory is left to give back
+    /// at the next one).
     pub fn expire_shard(&self, shard: usize, now: Nanos) -> Option<Nanos> {
         let mut s = lock(self.shards.get(shard)?);
         s.expire(now, &self.budget);
-        s.compact();
-        s.next_expiry()
+        let later = s.compact().then_some(now);
+        [s.next_expiry(), later].into_iter().flatten().min()
     }
 
-    /// When [`Engine::expire`] next has work, if ever.
+    /// When [`Engine::expire`] next has work, if ever, shard by shard
+    /// (each shard's lock in turn).
     pub fn next_expiry(&self) -> Option<Nanos> {
         self.shards
             .iter()
@@ -662,9 +700,32 @@ impl<K: Hash + Eq, P> Engine<K, P> {
 
     /// Forget idle clients whose schedule has passed, in every shard.
     pub fn expire(&self, now: Nanos) {
+        // What each shard has left is taken in again below (the releaser,
+        // which sweeps, reads it next: no news for it), and whatever is
+        // scheduled meanwhile is noted by whoever schedules it.
+        self.sweeps.at.store(Nanos::MAX, Ordering::Release);
         for i in 0..self.shards.len() {
-            self.expire_shard(i, now);
+            if let Some(next) = self.expire_shard(i, now) {
+                self.sweeps.at.fetch_min(next, Ordering::AcqRel);
+            }
         }
+    }
+
+    /// When [`Engine::expire`] may next have work, if ever, without a
+    /// lock: what the releaser sleeps on. Reading it clears the flag
+    /// [`Engine::sweep_moved_earlier`] reads.
+    pub fn next_sweep(&self) -> Option<Nanos> {
+        self.sweeps.lowered.swap(false, Ordering::AcqRel);
+        let at = self.sweeps.at.load(Ordering::Acquire);
+        (at != Nanos::MAX).then_some(at)
+    }
+
+    /// Whether [`Engine::next_sweep`] moved earlier since the releaser
+    /// last read it (an arrival that departed at once made a client the
+    /// releaser did not know of): true once, for the caller to wake it.
+    pub fn sweep_moved_earlier(&self) -> bool {
+        self.sweeps.lowered.load(Ordering::Relaxed)
+            && self.sweeps.lowered.swap(false, Ordering::AcqRel)
     }
 
     /// Withdraw every waiting request (shutdown past the drain timeout),

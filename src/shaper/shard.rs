@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use hashbrown::HashTable;
 
 use super::engine::{
-    Admission, Budget, ClientView, Policy, Probe, Rejection, RouteId, Target, Ticket, Wake,
+    Admission, Budget, ClientView, Policy, Probe, Rejection, RouteId, Sweeps, Target, Ticket, Wake,
 };
 use super::rate::Nanos;
 
@@ -239,6 +239,8 @@ pub(super) struct Shard<K, P> {
     /// as (slot, generation), by the bucket of time in which they may be
     /// forgotten: amortized O(1) per client, however many are held.
     expiry: BTreeMap<u64, Vec<(u32, u32)>>,
+    /// Told of every expiry scheduled (the engine's, shared by its shards).
+    sweeps: Arc<Sweeps>,
     pub(super) routes: Vec<ShardRoute>,
     seq: u64,
 }
@@ -260,7 +262,7 @@ fn idle_earliest(tat: Nanos, due: Nanos, tau: Nanos, waiting: u32) -> Nanos {
 }
 
 impl<K: Hash + Eq, P> Shard<K, P> {
-    pub(super) fn new(id: u32) -> Shard<K, P> {
+    pub(super) fn new(id: u32, sweeps: Arc<Sweeps>) -> Shard<K, P> {
         Shard {
             id,
             index: HashTable::new(),
@@ -274,6 +276,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             stale: 0,
             armed: Nanos::MAX,
             expiry: BTreeMap::new(),
+            sweeps,
             routes: Vec::new(),
             seq: 0,
         }
@@ -891,7 +894,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         if old == 0 {
             return;
         }
-        let expiry = &mut self.expiry;
+        let (expiry, sweeps) = (&mut self.expiry, &self.sweeps);
         for (slot, s) in self.slots.iter_mut().enumerate() {
             if let Some(c) = s.client.as_mut()
                 && c.route == route
@@ -912,6 +915,7 @@ impl<K: Hash + Eq, P> Shard<K, P> {
                     && let Ok(slot) = u32::try_from(slot)
                 {
                     expiry.entry(bucket).or_default().push((slot, s.generation));
+                    sweeps.note(bucket << EXPIRY_BUCKET_BITS);
                 }
             }
         }
@@ -1020,10 +1024,12 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             && !c.in_expiry
         {
             c.in_expiry = true;
+            let bucket = c.tat >> EXPIRY_BUCKET_BITS;
             self.expiry
-                .entry(c.tat >> EXPIRY_BUCKET_BITS)
+                .entry(bucket)
                 .or_default()
                 .push((slot, s.generation));
+            self.sweeps.note(bucket << EXPIRY_BUCKET_BITS);
         }
     }
 
@@ -1069,11 +1075,16 @@ impl<K: Hash + Eq, P> Shard<K, P> {
     /// churn of new clients, each released at once, every shard empties
     /// at every sweep, and its table, arena and expiry lists were rebuilt
     /// from nothing, doubling by doubling, after each one.)
-    pub(super) fn compact(&mut self) {
+    ///
+    /// Returns whether memory was left to give back at the next sweep.
+    pub(super) fn compact(&mut self) -> bool {
+        let entries = !self.entries.is_empty() && self.free_entries.len() == self.entries.len();
+        let slots = self.index.is_empty() && !self.slots.is_empty();
+        let heads = self.heads.is_empty() && self.heads.capacity() > 0;
         if std::mem::take(&mut self.busy) {
-            return;
+            return entries || slots || heads;
         }
-        if !self.entries.is_empty() && self.free_entries.len() == self.entries.len() {
+        if entries {
             // New entries start past every generation handed out, so an old
             // ticket or heap reference never matches one of them.
             let last = self.entries.iter().map(|e| e.generation).max().unwrap_or(0);
@@ -1081,15 +1092,16 @@ impl<K: Hash + Eq, P> Shard<K, P> {
             self.entries = Vec::new();
             self.free_entries = Vec::new();
         }
-        if self.index.is_empty() && !self.slots.is_empty() {
+        if slots {
             self.slots = Vec::new();
             self.free_slots = Vec::new();
             self.index = HashTable::new();
             self.expiry = BTreeMap::new();
         }
-        if self.heads.is_empty() && self.heads.capacity() > 0 {
+        if heads {
             self.heads = BinaryHeap::new();
         }
+        false
     }
 
     /// When [`Shard::expire`] may next have work (a lower bound), if ever.
