@@ -215,7 +215,8 @@ async fn stopped_postgres_follows_on_failure_within_the_timeout() {
     assert!(timeouts.is_some_and(|n| n >= 3.0), "{metrics}");
 }
 
-/// Expired rows go: a running instance sweeps rows whose D is past.
+/// Expired rows go: a running instance sweeps rows whose D is past, a
+/// backlog of them within a sweep.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_rows_are_swept() {
     let pg = PostgresServer::start();
@@ -235,7 +236,15 @@ async fn expired_rows_are_swept() {
             .unwrap()
     };
     assert!(rows() >= 20);
-    let deadline = Instant::now() + Duration::from_secs(15);
+    // And a backlog: 100,000 rows that expired long ago (one instance's
+    // churn of new keys makes thousands a second). They go at the next
+    // sweep (every 5 s); 20,000 a sweep went before.
+    pg.psql(
+        "INSERT INTO sluice_schedules (k, d, expires_us) \
+         SELECT 'old' || g, 0, 0 FROM generate_series(1, 100000) g",
+    );
+    assert!(rows() >= 100_020);
+    let deadline = Instant::now() + Duration::from_secs(12);
     while rows() > 0 {
         assert!(Instant::now() < deadline, "{} rows left", rows());
         tokio::time::sleep(Duration::from_millis(250)).await;

@@ -206,11 +206,17 @@ const MIGRATION_LOCK: i64 = 0x736c_7569_6365; // "sluice"
 const ADMIT: &str = "SELECT sluice_admit($1, $2, $3, $4, $5, $6, $7, $8)";
 const CANCEL: &str = "SELECT sluice_cancel($1, $2, $3, $4, $5, $6)";
 
-/// Rows the sweep deletes per call, and calls per sweep at most.
-const SWEEP_BATCH: i32 = 1_000;
-const SWEEP_CALLS: usize = 20;
+/// Rows the sweep deletes per call (of each table), and how long a sweep
+/// goes on making calls while they find full batches. (It was 20 calls of
+/// 1,000 rows: 4,000 rows a second, which one instance's churn of new keys
+/// can outgrow; the table then grew for as long as the load lasted.) The
+/// whole upkeep is cut at 10 s and counted as a failed check.
+const SWEEP_BATCH: i32 = 5_000;
+const SWEEP_FOR: Duration = Duration::from_secs(3);
 /// How often the schema is checked and expired rows are swept.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
+/// The longest a check (at start, then every [`SWEEP_EVERY`]) may take.
+const UPKEEP_LIMIT: Duration = Duration::from_secs(10);
 
 /// The SQL that `sluice migrate` applies (and `--print-sql` prints).
 pub fn schema_sql(durable: bool) -> String {
@@ -390,12 +396,18 @@ impl Postgres {
         }
     }
 
-    /// Reach the database and make sure the schema is there.
+    /// Reach the database and make sure the schema is there, within
+    /// [`UPKEEP_LIMIT`] (only the connection had a bound: a database that
+    /// went silent after the login held the start until TCP gave up).
     pub async fn check(&self) -> Result<(), String> {
         let shown = self.shown.clone();
-        let result = match self.migrate().await {
-            Ok(_) => None,
-            Err(e) => Some(Trouble::Unavailable(format!("postgres {shown}: {e}"))),
+        let result = match tokio::time::timeout(UPKEEP_LIMIT, self.migrate()).await {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(Trouble::Unavailable(format!("postgres {shown}: {e}"))),
+            Err(_) => Some(Trouble::Unavailable(format!(
+                "postgres {shown}: {}",
+                ClusterError::Timeout(UPKEEP_LIMIT)
+            ))),
         };
         if result.is_none() {
             self.warm().await;
@@ -435,10 +447,9 @@ impl Postgres {
         let mut conn = None;
         loop {
             tick.tick().await;
-            let bound = Duration::from_secs(10);
-            let result = match tokio::time::timeout(bound, self.upkeep(&mut conn)).await {
+            let result = match tokio::time::timeout(UPKEEP_LIMIT, self.upkeep(&mut conn)).await {
                 Ok(r) => r,
-                Err(_) => Err(ClusterError::Timeout(bound)),
+                Err(_) => Err(ClusterError::Timeout(UPKEEP_LIMIT)),
             };
             if result.is_err() {
                 conn = None;
@@ -546,20 +557,20 @@ impl Postgres {
     }
 }
 
-/// Delete expired rows: at most `SWEEP_CALLS` batches.
+/// Delete expired rows, batch by batch, for [`SWEEP_FOR`] at most.
 async fn sweep(client: &tokio_postgres::Client) -> Result<u64, ClusterError> {
+    let start = tokio::time::Instant::now();
     let mut total = 0u64;
-    for _ in 0..SWEEP_CALLS {
+    loop {
         let gone: i64 = client
             .query_one("SELECT sluice_sweep($1)", &[&SWEEP_BATCH])
             .await?
             .try_get(0)?;
         total = total.saturating_add(u64::try_from(gone).unwrap_or(0));
-        if gone < i64::from(SWEEP_BATCH) {
-            break;
+        if gone < i64::from(SWEEP_BATCH) || start.elapsed() >= SWEEP_FOR {
+            return Ok(total);
         }
     }
-    Ok(total)
 }
 
 /// A call's parameters, owned (the call runs on another task).
