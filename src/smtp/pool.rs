@@ -169,13 +169,17 @@ async fn reap(pool: Weak<Pool>) {
 }
 
 /// Whether a reply looks like the upstream asking to slow down: a 421, 451
-/// or 454 whose enhanced code says congestion (4.4.5) or policy (4.7.x),
-/// or whose text speaks of rates or throttling (Amazon SES says `454
-/// Throttling failure: Maximum sending rate exceeded`, Gmail `421 4.7.0
-/// Try again later`, Microsoft `451 4.7.500 Server busy`). Words count
-/// where a word starts ("rate" in "rate limited", not in "generate").
-/// Greylisting (`451 4.7.1 Greylisted`) is about one sender and
-/// recipient, not the upstream's pace: it pauses nothing.
+/// or 454 whose enhanced code says congestion (4.4.5) or a policy deferral
+/// of everything (4.7.0), or whose text speaks of rates or throttling
+/// (Amazon SES says `454 Throttling failure: Maximum sending rate
+/// exceeded`, Gmail `421 4.7.0 Try again later`, Microsoft `451 4.7.500
+/// Server busy`). Words count where a word starts ("rate" in "rate
+/// limited", not in "generate"). Not a pause: greylisting (`451 4.7.1
+/// Greylisted`) and other 4.7.x policy deferrals without such words (`451
+/// 4.7.1 SPF temperror`), which are about one sender or message; and a
+/// session's own idle timeout (Postfix's `421 4.4.2 Error: timeout
+/// exceeded`, met when a pooled session is taken as the upstream closes
+/// it).
 pub fn throttling(reply: &Reply) -> bool {
     if !matches!(reply.code, 421 | 451 | 454) {
         return false;
@@ -185,11 +189,13 @@ pub fn throttling(reply: &Reply) -> bool {
         text.match_indices(w)
             .any(|(i, _)| i == 0 || !text.as_bytes()[i - 1].is_ascii_alphanumeric())
     };
-    if word("greylist") || word("graylist") {
+    if word("greylist") || word("graylist") || word("timeout") || word("timed out") {
         return false;
     }
-    if reply.esc == [4, 4, 5] || (reply.esc[0] == 4 && reply.esc[1] == 7) {
-        return true;
+    match reply.esc {
+        [4, 4, 5] | [4, 7, 0] => return true,
+        [4, 4, 2] => return false,
+        _ => {}
     }
     [
         "throttl",
@@ -327,6 +333,20 @@ mod tests {
         )));
         assert!(throttling(&r(451, [4, 3, 0], "Sending rate-limited")));
         assert!(throttling(&r(421, [4, 3, 0], "Ratelimit reached")));
+        assert!(throttling(&r(
+            421,
+            [4, 7, 0],
+            "[TSS04] Messages temporarily deferred due to unexpected volume"
+        )));
+        assert!(throttling(&r(451, [4, 7, 1], "Rate limit exceeded")));
+        // About one session or one message: nothing to pause.
+        assert!(!throttling(&r(
+            421,
+            [4, 4, 2],
+            "mx.example Error: timeout exceeded"
+        )));
+        assert!(!throttling(&r(421, [0, 0, 0], "Error: timeout exceeded")));
+        assert!(!throttling(&r(451, [4, 7, 1], "SPF temperror")));
     }
 
     #[test]
