@@ -437,6 +437,12 @@ fn an_upstream_that_goes_away_gives_a_4xx_never_a_250() {
     let r = smtp::send(addr, &[]);
     assert_eq!(code(&r[0]["data"]), Some(451), "{r:?}");
     assert!(text(&r[0]["data"]).starts_with("4.4.2"), "{r:?}");
+    // It answers the end of data out of step (354): not a success, and
+    // the message may have been taken all the same.
+    up.set_mode("354-at-dot");
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["data"]), Some(451), "{r:?}");
+    assert!(text(&r[0]["data"]).starts_with("4.4.2"), "{r:?}");
     // It refuses service with 421: not relayed to the client as 421.
     up.set_mode("421-close");
     let r = smtp::send(addr, &[]);

@@ -588,10 +588,18 @@ impl Session {
             .store(true, std::sync::atomic::Ordering::Relaxed);
         within(deadline, true, self.stream.write_all(&wire)).await?;
         let reply = self.reply(deadline.max(env.reply_by), true).await?;
-        if reply.is_positive() {
-            Ok(reply)
-        } else {
-            Err(RelayError::Refused(reply))
+        match reply.code {
+            200..300 => Ok(reply),
+            400..600 => Err(RelayError::Refused(reply)),
+            // 1xx or 3xx: out of step. Not a success (it was passed on
+            // as one), and the message may have been taken.
+            code => {
+                self.broken = true;
+                Err(RelayError::Lost {
+                    after_dot: true,
+                    why: format!("the upstream answered the end of data with {code}"),
+                })
+            }
         }
     }
 

@@ -10,6 +10,8 @@ Prints `PORT <n>` first, then one JSON line per message taken:
 --mode-file F    read before each MAIL: "ok", "throttle-once" (one
                  `454 Throttling failure` then ok), "451" (always),
                  "drop-at-dot" (close at the end of data, no reply),
+                 "354-at-dot" (takes the message, answers its end of
+                 data 354: out of step),
                  "421-close", "slow-reply" (takes the message, answers
                  its end of data 1 s later), "slower-reply" (3 s later),
                  "550-606" (MAIL refused `550 5.7.606`), "550-close"
@@ -105,6 +107,8 @@ class Upstream:
             "subject": subject, "received": received,
             "body": content.decode("utf-8", "replace"),
         }), flush=True)
+        if self.mode() == "354-at-dot":
+            return "354 out of step"
         if self.mode() == "slow-reply":
             await asyncio.sleep(1)
         elif self.mode() == "slower-reply":
