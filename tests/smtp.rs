@@ -1554,3 +1554,82 @@ fn max_connections_greets_421_4_3_2_and_closes_the_connection() {
     let mut again = Raw::connect(addr);
     assert!(again.cmd("QUIT").starts_with("221"));
 }
+
+/// A MAIL refused for the rate answers the RCPTs and DATA pipelined behind
+/// it "need MAIL" without counting them as errors: a client deferred again
+/// and again, or with many recipients, keeps its connection (with 19
+/// recipients, their 503s alone closed it with 421).
+#[test]
+fn commands_pipelined_behind_a_refused_mail_are_not_errors() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"1/m\"\ncapacity = 0\nmax_recipients = 50",
+    ));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    start_message(&mut raw, "the minute's one");
+    assert!(raw.cmd(".").starts_with("250"));
+    // Deferred twelve times, one recipient each (24 of the 503s).
+    for _ in 0..12 {
+        raw.send("MAIL FROM:<raw@example.com>\r\nRCPT TO:<user@example.org>\r\nDATA\r\nRSET\r\n");
+        let mail = raw.reply();
+        assert!(mail.starts_with("451 4.7.0"), "{mail}");
+        for _ in 0..2 {
+            let need = raw.reply();
+            assert!(need.starts_with("503"), "{need}");
+        }
+        assert!(raw.reply().starts_with("250"));
+    }
+    // One more with 30 recipients.
+    let mut group = String::from("MAIL FROM:<raw@example.com>\r\n");
+    for i in 0..30 {
+        group += &format!("RCPT TO:<user{i}@example.org>\r\n");
+    }
+    raw.send(&(group + "DATA\r\n"));
+    assert!(raw.reply().starts_with("451 4.7.0"));
+    for _ in 0..31 {
+        let need = raw.reply();
+        assert!(need.starts_with("503"), "{need}");
+    }
+    // Still open; a RCPT with no MAIL at all is an error as before.
+    assert!(raw.cmd("NOOP").starts_with("250"));
+    assert!(raw.cmd("RSET").starts_with("250"));
+    assert!(raw.cmd("RCPT TO:<user@example.org>").starts_with("503"));
+    assert_eq!(up.arrivals().len(), 1);
+}
+
+/// A message refused for its size gives its staging room back at once,
+/// not at its end of data: a client sending an over-size message slowly
+/// left no room for another's message near the largest size (452 4.3.1).
+#[test]
+fn an_over_size_message_gives_its_room_back_while_it_is_read_to_its_end() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let cfg = config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"100/s\"\ncapacity = 10\nmax_message_size = \"8KiB\"",
+    ) + "\n[limits]\nmax_staged_body = \"8KiB\"\nmax_staged_bytes = \"15KiB\"\n";
+    let sluice = Sluice::start(&cfg);
+    let addr = sluice.smtp.unwrap();
+    let line = format!("{}\r\n", "x".repeat(98));
+    let mut slow = Raw::connect(addr);
+    start_message(&mut slow, "over size");
+    // 7.8 KiB (staged), then 1.4 KiB more, then nothing: the end of
+    // data is still to come.
+    slow.send(&line.repeat(80));
+    std::thread::sleep(Duration::from_millis(200));
+    slow.send(&line.repeat(14));
+    // Read past the limit (nothing tells when; a loaded machine may not
+    // have read it yet, and then this passes either way).
+    std::thread::sleep(Duration::from_millis(300));
+    let mut large = Raw::connect(addr);
+    start_message(&mut large, "large");
+    // 7.3 KiB: with the room the other held (8 KiB), past 15 KiB.
+    large.send(&line.repeat(75));
+    let reply = large.cmd(".");
+    assert!(reply.starts_with("250"), "{reply}");
+    let reply = slow.cmd(".");
+    assert!(reply.starts_with("552"), "{reply}");
+    assert_eq!(up.arrivals().len(), 1);
+}

@@ -160,6 +160,11 @@ struct Session {
     /// The user that authenticated.
     user: Option<String>,
     tx: Option<Tx>,
+    /// The last MAIL was refused: the RCPTs and DATA a client pipelined
+    /// behind it are answered "need MAIL" without counting as errors (a
+    /// rate-limit answer to MAIL is routine, and with 19 recipients its
+    /// 503s alone reached [`MAX_ERRORS`]). Ends at the next MAIL or RSET.
+    mail_refused: bool,
     /// A message is being read or relayed (its transaction is out of
     /// `tx` meanwhile).
     in_data: bool,
@@ -191,6 +196,7 @@ pub(super) async fn serve(
         esmtp: false,
         user: None,
         tx: None,
+        mail_refused: false,
         in_data: false,
         errors: 0,
         junk: 0,
@@ -244,6 +250,15 @@ impl Session {
             return self.count_error();
         }
         Ok(())
+    }
+
+    /// RCPT or DATA with no transaction open.
+    fn need_mail(&mut self) -> Result<(), End> {
+        if self.mail_refused {
+            self.say(&reply::NEED_MAIL);
+            return Ok(());
+        }
+        self.error(&reply::NEED_MAIL)
     }
 
     fn count_error(&mut self) -> Result<(), End> {
@@ -438,6 +453,7 @@ impl Session {
             Request::Data => self.data().await?,
             Request::Rset => {
                 self.tx = None;
+                self.mail_refused = false;
                 self.junk(&reply::OK)?;
             }
             Request::Noop { .. } => self.junk(&reply::OK)?,
@@ -499,6 +515,8 @@ impl Session {
     }
 
     async fn mail(&mut self, from: MailFrom<String>) -> Result<(), End> {
+        // Until this MAIL opens its transaction.
+        self.mail_refused = true;
         if self.helo.is_none() {
             return self.error(&reply::NEED_HELO);
         }
@@ -559,6 +577,7 @@ impl Session {
             }
         }
         self.tx = Some(tx);
+        self.mail_refused = false;
         self.say(&reply::SENDER_OK);
         Ok(())
     }
@@ -640,7 +659,7 @@ impl Session {
             SmtpCost::Recipients | SmtpCost::Message => cfg.max_recipients,
         };
         let Some(tx) = self.tx.as_mut() else {
-            return self.error(&reply::NEED_MAIL);
+            return self.need_mail();
         };
         if to.orcpt.is_some() || to.flags != 0 || to.rrvs != 0 {
             return self.error(&reply::UNSUPPORTED_PARAMETER);
@@ -665,7 +684,7 @@ impl Session {
 
     async fn data(&mut self) -> Result<(), End> {
         let Some(mut tx) = self.tx.take() else {
-            return self.error(&reply::NEED_MAIL);
+            return self.need_mail();
         };
         if tx.rcpts.is_empty() {
             self.tx = Some(tx);
@@ -738,7 +757,11 @@ impl Session {
                     None
                 };
                 if let Some(why) = why {
+                    // What it held goes back now: the rest is only read
+                    // to its end and dropped (a client sending an
+                    // over-size message slowly kept room others need).
                     message = Vec::new();
+                    room.set_to(0);
                     refused = Some(why);
                 }
             }
