@@ -535,7 +535,8 @@ fn an_upstream_without_ehlo_is_greeted_with_helo() {
 /// A message declared SMTPUTF8 and 8BITMIME that needs neither (an
 /// ASCII envelope, header and body: some clients declare whatever is
 /// offered) reaches an upstream that offers neither, as Postfix relays
-/// it; one whose header is UTF-8 is still refused (553 5.6.7) at once.
+/// it; one whose header is UTF-8 is still refused (553 5.6.7) at once, as
+/// is a non-ASCII address in a transaction not declared SMTPUTF8.
 #[test]
 fn a_message_that_needs_no_extension_is_relayed_without_it() {
     let up = SmtpUpstream::start(UpstreamOpts::default());
@@ -554,6 +555,13 @@ fn a_message_that_needs_no_extension_is_relayed_without_it() {
     assert!(done.starts_with("250"), "{done}");
     let refused = message(&mut raw, "caf\u{e9}");
     assert!(refused.starts_with("553 5.6.7"), "{refused}");
+    // A non-ASCII address needs the parameter, at once (RFC 6531 3.4).
+    let mail = raw.cmd("MAIL FROM:<caf\u{e9}@example.com>");
+    assert!(mail.starts_with("553 5.6.7"), "{mail}");
+    assert!(raw.cmd("MAIL FROM:<a@example.com>").starts_with("250"));
+    let rcpt = raw.cmd("RCPT TO:<caf\u{e9}@example.org>");
+    assert!(rcpt.starts_with("553 5.6.7"), "{rcpt}");
+    assert!(raw.cmd("RSET").starts_with("250"));
     let got = up.wait_arrivals(1, Duration::from_secs(5));
     assert_eq!(got.len(), 1);
     assert_eq!(got[0]["subject"], "plain");
@@ -1601,7 +1609,8 @@ fn commands_pipelined_behind_a_refused_mail_are_not_errors() {
 
 /// A message refused for its size gives its staging room back at once,
 /// not at its end of data: a client sending an over-size message slowly
-/// left no room for another's message near the largest size (452 4.3.1).
+/// left no room for another's message near the largest size. A message
+/// refused for want of room (452 4.3.1) counts as an overload.
 #[test]
 fn an_over_size_message_gives_its_room_back_while_it_is_read_to_its_end() {
     let up = SmtpUpstream::start(UpstreamOpts::default());
@@ -1612,24 +1621,50 @@ fn an_over_size_message_gives_its_room_back_while_it_is_read_to_its_end() {
     ) + "\n[limits]\nmax_staged_body = \"8KiB\"\nmax_staged_bytes = \"15KiB\"\n";
     let sluice = Sluice::start(&cfg);
     let addr = sluice.smtp.unwrap();
+    let staged = || -> u64 {
+        let m = metrics(&sluice);
+        m.lines()
+            .find_map(|l| l.strip_prefix("sluice_staged_bytes "))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0) as u64
+    };
+    let wait_staged = |what: &str, done: &dyn Fn(u64) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done(staged()) {
+            assert!(Instant::now() < deadline, "{what}: {} staged", staged());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
     let line = format!("{}\r\n", "x".repeat(98));
     let mut slow = Raw::connect(addr);
     start_message(&mut slow, "over size");
     // 7.8 KiB (staged), then 1.4 KiB more, then nothing: the end of
     // data is still to come.
     slow.send(&line.repeat(80));
-    std::thread::sleep(Duration::from_millis(200));
+    wait_staged("the first part", &|n| n >= 8_000);
     slow.send(&line.repeat(14));
-    // Read past the limit (nothing tells when; a loaded machine may not
-    // have read it yet, and then this passes either way).
-    std::thread::sleep(Duration::from_millis(300));
+    wait_staged("the refused message keeps its room", &|n| n == 0);
+    // 7.3 KiB each: the first is staged; the second, with it, would pass
+    // 15 KiB.
     let mut large = Raw::connect(addr);
     start_message(&mut large, "large");
-    // 7.3 KiB: with the room the other held (8 KiB), past 15 KiB.
     large.send(&line.repeat(75));
+    wait_staged("the large one", &|n| n >= 7_500);
+    let mut second = Raw::connect(addr);
+    start_message(&mut second, "second");
+    second.send(&line.repeat(75));
+    let reply = second.cmd(".");
+    assert!(reply.starts_with("452 4.3.1"), "{reply}");
     let reply = large.cmd(".");
     assert!(reply.starts_with("250"), "{reply}");
     let reply = slow.cmd(".");
     assert!(reply.starts_with("552"), "{reply}");
     assert_eq!(up.arrivals().len(), 1);
+    let m = metrics(&sluice);
+    for outcome in ["forwarded", "invalid", "overloaded"] {
+        let line = format!(
+            r#"sluice_requests_total{{route="mail",protocol="smtp",outcome="{outcome}"}} 1"#
+        );
+        assert!(m.contains(&line), "{m}");
+    }
 }

@@ -187,6 +187,13 @@ pub const REFUSED_SESSION: Reply = Reply::new(
     "Bad sequence of commands: this session was refused",
 );
 pub const RELAY_DENIED: Reply = Reply::new(554, [5, 7, 1], "Relay access denied");
+/// RFC 6531 3.4: a non-ASCII address in a transaction not declared
+/// SMTPUTF8.
+pub const UTF8_UNDECLARED: Reply = Reply::new(
+    553,
+    [5, 6, 7],
+    "Non-ASCII addresses need the SMTPUTF8 parameter",
+);
 pub const UTF8_UNSUPPORTED: Reply =
     Reply::new(553, [5, 6, 7], "The upstream does not support SMTPUTF8");
 pub const EIGHTBIT_UNSUPPORTED: Reply =

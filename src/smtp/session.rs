@@ -556,6 +556,9 @@ impl Session {
         if !sound_address(&from.address) {
             return self.error(&reply::BAD_SENDER);
         }
+        if !from.address.is_ascii() && from.flags & MAIL_SMTPUTF8 == 0 {
+            return self.error(&reply::UTF8_UNDECLARED);
+        }
         if from.size > cfg.max_message_size {
             return self.error(&reply::TOO_BIG);
         }
@@ -667,6 +670,9 @@ impl Session {
         if !sound_address(&to.address) {
             return self.error(&reply::BAD_RECIPIENT);
         }
+        if !to.address.is_ascii() && !tx.smtputf8 {
+            return self.error(&reply::UTF8_UNDECLARED);
+        }
         if tx.rcpts.len() >= max {
             self.say(&reply::TOO_MANY_RECIPIENTS);
             return Ok(());
@@ -727,7 +733,14 @@ impl Session {
                 if let Some(hold) = tx.admitted.take().and_then(Admitted::settle) {
                     hold.withdraw();
                 }
-                tx.listener.rule.count(Outcome::Invalid);
+                // No room to hold it is an overload, not the client's
+                // fault.
+                let outcome = if refusal.code == reply::NO_STORAGE.code {
+                    Outcome::Overloaded
+                } else {
+                    Outcome::Invalid
+                };
+                tx.listener.rule.count(outcome);
                 return Ok(refusal);
             }
         };
