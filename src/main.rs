@@ -118,15 +118,15 @@ fn migrate(path: Option<std::path::PathBuf>, print_sql: bool, durable: bool) -> 
         .as_ref()
         .and_then(|c| c.cluster.as_ref())
         .and_then(|c| match &c.store {
-            sluice::config::Store::Postgres(pg) => Some((pg, c.timeout)),
+            sluice::config::Store::Postgres(pg) => Some((pg, c.timeout, c.key_prefix.as_str())),
             sluice::config::Store::Redis { .. } => None,
         });
     if print_sql {
-        let durable = pg.map_or(durable, |(pg, _)| pg.durable);
+        let durable = pg.map_or(durable, |(pg, _, _)| pg.durable);
         print!("{}", sluice::cluster::postgres::schema_sql(durable));
         return ExitCode::SUCCESS;
     }
-    let Some((pg, timeout)) = pg else {
+    let Some((pg, timeout, prefix)) = pg else {
         eprintln!("sluice migrate: the config has no [cluster] postgres = \"...\"");
         return ExitCode::from(2);
     };
@@ -141,7 +141,7 @@ fn migrate(path: Option<std::path::PathBuf>, print_sql: bool, durable: bool) -> 
         }
     };
     let result = runtime.block_on(async {
-        sluice::cluster::postgres::Postgres::new(pg, timeout)?
+        sluice::cluster::postgres::Postgres::new(pg, timeout, prefix)?
             .migrate()
             .await
     });

@@ -10,6 +10,7 @@ use http::StatusCode;
 use support::{
     Downstream, RedisServer, Sluice, assert_gaps, client, get, light_client_behind_a_backlog,
     seed_burst_across, store_stopped_then_resumed, throttled_then_another,
+    unready_while_writes_are_refused,
 };
 
 /// `sluice_cluster_fallbacks_total` for Redis under `policy`, and the
@@ -944,4 +945,22 @@ async fn one_stall_does_not_make_the_instance_unready() {
         StatusCode::SERVICE_UNAVAILABLE,
         "after {n} more failed calls"
     );
+}
+
+/// A Redis out of memory (`maxmemory` under `noeviction`) refuses every
+/// script and still answers INFO: the background check writes, so the
+/// instance is unready (under "reject") with no traffic to notice it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_refuses_writes_makes_the_instance_unready() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&config(ds.addr, &redis.url(), "reject", 1, "500ms"));
+    unready_while_writes_are_refused(
+        &s,
+        || assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK"),
+        || assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "0"]), "OK"),
+    )
+    .await;
+    let status = s.status().await;
+    assert_eq!(status["cluster"]["state"], "ok", "{status}");
 }

@@ -12,7 +12,7 @@ use http::StatusCode;
 use support::postgres::PostgresServer;
 use support::{
     Downstream, Sluice, TestCa, assert_gaps, client, get, light_client_behind_a_backlog,
-    seed_burst_across, store_stopped_then_resumed,
+    seed_burst_across, store_stopped_then_resumed, unready_while_writes_are_refused,
 };
 
 fn config(ds: SocketAddr, pg: &PostgresServer, on_failure: &str, extra: &str) -> String {
@@ -231,7 +231,8 @@ async fn expired_rows_are_swept() {
         );
     }
     let rows = || -> u64 {
-        pg.psql("SELECT count(*) FROM sluice_schedules")
+        // The background check's own row stays.
+        pg.psql("SELECT count(*) FROM sluice_schedules WHERE k <> 'sluice:health'")
             .parse()
             .unwrap()
     };
@@ -439,4 +440,27 @@ async fn a_rotated_password_is_used_by_the_next_connection() {
         i += 1;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A database that takes no writes (a standby; here every transaction
+/// read-only by default) fails every admission and still answers the
+/// schema check's reads: the background check writes, so the instance is
+/// unready (under "reject") with no traffic to notice it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_refuses_writes_makes_the_instance_unready() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&config(ds.addr, &pg, "reject", ""));
+    unready_while_writes_are_refused(
+        &s,
+        || {
+            pg.psql("ALTER SYSTEM SET default_transaction_read_only = on");
+            pg.psql("SELECT pg_reload_conf()");
+        },
+        || {
+            pg.psql("ALTER SYSTEM RESET default_transaction_read_only");
+            pg.psql("SELECT pg_reload_conf()");
+        },
+    )
+    .await;
 }

@@ -253,6 +253,14 @@ impl Streak {
     }
 }
 
+/// The key a background check writes (with the key prefix before it), to
+/// see that the store takes writes as admissions need: a Redis out of
+/// memory, or a PostgreSQL standby or a role without UPDATE, still
+/// answers reads. Clients' keys all start with `{`.
+fn health_key(prefix: &str) -> String {
+    format!("{prefix}health")
+}
+
 /// Hex of a key's bytes, safe inside a store key name.
 fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -305,10 +313,13 @@ impl Cluster {
                 *mode,
                 ca.clone(),
                 cfg.timeout,
+                &cfg.key_prefix,
             ))),
-            Store::Postgres(pg) => {
-                Backend::Postgres(Box::new(postgres::Postgres::new(pg, cfg.timeout)?))
-            }
+            Store::Postgres(pg) => Backend::Postgres(Box::new(postgres::Postgres::new(
+                pg,
+                cfg.timeout,
+                &cfg.key_prefix,
+            )?)),
         };
         let backend = store.label();
         // The series alerts watch exist from the start, at 0.

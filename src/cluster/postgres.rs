@@ -239,10 +239,16 @@ pub struct Postgres {
     timeout: Duration,
     /// Why the store cannot be used as configured, while it cannot.
     problem: super::Problem,
+    /// What the checks write ([`super::health_key`]).
+    health: String,
 }
 
 impl Postgres {
-    pub fn new(cfg: &PostgresConfig, timeout: Duration) -> Result<Postgres, ClusterError> {
+    pub fn new(
+        cfg: &PostgresConfig,
+        timeout: Duration,
+        prefix: &str,
+    ) -> Result<Postgres, ClusterError> {
         let runtime = Handle::try_current()
             .map_err(|_| ClusterError::Setup("the postgres store needs a tokio runtime".into()))?;
         let mut pg = cfg.target.pg.clone();
@@ -302,6 +308,7 @@ impl Postgres {
             .map_err(|e| ClusterError::Setup(format!("postgres pool: {e}")))?;
         Ok(Postgres {
             pool,
+            health: super::health_key(prefix),
             shown: cfg.target.to_string(),
             pg,
             secret,
@@ -371,6 +378,21 @@ impl Postgres {
         Ok(created)
     }
 
+    /// Write the health row, as an admission writes (a standby, or a role
+    /// without INSERT or UPDATE on the table, still answers the schema's
+    /// reads). The sweep takes it a minute after the last check.
+    async fn write_probe(&self, client: &tokio_postgres::Client) -> Result<(), ClusterError> {
+        client
+            .execute(
+                "INSERT INTO sluice_schedules (k, d, expires_us) \
+                 VALUES ($1, 0, sluice_now_us() + 60000000) \
+                 ON CONFLICT (k) DO UPDATE SET expires_us = EXCLUDED.expires_us",
+                &[&self.health],
+            )
+            .await?;
+        Ok(())
+    }
+
     /// Say so when the table's kind is not the configured one (changing it
     /// rewrites the table, which is the DBA's call).
     async fn check_persistence(&self, client: &tokio_postgres::Client) {
@@ -401,7 +423,14 @@ impl Postgres {
     /// went silent after the login held the start until TCP gave up).
     pub async fn check(&self) -> Result<(), String> {
         let shown = self.shown.clone();
-        let result = match tokio::time::timeout(UPKEEP_LIMIT, self.migrate()).await {
+        let checked = async {
+            let mut client = self.maintenance().await?;
+            if !self.ensure_schema(&mut client).await? {
+                self.check_persistence(&client).await;
+            }
+            self.write_probe(&client).await
+        };
+        let result = match tokio::time::timeout(UPKEEP_LIMIT, checked).await {
             Ok(Ok(_)) => None,
             Ok(Err(e)) => Some(Trouble::Unavailable(format!("postgres {shown}: {e}"))),
             Err(_) => Some(Trouble::Unavailable(format!(
@@ -467,6 +496,7 @@ impl Postgres {
             _ => conn.insert(self.maintenance().await?),
         };
         self.ensure_schema(client).await?;
+        self.write_probe(client).await?;
         self.warm().await;
         if let Err(e) = sweep(client).await {
             warn!(error = %e, "sweeping expired schedules failed");

@@ -192,6 +192,8 @@ pub struct Redis {
     cancel: Lua,
     /// Why the store cannot be used as configured, while it cannot.
     problem: super::Problem,
+    /// What the background check writes ([`super::health_key`]).
+    health: String,
     /// The runtime every call runs on (the caller's, when made outside one).
     runtime: Option<Handle>,
     /// Redis's clock less ours (µs) as the last admission saw it: Redis's
@@ -245,8 +247,15 @@ struct Node {
 }
 
 impl Redis {
-    pub fn new(nodes: &[String], mode: RedisMode, ca: Option<Vec<u8>>, timeout: Duration) -> Redis {
+    pub fn new(
+        nodes: &[String],
+        mode: RedisMode,
+        ca: Option<Vec<u8>>,
+        timeout: Duration,
+        prefix: &str,
+    ) -> Redis {
         Redis {
+            health: super::health_key(prefix),
             runtime: Handle::try_current().ok(),
             nodes: nodes.to_vec(),
             mode,
@@ -508,7 +517,35 @@ impl Redis {
             // on_failure, the others are shaped as before.
             return self.set_problem(Some(Trouble::Unavailable(why)));
         }
+        if let Err(e) = self.write_probe().await {
+            return self.set_problem(Some(Trouble::Unavailable(format!(
+                "{node} takes no writes: {e}"
+            ))));
+        }
         self.set_problem(None)
+    }
+
+    /// Write the health key, as an admission writes (a Redis out of
+    /// memory under `noeviction` refuses every script and still answers
+    /// INFO). It lapses a minute after the last check.
+    async fn write_probe(&self) -> Result<(), ClusterError> {
+        let mut conn = self.conn()?;
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(&self.health).arg(1).arg("PX").arg(60_000);
+        let work = async move { Ok::<(), ClusterError>(cmd.query_async(&mut conn).await?) };
+        let limit = super::connect_limit(self.timeout);
+        let done = async {
+            match &self.runtime {
+                Some(runtime) => runtime
+                    .spawn(work)
+                    .await
+                    .map_err(|e| ClusterError::Setup(format!("redis call: {e}")))?,
+                None => work.await,
+            }
+        };
+        tokio::time::timeout(limit, done)
+            .await
+            .map_err(|_| ClusterError::Timeout(limit))?
     }
 
     fn set_problem(&self, problem: Option<Trouble>) -> Result<(), String> {

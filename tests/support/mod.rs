@@ -796,6 +796,17 @@ impl RedisServer {
                 .is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
     }
 
+    /// Run `redis-cli` against it; its output, trimmed.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        assert!(out.status.success(), "redis-cli {args:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
@@ -1089,6 +1100,48 @@ pub async fn throttled_then_another(s: &Sluice, ds: &Downstream) -> (Answer, Ans
     tokio::time::sleep(Duration::from_millis(100)).await;
     let during = get(&c, &s.url("/during"), &[("x-client", "b")]).await;
     (throttled.await.unwrap(), during, paused_at)
+}
+
+/// The shared-schedule store of `s` (on_failure = "reject") answers reads
+/// but refuses writes after `refuse_writes`, as a Redis out of memory or
+/// a PostgreSQL role without UPDATE does: with no traffic at all, the
+/// background check (every 5 s, a write) makes /readyz 503 within two
+/// checks, keeps it 503 across the next one, and 200 again within two
+/// checks of `take_writes`.
+pub async fn unready_while_writes_are_refused(
+    s: &Sluice,
+    refuse_writes: impl FnOnce(),
+    take_writes: impl FnOnce(),
+) {
+    let c = client();
+    let ready = || async { get(&c, &s.admin_url("/readyz"), &[]).await };
+    let wait_for = |want: StatusCode| {
+        let ready = &ready;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(12);
+            loop {
+                let r = ready().await;
+                if r.status == want {
+                    return;
+                }
+                let body = String::from_utf8_lossy(&r.body);
+                assert!(Instant::now() < deadline, "/readyz: {} {body}", r.status);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    wait_for(StatusCode::OK).await;
+    refuse_writes();
+    wait_for(StatusCode::SERVICE_UNAVAILABLE).await;
+    let across = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < across {
+        let r = ready().await;
+        let body = String::from_utf8_lossy(&r.body);
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    take_writes();
+    wait_for(StatusCode::OK).await;
 }
 
 /// The shared-schedule store of `s` (route key X-Client, on_failure =
