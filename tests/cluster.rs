@@ -736,11 +736,12 @@ fn pause_redis(redis: &RedisServer, ms: u32) {
     assert!(paused.status.success(), "{paused:?}");
 }
 
-/// Redis paused for `pause_ms` while a client's first request (1/m) is
-/// asked about: it goes on under `on_failure = "allow"`; once the pause
-/// is over (and `settle_ms` more), the same client's second request is
-/// decided by Redis and goes at once, not held a minute for a
-/// reservation nobody takes.
+/// Redis paused for `pause_ms` while three requests of one client (1/m)
+/// are asked about: they go on under `on_failure = "allow"`; once the
+/// pause is over (and `settle_ms` more), the same client's next request is
+/// decided by Redis and goes at once, not held for the reservations nobody
+/// takes (each but the last was behind a later one when it was given
+/// back: only the last went back until holes were kept).
 async fn a_late_call_leaves_no_reservation(pause_ms: u32, settle_ms: u64) {
     let redis = RedisServer::start();
     let ds = Downstream::start().await;
@@ -753,13 +754,20 @@ async fn a_late_call_leaves_no_reservation(pause_ms: u32, settle_ms: u64) {
     let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
     assert_eq!(warm.status, StatusCode::OK);
     pause_redis(&redis, pause_ms);
-    let first = get(&c, &s.url("/first"), &[("x-client", "k")]).await;
-    assert_eq!(first.status, StatusCode::OK);
+    let during: Vec<_> = (0..3)
+        .map(|i| {
+            let (c, url) = (c.clone(), s.url(&format!("/during{i}")));
+            tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await.status })
+        })
+        .collect();
+    for status in during {
+        assert_eq!(status.await.unwrap(), StatusCode::OK);
+    }
     let (allowed, m) = fallbacks(&s, "allow").await;
     assert_eq!(
         allowed,
-        Some(1.0),
-        "the first went on under on_failure: {m}"
+        Some(3.0),
+        "the three went on under on_failure: {m}"
     );
     assert!(
         m.contains("sluice_cluster_calls_total{backend=\"redis\",result=\"ok\"} 1\n"),
@@ -767,16 +775,16 @@ async fn a_late_call_leaves_no_reservation(pause_ms: u32, settle_ms: u64) {
     );
     tokio::time::sleep(Duration::from_millis(u64::from(pause_ms) + settle_ms)).await;
     let t = Instant::now();
-    let second = tokio::time::timeout(
+    let next = tokio::time::timeout(
         Duration::from_secs(10),
-        get(&c, &s.url("/second"), &[("x-client", "k")]),
+        get(&c, &s.url("/next"), &[("x-client", "k")]),
     )
     .await
-    .expect("the second was held for the reservation nobody took");
-    assert_eq!(second.status, StatusCode::OK);
+    .expect("the next was held for the reservations nobody took");
+    assert_eq!(next.status, StatusCode::OK);
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     let (allowed, m) = fallbacks(&s, "allow").await;
-    assert_eq!(allowed, Some(1.0), "the second was decided by Redis: {m}");
+    assert_eq!(allowed, Some(3.0), "the next was decided by Redis: {m}");
 }
 
 /// A reservation the store makes after sluice gave up on the call (Redis

@@ -464,3 +464,58 @@ async fn a_database_that_refuses_writes_makes_the_instance_unready() {
     )
     .await;
 }
+
+/// PostgreSQL stopped for a second while three requests of one client
+/// (1/m) are asked about: they go on under "allow" at the 300 ms timeout;
+/// their statements run when it resumes (in whatever order their
+/// connections get the client's row), after sluice stopped waiting, and
+/// every reservation is given back (each but the last as a hole), so the
+/// client's next request goes at once rather than two minutes later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_made_after_the_timeout_are_all_given_back() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &pg, "allow", "")
+        .replace("timeout = \"500ms\"", "timeout = \"300ms\"")
+        .replace("rate = \"5/s\"", "rate = \"1/m\"");
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
+    assert_eq!(warm.status, StatusCode::OK);
+    pg.signal("STOP");
+    let stopped = Instant::now();
+    let during: Vec<_> = (0..3)
+        .map(|i| {
+            let (c, url) = (c.clone(), s.url(&format!("/during{i}")));
+            tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await.status })
+        })
+        .collect();
+    for status in during {
+        assert_eq!(status.await.unwrap(), StatusCode::OK);
+    }
+    tokio::time::sleep(Duration::from_secs(1).saturating_sub(stopped.elapsed())).await;
+    pg.signal("CONT");
+    // The late statements run (the client's row appears: its key is the
+    // hex of the key's part, a header, "h" + "k") and their
+    // reservations are given back: D no later than now, no hole left,
+    // twice in a row (a first cancel may run before the last statement).
+    let given_back = Instant::now() + Duration::from_secs(10);
+    let mut seen = 0;
+    while seen < 2 {
+        let state = pg.psql(
+            "SELECT count(*) FILTER (WHERE d <= sluice_now_us()) || ',' || count(*) \
+             || ',' || (SELECT count(*) FROM sluice_holes) \
+             FROM sluice_schedules WHERE k = 'sluice:{c:default:686b}'",
+        );
+        seen = if state == "1,1,0" { seen + 1 } else { 0 };
+        assert!(
+            Instant::now() < given_back,
+            "still reserved (given back, rows, holes): {state}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let t = Instant::now();
+    let next = get(&c, &s.url("/next"), &[("x-client", "k")]).await;
+    assert_eq!(next.status, StatusCode::OK);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}

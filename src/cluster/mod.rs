@@ -141,8 +141,9 @@ pub enum Verdict {
 }
 
 /// A reservation, for the cancel: the client's D as this admission left
-/// it (given back only while it is still the client's last), and the cap
-/// slots it took (always given back).
+/// it (given back when it is the client's last, or kept as a hole until
+/// the later ones are given back too), and the cap slots it took (always
+/// given back).
 #[derive(Debug, Clone)]
 pub struct Reservation {
     key: String,
@@ -251,6 +252,13 @@ impl Streak {
                 .is_some_and(|t| now.saturating_duration_since(t) >= UNHEALTHY_FOR)
             && checks <= self.checks_then
     }
+}
+
+/// Where a client's given-back reservations wait while a later one is
+/// still ahead of them (see the stores' cancel): beside the client's key,
+/// in its hash slot. No client key ends so (route names have no `:`).
+fn holes_key(client: &str) -> String {
+    format!("{client}:holes")
 }
 
 /// The key a background check writes (with the key prefix before it), to

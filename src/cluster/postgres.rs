@@ -52,6 +52,17 @@ CREATE {persistence}TABLE IF NOT EXISTS sluice_slots (
     PRIMARY KEY (cal, slot)
 );
 
+-- Reservations given back while a later one of the client was still
+-- ahead of them, by the D they left: the client's D goes back past them
+-- when it comes to them (see sluice_cancel).
+CREATE {persistence}TABLE IF NOT EXISTS sluice_holes (
+    k text NOT NULL,
+    new_d bigint NOT NULL,
+    undo bigint NOT NULL,
+    expires_us bigint NOT NULL,
+    PRIMARY KEY (k, new_d)
+);
+
 -- The database's clock in microseconds since the epoch, exact on every
 -- version (extract returns float8 before PostgreSQL 14).
 CREATE OR REPLACE FUNCTION sluice_now_us() RETURNS bigint
@@ -140,20 +151,41 @@ BEGIN
 END
 $fn$;
 
--- Cancel: the client's D goes back only while this reservation is still
--- its last (compare-and-set); the cap slots always go back. Locks in the
--- admission's order (cap, row, slots).
+-- Cancel: the client's D goes back while this reservation is its last,
+-- and then past every hole it comes to (reservations given back while a
+-- later one was still ahead of them: several calls late together are
+-- given back in the order they were made); one still behind a later
+-- reservation is kept as a hole. The cap slots always go back. Locks in
+-- the admission's order (cap, row, slots).
 CREATE OR REPLACE FUNCTION sluice_cancel(
     p_key text, p_cal text, p_new_d bigint, p_undo bigint, p_first bigint, p_cost bigint
 ) RETURNS integer LANGUAGE plpgsql AS $fn$
 DECLARE
-    v_undone integer;
+    v_undone integer := 0;
+    v_d bigint;
+    v_expires bigint;
+    v_undo bigint;
 BEGIN
     IF p_cal IS NOT NULL THEN
         PERFORM pg_advisory_xact_lock(hashtextextended(p_cal, 0));
     END IF;
-    UPDATE sluice_schedules SET d = d - p_undo WHERE k = p_key AND d = p_new_d;
-    GET DIAGNOSTICS v_undone = ROW_COUNT;
+    SELECT d, expires_us INTO v_d, v_expires FROM sluice_schedules
+    WHERE k = p_key FOR UPDATE;
+    IF v_d = p_new_d THEN
+        v_d := v_d - p_undo;
+        LOOP
+            DELETE FROM sluice_holes WHERE k = p_key AND new_d = v_d
+            RETURNING undo INTO v_undo;
+            EXIT WHEN NOT FOUND;
+            v_d := v_d - v_undo;
+        END LOOP;
+        UPDATE sluice_schedules SET d = v_d WHERE k = p_key;
+        v_undone := 1;
+    ELSIF v_d > p_new_d THEN
+        INSERT INTO sluice_holes (k, new_d, undo, expires_us)
+        VALUES (p_key, p_new_d, p_undo, v_expires)
+        ON CONFLICT (k, new_d) DO NOTHING;
+    END IF;
     IF p_cal IS NOT NULL THEN
         DELETE FROM sluice_slots
         WHERE cal = p_cal AND slot >= p_first AND slot < p_first + p_cost;
@@ -170,6 +202,7 @@ DECLARE
     v_now bigint := sluice_now_us();
     v_rows bigint;
     v_slots bigint;
+    v_holes bigint;
 BEGIN
     DELETE FROM sluice_schedules WHERE k IN (
         SELECT k FROM sluice_schedules WHERE expires_us < v_now
@@ -179,12 +212,16 @@ BEGIN
         SELECT cal, slot FROM sluice_slots WHERE expires_us < v_now
         LIMIT p_limit FOR UPDATE SKIP LOCKED);
     GET DIAGNOSTICS v_slots = ROW_COUNT;
-    RETURN v_rows + v_slots;
+    DELETE FROM sluice_holes WHERE (k, new_d) IN (
+        SELECT k, new_d FROM sluice_holes WHERE expires_us < v_now
+        LIMIT p_limit FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_holes = ROW_COUNT;
+    RETURN v_rows + v_slots + v_holes;
 END
 $fn$;
 
 COMMENT ON FUNCTION sluice_admit(text, text, bigint, bigint, bigint, bigint, bigint, bigint)
-    IS 'sluice schema 1';
+    IS 'sluice schema 2';
 "#;
 
 /// The objects `SCHEMA` makes, as `to_regclass` / `to_regprocedure` name
@@ -192,13 +229,14 @@ COMMENT ON FUNCTION sluice_admit(text, text, bigint, bigint, bigint, bigint, big
 /// exist and the version is this one, a start changes nothing.
 const OBJECTS: &str = "SELECT to_regclass('sluice_schedules') IS NOT NULL
     AND to_regclass('sluice_slots') IS NOT NULL
+    AND to_regclass('sluice_holes') IS NOT NULL
     AND to_regprocedure('sluice_now_us()') IS NOT NULL
     AND to_regprocedure('sluice_admit(text,text,bigint,bigint,bigint,bigint,bigint,bigint)') IS NOT NULL
     AND to_regprocedure('sluice_cancel(text,text,bigint,bigint,bigint,bigint)') IS NOT NULL
     AND to_regprocedure('sluice_sweep(integer)') IS NOT NULL
     AND obj_description(to_regprocedure(
         'sluice_admit(text,text,bigint,bigint,bigint,bigint,bigint,bigint)'), 'pg_proc')
-        IS NOT DISTINCT FROM 'sluice schema 1'";
+        IS NOT DISTINCT FROM 'sluice schema 2'";
 
 /// Serialises schema changes between instances starting at once.
 const MIGRATION_LOCK: i64 = 0x736c_7569_6365; // "sluice"

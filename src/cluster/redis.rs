@@ -110,20 +110,37 @@ end
 return {1, d - now, newD, first, now}
 ";
 
-/// Cancel: KEYS = client key, [slot calendar]; ARGV = newD, undo, first
-/// slot, cost. The client's D goes back only while this reservation is
-/// still its last (compare-and-set); the cap slots always go back.
+/// Cancel: KEYS = client key, its holes, [slot calendar]; ARGV = newD,
+/// undo, first slot, cost. The client's D goes back while this
+/// reservation is its last, and then past every hole it comes to: the
+/// reservations given back while a later one was still ahead of them
+/// (kept by their newD; several calls late together are given back in
+/// the order they were made, each but the last behind a later one). The
+/// cap slots always go back.
 const CANCEL: &str = r"
 local D = tonumber(redis.call('GET', KEYS[1]) or '0')
+local newD = tonumber(ARGV[1])
 local undone = 0
-if D == tonumber(ARGV[1]) then
-  redis.call('SET', KEYS[1], D - tonumber(ARGV[2]), 'KEEPTTL')
+if D == newD then
+  D = D - tonumber(ARGV[2])
+  while true do
+    local field = string.format('%d', D)
+    local undo = redis.call('HGET', KEYS[2], field)
+    if not undo then break end
+    redis.call('HDEL', KEYS[2], field)
+    D = D - tonumber(undo)
+  end
+  redis.call('SET', KEYS[1], string.format('%d', D), 'KEEPTTL')
   undone = 1
+elseif D > newD then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
 end
-if #KEYS > 1 then
+if #KEYS > 2 then
   local first = tonumber(ARGV[3])
   for i = 0, tonumber(ARGV[4]) - 1 do
-    redis.call('ZREM', KEYS[2], first + i)
+    redis.call('ZREM', KEYS[3], first + i)
   end
 end
 return undone
@@ -642,7 +659,8 @@ impl Redis {
     }
 
     pub async fn cancel(&self, r: &Reservation) -> Result<(), ClusterError> {
-        let mut keys = vec![r.key.as_str()];
+        let holes = super::holes_key(&r.key);
+        let mut keys = vec![r.key.as_str(), holes.as_str()];
         if let Some(s) = &r.slots {
             keys.push(s);
         }
