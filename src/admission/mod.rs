@@ -816,7 +816,15 @@ impl Admission {
                         why: Refusal::MaxWait,
                         retry_after: resumes.saturating_duration_since(Instant::now()),
                     }
-                } else if delay.is_zero() && paused.is_none() {
+                } else if delay.is_zero()
+                    && paused.is_none()
+                    && !self
+                        .spacing
+                        .holds_back(&(rule.local, key.clone()), self.shaper.now())
+                {
+                    // (A client whose held requests are catching up after
+                    // a stall keeps its c·T/2 from them: a request the
+                    // store lets go at once waits its turn as they do.)
                     Verdict::Go
                 } else if !self.shaper.budget().take_queued() {
                     cluster.cancel(reservation);

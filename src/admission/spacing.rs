@@ -96,6 +96,13 @@ impl<C: Hash + Eq + Clone> Spacing<C> {
         at
     }
 
+    /// Whether a release of `client` now could be held back (its latest
+    /// release's spacing has not passed).
+    pub fn holds_back(&self, client: &C, now: Nanos) -> bool {
+        let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        guard.last.get(client).is_some_and(|l| l.until > now)
+    }
+
     /// [`Spacing::release`] for work that keeps its spacing on several
     /// lines at once (its client's, and its capped upstream's), each
     /// `(line, slot, half)`: the earliest instant from `from` on that
