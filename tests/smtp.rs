@@ -1398,6 +1398,42 @@ fn on_sigterm_a_relay_past_its_end_of_data_finishes() {
     assert_eq!(up.arrivals().len(), 1);
 }
 
+/// SIGTERM while one relay waits for its end-of-data reply and another,
+/// released, waits for the upstream's only connection: when the drain
+/// gives up, the waiting one is refused (421) and never relayed, as one
+/// not started; the one in flight finishes.
+#[test]
+fn on_sigterm_a_relay_waiting_for_a_connection_does_not_start() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let toml = config(
+        up.port,
+        "tls = \"none\"\nmax_connections = 1",
+        "key = \"global\"\nrate = \"5/s\"\ncapacity = 10",
+    );
+    let mut sluice = Sluice::start(&format!("[server]\ndrain_timeout = \"100ms\"\n{toml}"));
+    up.set_mode("slower-reply");
+    let addr = sluice.smtp.unwrap();
+    let mut first = Raw::connect(addr);
+    start_message(&mut first, "in flight");
+    first.send(".\r\n");
+    assert_eq!(up.wait_arrivals(1, Duration::from_secs(10)).len(), 1);
+    let mut second = Raw::connect(addr);
+    start_message(&mut second, "waiting for the connection");
+    second.send(".\r\n");
+    // Released (200 ms after the first) and waiting for the connection;
+    // nothing tells when (if it is not there yet, the drain refuses it
+    // before the relay, and this passes either way).
+    std::thread::sleep(Duration::from_millis(500));
+    sluice.signal("TERM");
+    let reply = second.reply();
+    assert!(reply.starts_with("421"), "{reply}");
+    let reply = first.reply();
+    assert!(reply.starts_with("250 2.0.0"), "{reply}");
+    let status = sluice.wait_exit(Duration::from_secs(20)).expect("exits");
+    assert!(status.success());
+    assert_eq!(up.arrivals().len(), 1);
+}
+
 /// Errors count until mail is delivered (Postfix's
 /// `smtpd_hard_error_limit`): a connection that delivers between its
 /// mistakes is not closed for the sum of them.

@@ -910,9 +910,22 @@ impl Session {
         let deadline = Instant::now() + pool.config().relay_timeout;
         let relay = pool.send(&env, &message, deadline);
         tokio::pin!(relay);
+        let closing = admission.closing();
         let relayed = tokio::select! {
             r = &mut relay => Some(r),
             () = watch(&mut self.inbuf, &mut self.stream) => None,
+            // The drain gives up while the relay waits for a connection
+            // (every one of `max_connections` busy) or sends the envelope:
+            // it is dropped, as one not started. One past its end of data
+            // finishes.
+            () = closing.cancelled() => {
+                if !env.committed.load(Ordering::Relaxed) {
+                    rule.count(Outcome::Expired);
+                    self.say(&reply::SHUTTING_DOWN);
+                    return Err(End::Closed);
+                }
+                Some((&mut relay).await)
+            }
         };
         let gone = relayed.is_none();
         let relayed = match relayed {
