@@ -1434,6 +1434,43 @@ fn on_sigterm_a_relay_waiting_for_a_connection_does_not_start() {
     assert_eq!(up.arrivals().len(), 1);
 }
 
+/// A message to 250 recipients goes to the upstream in pipelined groups
+/// (of 100 commands, each group's replies read before the next is
+/// written): every recipient arrives, in order.
+#[test]
+fn a_message_to_many_recipients_is_relayed_in_groups() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"5/s\"\ncapacity = 10\nmax_recipients = 300",
+    ));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    assert!(raw.cmd("EHLO raw.test").starts_with("250"));
+    let mut group = String::from("MAIL FROM:<raw@example.com>\r\n");
+    for i in 0..250 {
+        group += &format!("RCPT TO:<user{i}@example.org>\r\n");
+    }
+    raw.send(&(group + "DATA\r\n"));
+    for i in 0..251 {
+        let reply = raw.reply();
+        assert!(reply.starts_with("250"), "{i}: {reply}");
+    }
+    assert!(raw.reply().starts_with("354"));
+    raw.send("Subject: many\r\n\r\nbody\r\n");
+    let reply = raw.cmd(".");
+    assert!(reply.starts_with("250 2.0.0"), "{reply}");
+    let got = up.wait_arrivals(1, Duration::from_secs(5));
+    let rcpts: Vec<&str> = got[0]["rcpts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r.as_str())
+        .collect();
+    let want: Vec<String> = (0..250).map(|i| format!("user{i}@example.org")).collect();
+    assert_eq!(rcpts, want);
+}
+
 /// Errors count until mail is delivered (Postfix's
 /// `smtpd_hard_error_limit`): a connection that delivers between its
 /// mistakes is not closed for the sum of them.

@@ -211,6 +211,10 @@ pub fn path(address: &str) -> String {
     }
 }
 
+/// Commands written at once before their replies are read (see
+/// [`Session::send`]).
+const PIPELINE_GROUP: usize = 100;
+
 /// The message as it goes on the wire: a dot doubled at the start of
 /// every line (a line starting after a bare CR or LF too, so a message
 /// cannot smuggle an end of data past a relay that reads bare line
@@ -510,14 +514,25 @@ impl Session {
             .map(|r| format!("RCPT TO:{}\r\n", path(r)))
             .collect();
         let replies = if self.caps.pipelining {
-            let mut group = mail.into_bytes();
-            for r in &rcpts {
-                group.extend_from_slice(r.as_bytes());
-            }
-            group.extend_from_slice(b"DATA\r\n");
-            within(deadline, false, self.stream.write_all(&group)).await?;
+            let commands: Vec<&[u8]> = std::iter::once(mail.as_bytes())
+                .chain(rcpts.iter().map(String::as_bytes))
+                .chain(std::iter::once(&b"DATA\r\n"[..]))
+                .collect();
             let mut replies = Vec::with_capacity(rcpts.len() + 2);
-            for _ in 0..rcpts.len() + 2 {
+            let mut sent = 0;
+            while replies.len() < commands.len() {
+                // In groups of at most PIPELINE_GROUP, each one's replies
+                // read before the next is written: an upstream that
+                // answers as it reads (Postfix) stops reading once its
+                // replies fill the socket, and a whole envelope of
+                // thousands of recipients written before reading any
+                // reply stalled until the relay's deadline (RFC 2920 3.1).
+                if replies.len() == sent {
+                    let end = (sent + PIPELINE_GROUP).min(commands.len());
+                    let group = commands[sent..end].concat();
+                    within(deadline, false, self.stream.write_all(&group)).await?;
+                    sent = end;
+                }
                 let reply = match self.reply(deadline, false).await {
                     Ok(reply) => reply,
                     // An upstream that refused part of the group and then
