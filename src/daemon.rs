@@ -197,16 +197,27 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     }));
 
     let shutdown = async move {
+        let delay = stopping.shutdown_delay();
+        let what = if delay.is_zero() {
+            "draining".to_owned()
+        } else {
+            format!(
+                "not ready, serving for shutdown_delay ({}), then draining",
+                humantime::format_duration(delay)
+            )
+        };
         tokio::select! {
-            _ = terminate.recv() => info!("SIGTERM received: draining"),
-            _ = interrupt.recv() => info!("SIGINT received: draining"),
+            _ = terminate.recv() => info!("SIGTERM received: {what}"),
+            _ = interrupt.recv() => info!("SIGINT received: {what}"),
         }
+        stopping.announce_stop();
         // systemd's stop timeout is the unit's; the drain may need more (a
-        // raised drain_timeout, request_timeout or relay_timeout): ask for
-        // it, so that systemd does not kill sluice in the middle.
+        // raised drain_timeout, request_timeout or relay_timeout, and the
+        // shutdown delay before it): ask for it, so that systemd does not
+        // kill sluice in the middle.
         // Written out: sd-notify's `ExtendTimeoutUsec` holds 32 bits (71
         // minutes), and systemd reads 64.
-        let longest = stopping.longest_stop() + Duration::from_secs(5);
+        let longest = delay + stopping.longest_stop() + Duration::from_secs(5);
         let extend = format!("EXTEND_TIMEOUT_USEC={}", longest.as_micros());
         notify(&[NotifyState::Stopping, NotifyState::Custom(&extend)]);
         // A second signal ends the drain at once (an operator's second
@@ -219,6 +230,12 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
             warn!("second signal received: exiting without finishing the drain");
             std::process::exit(1);
         });
+        // Load balancers take the instance out of rotation meanwhile
+        // (`/readyz` is 503); what they still send is served.
+        tokio::time::sleep(delay).await;
+        if !delay.is_zero() {
+            info!("shutdown_delay passed: draining");
+        }
     };
     let serving = server.run(shutdown);
     notify(&[NotifyState::Ready]);

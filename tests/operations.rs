@@ -394,6 +394,46 @@ async fn sigterm_drains_at_pace_then_answers_503_and_exits_0() {
     }
 }
 
+/// `shutdown_delay`: on SIGTERM, /readyz turns 503 at once while sluice
+/// goes on serving, new connections too, until the delay passes; then it
+/// drains and exits as without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_delay_keeps_serving_while_not_ready() {
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, "100/s", 10, "1s").replace(
+        "drain_timeout = \"1s\"",
+        "drain_timeout = \"1s\"\nshutdown_delay = \"3s\"",
+    );
+    let sluice = Sluice::start(&cfg);
+    let c = client();
+    assert_eq!(
+        get(&c, &sluice.admin_url("/readyz"), &[]).await.status,
+        StatusCode::OK
+    );
+    let t = Instant::now();
+    sluice.signal("TERM");
+    wait_for_log(&sluice, "serving for shutdown_delay").await;
+    let ready = get(&c, &sluice.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        String::from_utf8_lossy(&ready.body).contains("shutting down"),
+        "{ready:?}"
+    );
+    // Served meanwhile, on a new connection each time (a fresh client).
+    let mut served = 0;
+    while t.elapsed() < Duration::from_millis(2_000) {
+        let a = get(&client(), &sluice.url("/during"), &[("x-client", "d")]).await;
+        assert_eq!(a.status, StatusCode::OK, "{:?}", t.elapsed());
+        served += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(served >= 1, "{served}");
+    wait_for_log(&sluice, "shutdown_delay passed: draining").await;
+    assert!(t.elapsed() >= Duration::from_secs(3), "{:?}", t.elapsed());
+    exits_cleanly(sluice, Duration::from_secs(10)).await;
+    assert_eq!(ds.seen().len(), served);
+}
+
 /// SIGTERM closes idle keep-alive connections at once, on sluice's own
 /// HTTP/1.1 server and on hyper's HTTP/2 alike (an idle one would
 /// otherwise hold the exit until the drain timeout, 30 s here, or its

@@ -72,6 +72,10 @@ pub struct Server {
     /// On SIGTERM, how long queued requests keep departing at their pace
     /// before the rest are answered 503.
     pub drain_timeout: Duration,
+    /// On SIGTERM, how long sluice goes on serving (accepting too) with
+    /// `/readyz` at 503 before the drain starts, so that a load balancer
+    /// takes it out of rotation first; zero: none.
+    pub shutdown_delay: Duration,
     /// Open Upgrade tunnels (WebSocket...) at most; past it, 503.
     pub max_tunnels: usize,
     /// Proxies whose `X-Forwarded-For` entries are believed (`forwarded`
@@ -471,6 +475,9 @@ const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
 /// max_wait: at most the longest interval a rate may have (30 days).
 const MAX_WAIT: Duration = Duration::from_secs(30 * 86_400);
 const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest `server.shutdown_delay` (a load balancer's health checks
+/// notice within seconds; Kubernetes' default grace period is 30 s).
+const MAX_SHUTDOWN_DELAY: Duration = Duration::from_secs(600);
 const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -1108,6 +1115,18 @@ impl Validator {
             raw.drain_timeout.as_deref(),
             DEFAULT_DRAIN_TIMEOUT,
         );
+        let shutdown_delay = match raw.shutdown_delay.as_deref() {
+            // Zero turns it off (the default).
+            Some(text) if humantime::parse_duration(text).is_ok_and(|d| d.is_zero()) => {
+                Some(Duration::ZERO)
+            }
+            text => self.duration_up_to(
+                "server.shutdown_delay",
+                text,
+                Duration::ZERO,
+                MAX_SHUTDOWN_DELAY,
+            ),
+        };
         let mut trusted_proxies = Vec::new();
         for text in raw.trusted_proxies.unwrap_or_default() {
             match text
@@ -1134,6 +1153,7 @@ impl Validator {
             max_connections,
             workers,
             drain_timeout: drain_timeout?,
+            shutdown_delay: shutdown_delay?,
             max_tunnels,
             trusted_proxies,
         })

@@ -146,6 +146,8 @@ pub struct RawServer {
     pub workers: Option<i64>,
     #[serde(default, deserialize_with = "duration")]
     pub drain_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub shutdown_delay: Option<String>,
     #[serde(default, deserialize_with = "whole")]
     pub max_tunnels: Option<i64>,
     pub trusted_proxies: Option<Vec<String>>,

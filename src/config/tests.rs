@@ -38,6 +38,7 @@ fn defaults_are_applied() {
     assert_eq!(c.server.max_header_size, 16 * 1024);
     assert_eq!(c.server.max_connections, 10_000);
     assert_eq!(c.server.drain_timeout, Duration::from_secs(30));
+    assert_eq!(c.server.shutdown_delay, Duration::ZERO);
     assert_eq!(c.admin, None);
     assert_eq!(c.limits.max_clients, 1_000_000);
     assert_eq!(c.limits.max_queued, 100_000);
@@ -1240,4 +1241,18 @@ fn a_fixed_cost_above_a_capacity_is_invalid() {
             Vec::<String>::new()
         );
     }
+}
+
+#[test]
+fn the_shutdown_delay_may_be_zero_and_is_bounded() {
+    let with = |value: &str| format!("{MINIMAL}\n[server]\nshutdown_delay = \"{value}\"\n");
+    for (text, want) in [("0s", 0), ("15s", 15), ("10m", 600)] {
+        let c = Config::from_toml(&with(text)).unwrap();
+        assert_eq!(c.server.shutdown_delay, Duration::from_secs(want), "{text}");
+    }
+    assert_problem(
+        &with("11m"),
+        "server.shutdown_delay: '11m' is too long: at most 10m",
+    );
+    assert_problem(&with("soon"), "server.shutdown_delay: 'soon'");
 }

@@ -83,7 +83,11 @@ pub(crate) struct Shared {
     body_read_timeout: Duration,
     tls: Arc<rustls::ClientConfig>,
     draining: AtomicBool,
+    /// A stop signal came and `shutdown_delay` runs: still serving, not
+    /// ready.
+    stopping: AtomicBool,
     drain_timeout: Mutex<Duration>,
+    shutdown_delay: Mutex<Duration>,
     version: AtomicU64,
     loaded_at: AtomicU64,
     unrouted: Counter,
@@ -223,6 +227,17 @@ impl Handle {
         *lock(&self.0.drain_timeout) + self.0.in_flight_grace()
     }
 
+    /// `server.shutdown_delay` as configured now.
+    pub fn shutdown_delay(&self) -> Duration {
+        *lock(&self.0.shutdown_delay)
+    }
+
+    /// A stop signal came: `/readyz` answers 503 from now on, while
+    /// everything is still served until the drain starts.
+    pub fn announce_stop(&self) {
+        self.0.stopping.store(true, Ordering::Release);
+    }
+
     /// Swap in a new config. Queued requests keep their place and their
     /// departure times; new rates and capacities apply to new arrivals.
     /// A config that changes what is read only at start (listeners,
@@ -259,6 +274,7 @@ impl Handle {
             config.limits.max_staged_bytes,
         );
         *lock(&shared.drain_timeout) = config.server.drain_timeout;
+        *lock(&shared.shutdown_delay) = config.server.shutdown_delay;
         for (slot, app) in shared.apps.iter().zip(apps) {
             slot.store(Arc::new(app));
         }
@@ -280,6 +296,9 @@ impl Handle {
     pub fn not_ready(&self) -> Option<String> {
         if self.is_draining() {
             return Some("draining".to_owned());
+        }
+        if self.0.stopping.load(Ordering::Acquire) {
+            return Some("shutting down: serving until shutdown_delay passes".to_owned());
         }
         self.0.admission.backend_not_ready()
     }
