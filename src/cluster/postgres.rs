@@ -24,6 +24,7 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
@@ -50,17 +51,6 @@ CREATE {persistence}TABLE IF NOT EXISTS sluice_slots (
     slot bigint NOT NULL,
     expires_us bigint NOT NULL,
     PRIMARY KEY (cal, slot)
-);
-
--- Reservations given back while a later one of the client was still
--- ahead of them, by the D they left: the client's D goes back past them
--- when it comes to them (see sluice_cancel).
-CREATE {persistence}TABLE IF NOT EXISTS sluice_holes (
-    k text NOT NULL,
-    new_d bigint NOT NULL,
-    undo bigint NOT NULL,
-    expires_us bigint NOT NULL,
-    PRIMARY KEY (k, new_d)
 );
 
 -- The database's clock in microseconds since the epoch, exact on every
@@ -151,13 +141,78 @@ BEGIN
 END
 $fn$;
 
--- Cancel: the client's D goes back while this reservation is its last,
+-- Cancel: the client's D goes back only while this reservation is still
+-- its last (compare-and-set); the cap slots always go back. Locks in the
+-- admission's order (cap, row, slots). (Schema 1; sluice_withdraw, of
+-- schema 2, is what sluice calls when it is there.)
+CREATE OR REPLACE FUNCTION sluice_cancel(
+    p_key text, p_cal text, p_new_d bigint, p_undo bigint, p_first bigint, p_cost bigint
+) RETURNS integer LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_undone integer;
+BEGIN
+    IF p_cal IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended(p_cal, 0));
+    END IF;
+    UPDATE sluice_schedules SET d = d - p_undo WHERE k = p_key AND d = p_new_d;
+    GET DIAGNOSTICS v_undone = ROW_COUNT;
+    IF p_cal IS NOT NULL THEN
+        DELETE FROM sluice_slots
+        WHERE cal = p_cal AND slot >= p_first AND slot < p_first + p_cost;
+    END IF;
+    RETURN v_undone;
+END
+$fn$;
+
+-- The sweep: at most p_limit expired rows of each table, skipping rows
+-- an admission holds. Returns how many went.
+CREATE OR REPLACE FUNCTION sluice_sweep(p_limit integer) RETURNS bigint
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_now bigint := sluice_now_us();
+    v_rows bigint;
+    v_slots bigint;
+BEGIN
+    DELETE FROM sluice_schedules WHERE k IN (
+        SELECT k FROM sluice_schedules WHERE expires_us < v_now
+        LIMIT p_limit FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    DELETE FROM sluice_slots WHERE (cal, slot) IN (
+        SELECT cal, slot FROM sluice_slots WHERE expires_us < v_now
+        LIMIT p_limit FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_slots = ROW_COUNT;
+    RETURN v_rows + v_slots;
+END
+$fn$;
+
+COMMENT ON FUNCTION sluice_admit(text, text, bigint, bigint, bigint, bigint, bigint, bigint)
+    IS 'sluice schema 1';
+"#;
+
+/// What schema 2 adds, beside schema 1 (which it leaves as it is: an
+/// instance of the version before, during a rolling upgrade, finds schema 1
+/// as it wants it and changes nothing; were schema 1's functions replaced,
+/// it would put its own back at each check, and the two versions would
+/// replace each other's every few seconds).
+const SCHEMA_V2: &str = r#"
+-- Reservations given back while a later one of the client was still
+-- ahead of them, by the D they left: the client's D goes back past them
+-- when it comes to them (see sluice_withdraw).
+CREATE {persistence}TABLE IF NOT EXISTS sluice_holes (
+    k text NOT NULL,
+    new_d bigint NOT NULL,
+    undo bigint NOT NULL,
+    expires_us bigint NOT NULL,
+    PRIMARY KEY (k, new_d)
+);
+
+-- Withdraw: the client's D goes back while this reservation is its last,
 -- and then past every hole it comes to (reservations given back while a
 -- later one was still ahead of them: several calls late together are
 -- given back in the order they were made); one still behind a later
 -- reservation is kept as a hole. The cap slots always go back. Locks in
 -- the admission's order (cap, row, slots).
-CREATE OR REPLACE FUNCTION sluice_cancel(
+CREATE OR REPLACE FUNCTION sluice_withdraw(
     p_key text, p_cal text, p_new_d bigint, p_undo bigint, p_first bigint, p_cost bigint
 ) RETURNS integer LANGUAGE plpgsql AS $fn$
 DECLARE
@@ -194,33 +249,21 @@ BEGIN
 END
 $fn$;
 
--- The sweep: at most p_limit expired rows of each table, skipping rows
--- an admission holds. Returns how many went.
-CREATE OR REPLACE FUNCTION sluice_sweep(p_limit integer) RETURNS bigint
+-- Expired holes, at most p_limit, as sluice_sweep does the rest.
+CREATE OR REPLACE FUNCTION sluice_sweep_holes(p_limit integer) RETURNS bigint
 LANGUAGE plpgsql AS $fn$
 DECLARE
-    v_now bigint := sluice_now_us();
-    v_rows bigint;
-    v_slots bigint;
     v_holes bigint;
 BEGIN
-    DELETE FROM sluice_schedules WHERE k IN (
-        SELECT k FROM sluice_schedules WHERE expires_us < v_now
-        LIMIT p_limit FOR UPDATE SKIP LOCKED);
-    GET DIAGNOSTICS v_rows = ROW_COUNT;
-    DELETE FROM sluice_slots WHERE (cal, slot) IN (
-        SELECT cal, slot FROM sluice_slots WHERE expires_us < v_now
-        LIMIT p_limit FOR UPDATE SKIP LOCKED);
-    GET DIAGNOSTICS v_slots = ROW_COUNT;
     DELETE FROM sluice_holes WHERE (k, new_d) IN (
-        SELECT k, new_d FROM sluice_holes WHERE expires_us < v_now
+        SELECT k, new_d FROM sluice_holes WHERE expires_us < sluice_now_us()
         LIMIT p_limit FOR UPDATE SKIP LOCKED);
     GET DIAGNOSTICS v_holes = ROW_COUNT;
-    RETURN v_rows + v_slots + v_holes;
+    RETURN v_holes;
 END
 $fn$;
 
-COMMENT ON FUNCTION sluice_admit(text, text, bigint, bigint, bigint, bigint, bigint, bigint)
+COMMENT ON FUNCTION sluice_withdraw(text, text, bigint, bigint, bigint, bigint)
     IS 'sluice schema 2';
 "#;
 
@@ -229,13 +272,20 @@ COMMENT ON FUNCTION sluice_admit(text, text, bigint, bigint, bigint, bigint, big
 /// exist and the version is this one, a start changes nothing.
 const OBJECTS: &str = "SELECT to_regclass('sluice_schedules') IS NOT NULL
     AND to_regclass('sluice_slots') IS NOT NULL
-    AND to_regclass('sluice_holes') IS NOT NULL
     AND to_regprocedure('sluice_now_us()') IS NOT NULL
     AND to_regprocedure('sluice_admit(text,text,bigint,bigint,bigint,bigint,bigint,bigint)') IS NOT NULL
     AND to_regprocedure('sluice_cancel(text,text,bigint,bigint,bigint,bigint)') IS NOT NULL
     AND to_regprocedure('sluice_sweep(integer)') IS NOT NULL
     AND obj_description(to_regprocedure(
         'sluice_admit(text,text,bigint,bigint,bigint,bigint,bigint,bigint)'), 'pg_proc')
+        IS NOT DISTINCT FROM 'sluice schema 1'";
+
+/// [`OBJECTS`] for what [`SCHEMA_V2`] adds.
+const OBJECTS_V2: &str = "SELECT to_regclass('sluice_holes') IS NOT NULL
+    AND to_regprocedure('sluice_withdraw(text,text,bigint,bigint,bigint,bigint)') IS NOT NULL
+    AND to_regprocedure('sluice_sweep_holes(integer)') IS NOT NULL
+    AND obj_description(to_regprocedure(
+        'sluice_withdraw(text,text,bigint,bigint,bigint,bigint)'), 'pg_proc')
         IS NOT DISTINCT FROM 'sluice schema 2'";
 
 /// Serialises schema changes between instances starting at once.
@@ -243,14 +293,18 @@ const MIGRATION_LOCK: i64 = 0x736c_7569_6365; // "sluice"
 
 const ADMIT: &str = "SELECT sluice_admit($1, $2, $3, $4, $5, $6, $7, $8)";
 const CANCEL: &str = "SELECT sluice_cancel($1, $2, $3, $4, $5, $6)";
+const WITHDRAW: &str = "SELECT sluice_withdraw($1, $2, $3, $4, $5, $6)";
 
 /// Rows the sweep deletes per call (of each table), and how long a sweep
 /// goes on making calls while they find full batches. (It was 20 calls of
 /// 1,000 rows: 4,000 rows a second, which one instance's churn of new keys
-/// can outgrow; the table then grew for as long as the load lasted.) The
-/// whole upkeep is cut at 10 s and counted as a failed check.
-const SWEEP_BATCH: i32 = 5_000;
+/// can outgrow; the table then grew for as long as the load lasted.) A
+/// batch stays small: an admission of a client whose expired row it holds
+/// waits for it.
+const SWEEP_BATCH: i32 = 1_000;
 const SWEEP_FOR: Duration = Duration::from_secs(3);
+/// The most a sweep's last batch may take past [`SWEEP_FOR`].
+const SWEEP_LAST: Duration = Duration::from_secs(2);
 /// How often the schema is checked and expired rows are swept.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 /// The longest a check (at start, then every [`SWEEP_EVERY`]) may take.
@@ -258,7 +312,11 @@ const UPKEEP_LIMIT: Duration = Duration::from_secs(10);
 
 /// The SQL that `sluice migrate` applies (and `--print-sql` prints).
 pub fn schema_sql(durable: bool) -> String {
-    SCHEMA.replace("{persistence}", if durable { "" } else { "UNLOGGED " })
+    persistence(&format!("{SCHEMA}{SCHEMA_V2}"), durable)
+}
+
+fn persistence(sql: &str, durable: bool) -> String {
+    sql.replace("{persistence}", if durable { "" } else { "UNLOGGED " })
 }
 
 /// The PostgreSQL store.
@@ -279,6 +337,10 @@ pub struct Postgres {
     problem: super::Problem,
     /// What the checks write ([`super::health_key`]).
     health: String,
+    /// Schema 2 is in place: withdrawals keep holes ([`SCHEMA_V2`]).
+    holes: AtomicBool,
+    /// Said once that schema 2 cannot be added.
+    told: AtomicBool,
 }
 
 impl Postgres {
@@ -347,6 +409,8 @@ impl Postgres {
         Ok(Postgres {
             pool,
             health: super::health_key(prefix),
+            holes: AtomicBool::new(false),
+            told: AtomicBool::new(false),
             shown: cfg.target.to_string(),
             pg,
             secret,
@@ -389,20 +453,55 @@ impl Postgres {
         &self,
         client: &mut tokio_postgres::Client,
     ) -> Result<bool, ClusterError> {
-        if client
+        let mut created = false;
+        if !client
             .query_one(OBJECTS, &[])
             .await?
             .try_get::<_, bool>(0)?
         {
-            return Ok(false);
+            self.apply(client, SCHEMA).await?;
+            created = true;
         }
+        let holes = client
+            .query_one(OBJECTS_V2, &[])
+            .await?
+            .try_get::<_, bool>(0)?;
+        let holes = holes
+            || {
+                // Schema 1 is enough to admit: a role that may not create what
+                // schema 2 adds (a DBA applied the SQL of a version before)
+                // runs without holes, and is told how to get them.
+                match self.apply(client, SCHEMA_V2).await {
+                    Ok(()) => {
+                        created = true;
+                        true
+                    }
+                    Err(e) => {
+                        if !self.told.swap(true, Ordering::Relaxed) {
+                            warn!(postgres = %self.shown, error = %e, "cannot add schema 2 (sluice_holes, sluice_withdraw): of several withdrawals of one client's reservations (calls answered after the timeout), only the last gives its place back; apply `sluice migrate --print-sql` as the schema's owner");
+                        }
+                        false
+                    }
+                }
+            };
+        self.holes.store(holes, Ordering::Relaxed);
+        Ok(created)
+    }
+
+    /// Apply `sql` (with the configured persistence) in one transaction,
+    /// one instance at a time.
+    async fn apply(
+        &self,
+        client: &mut tokio_postgres::Client,
+        sql: &str,
+    ) -> Result<(), ClusterError> {
         let tx = client.transaction().await?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
             .await?;
-        tx.batch_execute(&schema_sql(self.durable)).await?;
+        tx.batch_execute(&persistence(sql, self.durable)).await?;
         tx.commit().await?;
         info!(postgres = %self.shown, durable = self.durable, "created the shared-schedule tables and functions");
-        Ok(true)
+        Ok(())
     }
 
     /// `sluice migrate`, and the start: the schema in place, and a word
@@ -520,6 +619,8 @@ impl Postgres {
             };
             if result.is_err() {
                 conn = None;
+            } else {
+                self.sweep(&mut conn).await;
             }
             let problem = result
                 .err()
@@ -536,10 +637,26 @@ impl Postgres {
         self.ensure_schema(client).await?;
         self.write_probe(client).await?;
         self.warm().await;
-        if let Err(e) = sweep(client).await {
-            warn!(error = %e, "sweeping expired schedules failed");
-        }
         Ok(())
+    }
+
+    /// Delete expired rows, batch by batch, for [`SWEEP_FOR`] at most (and
+    /// a last batch); a sweep that fails or overruns is logged, and its
+    /// connection made again at the next check: it is no sign that
+    /// admissions fail.
+    async fn sweep(&self, conn: &mut Option<tokio_postgres::Client>) {
+        let Some(client) = conn.as_ref().filter(|c| !c.is_closed()) else {
+            return;
+        };
+        let holes = self.holes.load(Ordering::Relaxed);
+        match tokio::time::timeout(SWEEP_FOR + SWEEP_LAST, sweep(client, holes)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => warn!(error = %e, "sweeping expired schedules failed"),
+            Err(_) => {
+                warn!("sweeping expired schedules took too long: stopped");
+                *conn = None;
+            }
+        }
     }
 
     /// Run one statement on a pooled connection, on the store's runtime.
@@ -621,24 +738,34 @@ impl Postgres {
             cal: r.slots.clone(),
             numbers: vec![r.new_d, r.undo, r.first_slot, i64::from(r.cost)],
         };
-        self.call(CANCEL, params).await.map(|_| ())
+        let sql = if self.holes.load(Ordering::Relaxed) {
+            WITHDRAW
+        } else {
+            CANCEL
+        };
+        self.call(sql, params).await.map(|_| ())
     }
 }
 
-/// Delete expired rows, batch by batch, for [`SWEEP_FOR`] at most.
-async fn sweep(client: &tokio_postgres::Client) -> Result<u64, ClusterError> {
+/// Delete expired rows (and holes, with schema 2), batch by batch, while
+/// batches come back full, for [`SWEEP_FOR`] at most.
+async fn sweep(client: &tokio_postgres::Client, holes: bool) -> Result<u64, ClusterError> {
     let start = tokio::time::Instant::now();
     let mut total = 0u64;
-    loop {
-        let gone: i64 = client
-            .query_one("SELECT sluice_sweep($1)", &[&SWEEP_BATCH])
-            .await?
-            .try_get(0)?;
-        total = total.saturating_add(u64::try_from(gone).unwrap_or(0));
-        if gone < i64::from(SWEEP_BATCH) || start.elapsed() >= SWEEP_FOR {
-            return Ok(total);
+    let mut calls = vec!["SELECT sluice_sweep($1)"];
+    if holes {
+        calls.push("SELECT sluice_sweep_holes($1)");
+    }
+    for sql in calls {
+        loop {
+            let gone: i64 = client.query_one(sql, &[&SWEEP_BATCH]).await?.try_get(0)?;
+            total = total.saturating_add(u64::try_from(gone).unwrap_or(0));
+            if gone < i64::from(SWEEP_BATCH) || start.elapsed() >= SWEEP_FOR {
+                break;
+            }
         }
     }
+    Ok(total)
 }
 
 /// A call's parameters, owned (the call runs on another task).
