@@ -881,7 +881,9 @@ mod tests {
         };
         let before = wakeups();
         std::thread::sleep(std::time::Duration::from_secs(1));
-        assert_eq!(wakeups(), before, "woke with nothing to do");
+        // (One: the wake-up the admission sent, if a loaded machine ran
+        // the pacer only now; the period made ten.)
+        assert!(wakeups() <= before + 1, "woke {} times", wakeups() - before);
         assert_eq!(shaper.stats().0, 1);
     }
 

@@ -1420,10 +1420,10 @@ fn on_sigterm_a_relay_waiting_for_a_connection_does_not_start() {
     let mut second = Raw::connect(addr);
     start_message(&mut second, "waiting for the connection");
     second.send(".\r\n");
-    // Released (200 ms after the first) and waiting for the connection;
-    // nothing tells when (if it is not there yet, the drain refuses it
-    // before the relay, and this passes either way).
-    std::thread::sleep(Duration::from_millis(500));
+    // Released (200 ms after the first: /status counts it queued until
+    // then), it waits for the connection at once.
+    wait_queued(sluice.admin.unwrap(), 0);
+    std::thread::sleep(Duration::from_millis(100));
     sluice.signal("TERM");
     let reply = second.reply();
     assert!(reply.starts_with("421"), "{reply}");
@@ -1673,10 +1673,33 @@ fn commands_pipelined_behind_a_refused_mail_are_not_errors() {
         let need = raw.reply();
         assert!(need.starts_with("503"), "{need}");
     }
-    // Still open; a RCPT with no MAIL at all is an error as before.
+    // Still open. After RSET, a RCPT with no MAIL at all is an error as
+    // before: the 20th closes the session.
     assert!(raw.cmd("NOOP").starts_with("250"));
     assert!(raw.cmd("RSET").starts_with("250"));
+    for i in 0..19 {
+        let reply = raw.cmd("RCPT TO:<user@example.org>");
+        assert!(reply.starts_with("503"), "{i}: {reply}");
+    }
     assert!(raw.cmd("RCPT TO:<user@example.org>").starts_with("503"));
+    let bye = raw.reply();
+    assert!(bye.starts_with("421"), "{bye}");
+    // And what is excused after a refused MAIL is bounded: with
+    // max_recipients = 50, the 52nd RCPT behind it counts again.
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    assert!(raw.cmd("EHLO raw.test").starts_with("250"));
+    assert!(raw.cmd("MAIL FROM:<raw@example.com>").starts_with("451"));
+    for i in 0..51 {
+        let reply = raw.cmd("RCPT TO:<user@example.org>");
+        assert!(reply.starts_with("503"), "{i}: {reply}");
+    }
+    for i in 0..19 {
+        let reply = raw.cmd("RCPT TO:<user@example.org>");
+        assert!(reply.starts_with("503"), "counted {i}: {reply}");
+    }
+    assert!(raw.cmd("RCPT TO:<user@example.org>").starts_with("503"));
+    let bye = raw.reply();
+    assert!(bye.starts_with("421"), "{bye}");
     assert_eq!(up.arrivals().len(), 1);
 }
 

@@ -1005,6 +1005,11 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         s.generation = s.generation.wrapping_add(1);
         self.free_slots.push(slot);
         budget.give_client();
+        if self.index.is_empty() {
+            // The shard's last client: a sweep, as soon as one may come,
+            // gives its memory back (nothing else may be due to bring one).
+            self.sweeps.note(0);
+        }
     }
 
     /// Forget a client that holds nothing (a fresh state made for an

@@ -176,10 +176,11 @@ async fn reap(pool: Weak<Pool>) {
 /// Server busy`). Words count where a word starts ("rate" in "rate
 /// limited", not in "generate"). Not a pause: greylisting (`451 4.7.1
 /// Greylisted`) and other 4.7.x policy deferrals without such words (`451
-/// 4.7.1 SPF temperror`), which are about one sender or message; and a
-/// session's own idle timeout (Postfix's `421 4.4.2 Error: timeout
-/// exceeded`, met when a pooled session is taken as the upstream closes
-/// it).
+/// 4.7.1 SPF temperror`), which are about one sender or message; replies
+/// about one address or mailbox (4.1.x, 4.2.x: `452 4.2.2 Mailbox quota
+/// exceeded`); and a session's own idle timeout (Postfix's `421 4.4.2
+/// Error: timeout exceeded`, met when a pooled session is taken as the
+/// upstream closes it).
 pub fn throttling(reply: &Reply) -> bool {
     if !matches!(reply.code, 421 | 451 | 454) {
         return false;
@@ -189,13 +190,18 @@ pub fn throttling(reply: &Reply) -> bool {
         text.match_indices(w)
             .any(|(i, _)| i == 0 || !text.as_bytes()[i - 1].is_ascii_alphanumeric())
     };
-    if word("greylist") || word("graylist") || word("timeout") || word("timed out") {
+    if word("greylist") || word("graylist") {
         return false;
     }
     match reply.esc {
         [4, 4, 5] | [4, 7, 0] => return true,
-        [4, 4, 2] => return false,
+        // A session's connection (4.4.2), one address (4.1.x) or one
+        // mailbox (4.2.x: "Mailbox quota exceeded") is no pace to keep.
+        [4, 4, 2] | [4, 1, _] | [4, 2, _] => return false,
         _ => {}
+    }
+    if word("timeout") || word("timed out") {
+        return false;
     }
     [
         "throttl",
@@ -347,6 +353,12 @@ mod tests {
         )));
         assert!(!throttling(&r(421, [0, 0, 0], "Error: timeout exceeded")));
         assert!(!throttling(&r(451, [4, 7, 1], "SPF temperror")));
+        assert!(!throttling(&r(451, [4, 2, 2], "Mailbox quota exceeded")));
+        assert!(throttling(&r(
+            451,
+            [4, 4, 5],
+            "Congestion: timed out waiting for a queue slot"
+        )));
     }
 
     #[test]

@@ -161,10 +161,11 @@ struct Session {
     user: Option<String>,
     tx: Option<Tx>,
     /// The last MAIL was refused: the RCPTs and DATA a client pipelined
-    /// behind it are answered "need MAIL" without counting as errors (a
-    /// rate-limit answer to MAIL is routine, and with 19 recipients its
-    /// 503s alone reached [`MAX_ERRORS`]). Ends at the next MAIL or RSET.
-    mail_refused: bool,
+    /// behind it (this many at most: `max_recipients` and a DATA) are
+    /// answered "need MAIL" without counting as errors (a rate-limit
+    /// answer to MAIL is routine, and with 19 recipients its 503s alone
+    /// reached [`MAX_ERRORS`]). Ends at the next MAIL, RSET, EHLO or HELO.
+    excused: usize,
     /// A message is being read or relayed (its transaction is out of
     /// `tx` meanwhile).
     in_data: bool,
@@ -196,7 +197,7 @@ pub(super) async fn serve(
         esmtp: false,
         user: None,
         tx: None,
-        mail_refused: false,
+        excused: 0,
         in_data: false,
         errors: 0,
         junk: 0,
@@ -245,6 +246,10 @@ impl Session {
     /// each counts as an error.
     fn junk(&mut self, r: &Reply) -> Result<(), End> {
         self.say(r);
+        self.count_junk()
+    }
+
+    fn count_junk(&mut self) -> Result<(), End> {
         self.junk = self.junk.saturating_add(1);
         if self.junk > MAX_JUNK {
             return self.count_error();
@@ -254,7 +259,8 @@ impl Session {
 
     /// RCPT or DATA with no transaction open.
     fn need_mail(&mut self) -> Result<(), End> {
-        if self.mail_refused {
+        if self.excused > 0 {
+            self.excused -= 1;
             self.say(&reply::NEED_MAIL);
             return Ok(());
         }
@@ -435,6 +441,7 @@ impl Session {
         match request {
             Request::Ehlo { host } => {
                 self.tx = None;
+                self.excused = 0;
                 self.helo = Some(host);
                 self.esmtp = true;
                 let ehlo = self.ehlo_reply();
@@ -443,6 +450,7 @@ impl Session {
             }
             Request::Helo { host } => {
                 self.tx = None;
+                self.excused = 0;
                 self.helo = Some(host);
                 self.esmtp = false;
                 let name = self.listener.cfg.hostname.clone();
@@ -453,7 +461,7 @@ impl Session {
             Request::Data => self.data().await?,
             Request::Rset => {
                 self.tx = None;
-                self.mail_refused = false;
+                self.excused = 0;
                 self.junk(&reply::OK)?;
             }
             Request::Noop { .. } => self.junk(&reply::OK)?,
@@ -516,7 +524,7 @@ impl Session {
 
     async fn mail(&mut self, from: MailFrom<String>) -> Result<(), End> {
         // Until this MAIL opens its transaction.
-        self.mail_refused = true;
+        self.excused = self.listener.cfg.max_recipients.saturating_add(1);
         if self.helo.is_none() {
             return self.error(&reply::NEED_HELO);
         }
@@ -576,11 +584,12 @@ impl Session {
         if cfg.cost == SmtpCost::Message {
             match self.admit(&tx).await? {
                 Some(hold) => tx.admitted = Some(Admitted::new(hold, &tx.listener.rule)),
-                None => return Ok(()),
+                // Refused for the rate (answered): it moved no mail.
+                None => return self.count_junk(),
             }
         }
         self.tx = Some(tx);
-        self.mail_refused = false;
+        self.excused = 0;
         self.say(&reply::SENDER_OK);
         Ok(())
     }
@@ -700,8 +709,9 @@ impl Session {
             tx.admitted_at = Instant::now();
             match self.admit(&tx).await? {
                 Some(hold) => tx.admitted = Some(Admitted::new(hold, &tx.listener.rule)),
-                // Refused: the transaction is over, the client starts again.
-                None => return Ok(()),
+                // Refused: the transaction is over, the client starts
+                // again. It moved no mail.
+                None => return self.count_junk(),
             }
         }
         // The message is read while it waits (a client gone meanwhile
