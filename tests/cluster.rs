@@ -378,6 +378,64 @@ async fn an_upstream_pause_holds_shared_departures() {
     );
 }
 
+/// During an upstream's pause (2 s), one client's requests sent at its
+/// rate (100/s, b = 10): the store, which knows nothing of the pause, lets
+/// each go on time, but this instance holds them all; as without a store,
+/// once `capacity` of them are held here the rest are refused (429) until
+/// the pause ends, and the held ones reach the upstream after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_holds_no_more_than_capacity_of_a_client() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = paused_config(ds.addr, &redis.url(), "");
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let throttled = {
+        let (c, url) = (c.clone(), s.url("/throttle/get"));
+        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline, "never forwarded");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let paused_at = ds.seen()[0].at;
+    let mut sent = Vec::new();
+    for i in 0..30 {
+        let (c, url) = (c.clone(), s.url(&format!("/b{i}")));
+        sent.push(tokio::spawn(async move {
+            get(&c, &url, &[("x-client", "b")]).await.status
+        }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let sending = paused_at.elapsed();
+    let mut refused = 0;
+    for status in sent {
+        match status.await.unwrap() {
+            StatusCode::OK => {}
+            StatusCode::TOO_MANY_REQUESTS => refused += 1,
+            other => panic!("{other}"),
+        }
+    }
+    assert_eq!(throttled.await.unwrap().status, StatusCode::OK);
+    // All thirty came during the pause (within about 0.4 s of its start):
+    // at most ten (and one for the rounding of a pause's end) were held.
+    if sending < Duration::from_millis(1_500) {
+        assert!(refused >= 19, "{refused} refused");
+    }
+    let held: Vec<Duration> = ds
+        .seen()
+        .iter()
+        .filter(|r| r.path.starts_with("/b"))
+        .map(|r| r.at - paused_at)
+        .collect();
+    assert_eq!(held.len(), 30 - refused);
+    assert!(
+        held.iter().all(|d| *d >= Duration::from_millis(1_900)),
+        "{held:?}"
+    );
+}
+
 /// A pause longer than `max_wait` (2 s against 1.2 s): a request held for
 /// a shared departure when the pause begins expires at its max_wait (503),
 /// one that arrives during it is refused at once (429), and neither

@@ -269,6 +269,61 @@ struct SharedHold {
     /// The pacer's timer for `at`, or the drain's end (false); made by the
     /// first poll.
     woken: Option<Pin<Box<dyn Future<Output = bool> + Send + Sync>>>,
+    /// Counts it among its client's requests held here (pausable
+    /// upstreams), while it lives.
+    _held: Option<Held>,
+}
+
+/// Requests held for a shared departure to a pausable upstream, by client
+/// (cost units): what an upstream's pause, which the store does not know
+/// of, holds here.
+#[derive(Default)]
+struct HeldCounts(Mutex<HashMap<(RouteId, Key), u64>>);
+
+impl HeldCounts {
+    /// Count `cost` more for `client`, unless `full` applies and the
+    /// client already has `capacity` held (then `None`).
+    fn take(
+        self: &Arc<Self>,
+        client: (RouteId, Key),
+        cost: u32,
+        capacity: u32,
+        full: bool,
+    ) -> Option<Held> {
+        let mut counts = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let held = counts.entry(client.clone()).or_insert(0);
+        if full && *held + u64::from(cost) > u64::from(capacity) {
+            if *held == 0 {
+                counts.remove(&client);
+            }
+            return None;
+        }
+        *held += u64::from(cost);
+        Some(Held {
+            counts: self.clone(),
+            client,
+            cost: u64::from(cost),
+        })
+    }
+}
+
+/// One request's count in [`HeldCounts`], given back when dropped.
+struct Held {
+    counts: Arc<HeldCounts>,
+    client: (RouteId, Key),
+    cost: u64,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut counts = self.counts.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(held) = counts.get_mut(&self.client) {
+            *held = held.saturating_sub(self.cost);
+            if *held == 0 {
+                counts.remove(&self.client);
+            }
+        }
+    }
 }
 
 impl SharedHold {
@@ -506,6 +561,8 @@ pub struct Admission {
     closing: CancellationToken,
     /// Shared releases' late-release spacing.
     spacing: Arc<Spacing<(RouteId, Key)>>,
+    /// Shared holds to pausable upstreams, by client.
+    held: Arc<HeldCounts>,
     /// The same for work a front end starts after its departure (an SMTP
     /// relay, once the message's data is in), by client and by capped
     /// upstream.
@@ -535,6 +592,7 @@ impl Admission {
             totals: Arc::default(),
             closing: CancellationToken::new(),
             spacing: Arc::default(),
+            held: Arc::default(),
             relays: Spacing::default(),
         })
     }
@@ -826,34 +884,59 @@ impl Admission {
                     // a stall keeps its c·T/2 from them: a request the
                     // store lets go at once waits its turn as they do.)
                     Verdict::Go
-                } else if !self.shaper.budget().take_queued() {
-                    cluster.cancel(reservation);
-                    Verdict::Overloaded(Overload::Queued)
                 } else {
-                    let at = self
-                        .shaper
-                        .now()
-                        .saturating_add(u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX));
-                    Verdict::Wait(Hold {
-                        rule: rule.clone(),
-                        kind: Some(HoldKind::Shared(Box::new(SharedHold {
-                            at,
-                            slot: at,
-                            pausable,
-                            client: (rule.local, key.clone()),
-                            half: step.saturating_mul(u64::from(cost)) / 2,
-                            spacing: self.spacing.clone(),
-                            spaced: None,
-                            shaper: self.shaper.clone(),
-                            cluster: cluster.clone(),
-                            reservation: Some(reservation),
-                            woken: None,
-                        }))),
-                        arrival,
-                        // A pause may hold it past its departure.
-                        expiry: Expiry::new(pausable.and(max_wait).map(|w| arrival + w)),
-                        closing: self.closing.clone(),
-                    })
+                    'hold: {
+                        // The store counts the client's requests as departing
+                        // on time while this instance's pause holds them: as
+                        // a local admission, one that finds `capacity` held
+                        // here is refused until the pause ends.
+                        let held = match pausable.map(|_| {
+                            let client = (rule.local, key.clone());
+                            let capacity = rule.policy.capacity;
+                            self.held.take(client, cost, capacity, paused.is_some())
+                        }) {
+                            Some(None) => {
+                                cluster.cancel(reservation);
+                                let now = Instant::now();
+                                break 'hold Verdict::Refused {
+                                    why: Refusal::Full,
+                                    retry_after: resumes.map_or(Duration::ZERO, |r| {
+                                        r.saturating_duration_since(now)
+                                    }),
+                                };
+                            }
+                            held => held.flatten(),
+                        };
+                        if !self.shaper.budget().take_queued() {
+                            cluster.cancel(reservation);
+                            break 'hold Verdict::Overloaded(Overload::Queued);
+                        }
+                        let at = self
+                            .shaper
+                            .now()
+                            .saturating_add(u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX));
+                        Verdict::Wait(Hold {
+                            rule: rule.clone(),
+                            kind: Some(HoldKind::Shared(Box::new(SharedHold {
+                                at,
+                                slot: at,
+                                pausable,
+                                client: (rule.local, key.clone()),
+                                half: step.saturating_mul(u64::from(cost)) / 2,
+                                spacing: self.spacing.clone(),
+                                spaced: None,
+                                shaper: self.shaper.clone(),
+                                cluster: cluster.clone(),
+                                reservation: Some(reservation),
+                                woken: None,
+                                _held: held,
+                            }))),
+                            arrival,
+                            // A pause may hold it past its departure.
+                            expiry: Expiry::new(pausable.and(max_wait).map(|w| arrival + w)),
+                            closing: self.closing.clone(),
+                        })
+                    }
                 }
             }
             Ok(crate::cluster::Verdict::Full { retry_after }) => Verdict::Refused {
