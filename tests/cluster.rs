@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use http::StatusCode;
 use support::{
-    Downstream, RedisServer, Sluice, assert_gaps, client, get, light_client_behind_a_backlog,
-    seed_burst_across, store_stopped_then_resumed, throttled_then_another,
-    unready_while_writes_are_refused,
+    Downstream, RedisServer, Sluice, all_answered_together, assert_gaps, client, get,
+    light_client_behind_a_backlog, seed_burst_across, store_stopped_then_resumed, throttle,
+    throttled_then_another, unready_while_writes_are_refused,
 };
 
 /// `sluice_cluster_fallbacks_total` for Redis under `policy`, and the
@@ -390,16 +390,7 @@ async fn a_pause_holds_no_more_than_capacity_of_a_client() {
     let cfg = paused_config(ds.addr, &redis.url(), "");
     let s = Sluice::start(&cfg);
     let c = client();
-    let throttled = {
-        let (c, url) = (c.clone(), s.url("/throttle/get"));
-        tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await })
-    };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while ds.seen().is_empty() {
-        assert!(Instant::now() < deadline, "never forwarded");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let paused_at = ds.seen()[0].at;
+    let (throttled, paused_at) = throttle(&s, &ds).await;
     let mut sent = Vec::new();
     for i in 0..30 {
         let (c, url) = (c.clone(), s.url(&format!("/b{i}")));
@@ -817,15 +808,7 @@ async fn a_late_call_leaves_no_reservation(pause_ms: u32, settle_ms: u64) {
     let warm = get(&c, &s.url("/warm"), &[("x-client", "warm")]).await;
     assert_eq!(warm.status, StatusCode::OK);
     pause_redis(&redis, pause_ms);
-    let during: Vec<_> = (0..3)
-        .map(|i| {
-            let (c, url) = (c.clone(), s.url(&format!("/during{i}")));
-            tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await.status })
-        })
-        .collect();
-    for status in during {
-        assert_eq!(status.await.unwrap(), StatusCode::OK);
-    }
+    all_answered_together(&s, "k", 3).await;
     let (allowed, m) = fallbacks(&s, "allow").await;
     assert_eq!(
         allowed,

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 use support::postgres::PostgresServer;
 use support::{
-    Downstream, Sluice, TestCa, assert_gaps, client, get, light_client_behind_a_backlog,
-    seed_burst_across, store_stopped_then_resumed, unready_while_writes_are_refused,
+    Downstream, Sluice, TestCa, all_answered_together, assert_gaps, client, get,
+    light_client_behind_a_backlog, seed_burst_across, store_stopped_then_resumed,
+    unready_while_writes_are_refused,
 };
 
 fn config(ds: SocketAddr, pg: &PostgresServer, on_failure: &str, extra: &str) -> String {
@@ -496,15 +497,7 @@ async fn reservations_made_after_the_timeout_are_all_given_back() {
     assert_eq!(warm.status, StatusCode::OK);
     pg.signal("STOP");
     let stopped = Instant::now();
-    let during: Vec<_> = (0..3)
-        .map(|i| {
-            let (c, url) = (c.clone(), s.url(&format!("/during{i}")));
-            tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await.status })
-        })
-        .collect();
-    for status in during {
-        assert_eq!(status.await.unwrap(), StatusCode::OK);
-    }
+    all_answered_together(&s, "k", 3).await;
     tokio::time::sleep(Duration::from_secs(1).saturating_sub(stopped.elapsed())).await;
     pg.signal("CONT");
     // The late statements run (the client's row appears: its key is the

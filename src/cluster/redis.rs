@@ -551,16 +551,7 @@ impl Redis {
         cmd.arg(&self.health).arg(1).arg("PX").arg(60_000);
         let work = async move { Ok::<(), ClusterError>(cmd.query_async(&mut conn).await?) };
         let limit = super::connect_limit(self.timeout);
-        let done = async {
-            match &self.runtime {
-                Some(runtime) => runtime
-                    .spawn(work)
-                    .await
-                    .map_err(|e| ClusterError::Setup(format!("redis call: {e}")))?,
-                None => work.await,
-            }
-        };
-        tokio::time::timeout(limit, done)
+        tokio::time::timeout(limit, self.on_runtime(work))
             .await
             .map_err(|_| ClusterError::Timeout(limit))?
     }
@@ -604,6 +595,14 @@ impl Redis {
                 r => Ok(r?),
             }
         };
+        self.on_runtime(work).await
+    }
+
+    /// Run `work` on the store's runtime (see the module's note).
+    async fn on_runtime<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = Result<T, ClusterError>> + Send + 'static,
+    ) -> Result<T, ClusterError> {
         match &self.runtime {
             Some(runtime) => runtime
                 .spawn(work)

@@ -1086,9 +1086,18 @@ pub async fn seed_burst_across(fleet: &[Sluice], ds: &Downstream) {
 /// throttled request's final answer, the other's, and when the
 /// downstream saw the throttled one.
 pub async fn throttled_then_another(s: &Sluice, ds: &Downstream) -> (Answer, Answer, Instant) {
-    let c = client();
+    let (throttled, paused_at) = throttle(s, ds).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let during = get(&client(), &s.url("/during"), &[("x-client", "b")]).await;
+    (throttled.await.unwrap(), during, paused_at)
+}
+
+/// Client "a" asks for `/throttle/get` (the downstream answers 429 with
+/// `Retry-After: 2`, and its upstream pauses): that request, and when
+/// the downstream saw it.
+pub async fn throttle(s: &Sluice, ds: &Downstream) -> (tokio::task::JoinHandle<Answer>, Instant) {
     let throttled = {
-        let (c, url) = (c.clone(), s.url("/throttle/get"));
+        let (c, url) = (client(), s.url("/throttle/get"));
         tokio::spawn(async move { get(&c, &url, &[("x-client", "a")]).await })
     };
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -1096,10 +1105,22 @@ pub async fn throttled_then_another(s: &Sluice, ds: &Downstream) -> (Answer, Ans
         assert!(Instant::now() < deadline, "never forwarded");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let paused_at = ds.seen()[0].at;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let during = get(&c, &s.url("/during"), &[("x-client", "b")]).await;
-    (throttled.await.unwrap(), during, paused_at)
+    (throttled, ds.seen()[0].at)
+}
+
+/// `n` requests of client `key` sent together (each on its own task,
+/// paths `/during0`...), each of which must be answered 200.
+pub async fn all_answered_together(s: &Sluice, key: &str, n: usize) {
+    let c = client();
+    let sent: Vec<_> = (0..n)
+        .map(|i| {
+            let (c, url, key) = (c.clone(), s.url(&format!("/during{i}")), key.to_owned());
+            tokio::spawn(async move { get(&c, &url, &[("x-client", key.as_str())]).await.status })
+        })
+        .collect();
+    for status in sent {
+        assert_eq!(status.await.unwrap(), StatusCode::OK);
+    }
 }
 
 /// The shared-schedule store of `s` (on_failure = "reject") answers reads
