@@ -197,18 +197,19 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     }));
 
     let shutdown = async move {
-        let delay = stopping.shutdown_delay();
-        let what = if delay.is_zero() {
-            "draining".to_owned()
-        } else {
-            format!(
-                "not ready, serving for shutdown_delay ({}), then draining",
-                humantime::format_duration(delay)
-            )
+        let signal = tokio::select! {
+            _ = terminate.recv() => "SIGTERM",
+            _ = interrupt.recv() => "SIGINT",
         };
-        tokio::select! {
-            _ = terminate.recv() => info!("SIGTERM received: {what}"),
-            _ = interrupt.recv() => info!("SIGINT received: {what}"),
+        // Read now, not at start: a reload may have changed it.
+        let delay = stopping.shutdown_delay();
+        if delay.is_zero() {
+            info!("{signal} received: draining");
+        } else {
+            info!(
+                "{signal} received: not ready, serving for shutdown_delay ({}), then draining",
+                humantime::format_duration(delay)
+            );
         }
         stopping.announce_stop();
         // systemd's stop timeout is the unit's; the drain may need more (a

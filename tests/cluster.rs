@@ -391,6 +391,21 @@ async fn a_pause_holds_no_more_than_capacity_of_a_client() {
     let s = Sluice::start(&cfg);
     let c = client();
     let (throttled, paused_at) = throttle(&s, &ds).await;
+    // The downstream has answered 429; the pause begins when sluice has
+    // read that answer.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = s.status().await;
+        let paused = status["upstreams"]
+            .as_array()
+            .and_then(|u| u.iter().find(|u| u["name"] == "api"))
+            .and_then(|u| u["paused_for_ms"].as_u64());
+        if paused.is_some_and(|ms| ms > 0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{status}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let mut sent = Vec::new();
     for i in 0..30 {
         let (c, url) = (c.clone(), s.url(&format!("/b{i}")));
@@ -484,8 +499,16 @@ async fn a_stalled_instance_catches_up_shared_departures_at_twice_the_rate() {
     // after the first).
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     s.signal("CONT");
-    // One more during the catch-up: the store lets it go at once (its
-    // schedule has passed), and it keeps its distance from the others.
+    // One more during the catch-up (once its first release is out): the
+    // store lets it go at once (its schedule has passed), and it keeps its
+    // distance from the others. (Sent before the first release, it may
+    // go first: a request that goes at once is not recorded for the
+    // spacing, and the first release keeps no distance from it.)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ds.seen().len() < 2 {
+        assert!(Instant::now() < deadline, "no release after the stall");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let during = get(&c, &s.url("/5"), &[("x-client", "k")]).await;
     assert_eq!(during.status, StatusCode::OK);
     for h in held {

@@ -394,17 +394,21 @@ async fn sigterm_drains_at_pace_then_answers_503_and_exits_0() {
     }
 }
 
-/// `shutdown_delay`: on SIGTERM, /readyz turns 503 at once while sluice
-/// goes on serving, new connections too, until the delay passes; then it
-/// drains and exits as without it.
+/// `shutdown_delay` (set by a reload): on SIGTERM, /readyz turns 503 at
+/// once while sluice goes on serving, new connections too, until the delay
+/// passes; then it drains and exits as without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_delay_keeps_serving_while_not_ready() {
     let ds = Downstream::start().await;
-    let cfg = config(ds.addr, "100/s", 10, "1s").replace(
+    let cfg = config(ds.addr, "100/s", 10, "1s");
+    let sluice = Sluice::start(&cfg);
+    let delayed = cfg.replace(
         "drain_timeout = \"1s\"",
         "drain_timeout = \"1s\"\nshutdown_delay = \"3s\"",
     );
-    let sluice = Sluice::start(&cfg);
+    std::fs::write(&sluice.config, delayed).unwrap();
+    sluice.signal("HUP");
+    wait_for_log(&sluice, "config reloaded").await;
     let c = client();
     assert_eq!(
         get(&c, &sluice.admin_url("/readyz"), &[]).await.status,

@@ -572,4 +572,13 @@ async fn a_role_that_cannot_add_schema_2_runs_on_schema_1() {
         .filter(|l| l.contains("cannot add schema 2"))
         .count();
     assert_eq!(told, 1);
+    // `sluice migrate` as that role says it could not, and fails.
+    let path = support::write_config(&cfg);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["migrate", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("sluice_holes"), "{stderr}");
 }

@@ -280,13 +280,19 @@ const OBJECTS: &str = "SELECT to_regclass('sluice_schedules') IS NOT NULL
         'sluice_admit(text,text,bigint,bigint,bigint,bigint,bigint,bigint)'), 'pg_proc')
         IS NOT DISTINCT FROM 'sluice schema 1'";
 
-/// [`OBJECTS`] for what [`SCHEMA_V2`] adds.
-const OBJECTS_V2: &str = "SELECT to_regclass('sluice_holes') IS NOT NULL
+/// [`OBJECTS`] for what [`SCHEMA_V2`] adds, and that the role may use it
+/// (a DBA who applied it may not have granted the new table: a withdrawal
+/// would then fail where `sluice_cancel` works). `has_table_privilege`
+/// with several privileges answers whether any is held: one each.
+const OBJECTS_V2: &str = "SELECT coalesce(to_regclass('sluice_holes') IS NOT NULL
+    AND has_table_privilege(to_regclass('sluice_holes'), 'SELECT')
+    AND has_table_privilege(to_regclass('sluice_holes'), 'INSERT')
+    AND has_table_privilege(to_regclass('sluice_holes'), 'DELETE')
     AND to_regprocedure('sluice_withdraw(text,text,bigint,bigint,bigint,bigint)') IS NOT NULL
     AND to_regprocedure('sluice_sweep_holes(integer)') IS NOT NULL
     AND obj_description(to_regprocedure(
         'sluice_withdraw(text,text,bigint,bigint,bigint,bigint)'), 'pg_proc')
-        IS NOT DISTINCT FROM 'sluice schema 2'";
+        IS NOT DISTINCT FROM 'sluice schema 2', false)";
 
 /// Serialises schema changes between instances starting at once.
 const MIGRATION_LOCK: i64 = 0x736c_7569_6365; // "sluice"
@@ -438,20 +444,26 @@ impl Postgres {
     }
 
     /// A connection for upkeep (schema, sweep), with a longer statement
-    /// timeout than admissions have.
+    /// timeout than admissions have: 5 s, no longer than a sweep may run
+    /// (one cut short on our side stops on the server too, and holds no
+    /// expired rows an admission waits for).
     async fn maintenance(&self) -> Result<tokio_postgres::Client, ClusterError> {
         let client = self.connect().await?;
-        client
-            .batch_execute("SET statement_timeout = 30000")
-            .await?;
+        client.batch_execute("SET statement_timeout = 5000").await?;
         Ok(client)
     }
 
     /// Create the tables and functions if any is missing (one instance
     /// at a time). Returns whether anything had to be created.
+    ///
+    /// Schema 2 is added when it can be; when it cannot, `strict` (`sluice
+    /// migrate`) makes that the error, and otherwise sluice runs on schema
+    /// 1 and says so once (a role that may only use a schema a DBA applied
+    /// tries again only when a check starts over: at the next start).
     async fn ensure_schema(
         &self,
         client: &mut tokio_postgres::Client,
+        strict: bool,
     ) -> Result<bool, ClusterError> {
         let mut created = false;
         if !client
@@ -467,23 +479,28 @@ impl Postgres {
             .await?
             .try_get::<_, bool>(0)?;
         let holes = holes
-            || {
-                // Schema 1 is enough to admit: a role that may not create what
-                // schema 2 adds (a DBA applied the SQL of a version before)
-                // runs without holes, and is told how to get them.
-                match self.apply(client, SCHEMA_V2).await {
-                    Ok(()) => {
-                        created = true;
-                        true
-                    }
-                    Err(e) => {
-                        if !self.told.swap(true, Ordering::Relaxed) {
-                            warn!(postgres = %self.shown, error = %e, "cannot add schema 2 (sluice_holes, sluice_withdraw): of several withdrawals of one client's reservations (calls answered after the timeout), only the last gives its place back; apply `sluice migrate --print-sql` as the schema's owner");
+            || (strict || !self.told.load(Ordering::Relaxed))
+                && {
+                    // Schema 1 is enough to admit: a role that may not create what
+                    // schema 2 adds (a DBA applied the SQL of a version before)
+                    // runs without holes, and is told how to get them.
+                    match self.apply(client, SCHEMA_V2).await {
+                        Ok(()) => {
+                            created = true;
+                            true
                         }
-                        false
+                        Err(e) if strict => {
+                            return Err(ClusterError::Setup(format!(
+                                "cannot add schema 2 (sluice_holes, sluice_withdraw, sluice_sweep_holes): {e}; apply `sluice migrate --print-sql` as the schema's owner"
+                            )));
+                        }
+                        Err(e) => {
+                            self.told.store(true, Ordering::Relaxed);
+                            warn!(postgres = %self.shown, error = %e, "cannot add schema 2 (sluice_holes, sluice_withdraw, sluice_sweep_holes): of several withdrawals of one client's reservations (calls answered after the timeout), only the last gives its place back; apply `sluice migrate --print-sql` as the schema's owner, and grant the role SELECT, INSERT, DELETE on sluice_holes");
+                            false
+                        }
                     }
-                }
-            };
+                };
         self.holes.store(holes, Ordering::Relaxed);
         Ok(created)
     }
@@ -508,7 +525,7 @@ impl Postgres {
     /// when the table's kind is not the configured one.
     pub async fn migrate(&self) -> Result<bool, ClusterError> {
         let mut client = self.maintenance().await?;
-        let created = self.ensure_schema(&mut client).await?;
+        let created = self.ensure_schema(&mut client, true).await?;
         if !created {
             self.check_persistence(&client).await;
         }
@@ -562,7 +579,7 @@ impl Postgres {
         let shown = self.shown.clone();
         let checked = async {
             let mut client = self.maintenance().await?;
-            if !self.ensure_schema(&mut client).await? {
+            if !self.ensure_schema(&mut client, false).await? {
                 self.check_persistence(&client).await;
             }
             self.write_probe(&client).await
@@ -609,6 +626,9 @@ impl Postgres {
     /// pool warm, and sweep expired rows in bounded batches.
     pub async fn watch(&self) {
         let mut tick = tokio::time::interval(SWEEP_EVERY);
+        // A slow check and sweep (15 s at most) are not made up for by
+        // checks back to back.
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
         let mut conn = None;
         loop {
@@ -634,7 +654,7 @@ impl Postgres {
             Some(c) if !c.is_closed() => c,
             _ => conn.insert(self.maintenance().await?),
         };
-        self.ensure_schema(client).await?;
+        self.ensure_schema(client, false).await?;
         self.write_probe(client).await?;
         self.warm().await;
         Ok(())

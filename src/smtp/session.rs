@@ -523,14 +523,15 @@ impl Session {
     }
 
     async fn mail(&mut self, from: MailFrom<String>) -> Result<(), End> {
-        // Until this MAIL opens its transaction.
-        self.excused = self.listener.cfg.max_recipients.saturating_add(1);
         if self.helo.is_none() {
             return self.error(&reply::NEED_HELO);
         }
         if self.tx.is_some() {
+            // The open transaction goes on: its RCPTs are its own.
             return self.error(&reply::NESTED_MAIL);
         }
+        // Until this MAIL opens its transaction.
+        self.excused = self.listener.cfg.max_recipients.saturating_add(1);
         // Each transaction uses the listener's policy as it is now (a
         // reload applies to kept-open connections too).
         match self.front.listener(&self.listener.cfg.name) {
