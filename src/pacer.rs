@@ -778,7 +778,7 @@ impl<'a, K: Hash + Eq> Pacer<'a, K> {
         if self
             .inner
             .engine
-            .next_sweep()
+            .sweep_at()
             .is_some_and(|at| now >= at.max(self.next_sweep))
         {
             self.inner.engine.expire(now);

@@ -474,33 +474,27 @@ impl Postgres {
             self.apply(client, SCHEMA).await?;
             created = true;
         }
-        let holes = client
+        let mut holes = client
             .query_one(OBJECTS_V2, &[])
             .await?
             .try_get::<_, bool>(0)?;
-        let holes = holes
-            || (strict || !self.told.load(Ordering::Relaxed))
-                && {
-                    // Schema 1 is enough to admit: a role that may not create what
-                    // schema 2 adds (a DBA applied the SQL of a version before)
-                    // runs without holes, and is told how to get them.
-                    match self.apply(client, SCHEMA_V2).await {
-                        Ok(()) => {
-                            created = true;
-                            true
-                        }
-                        Err(e) if strict => {
-                            return Err(ClusterError::Setup(format!(
-                                "cannot add schema 2 (sluice_holes, sluice_withdraw, sluice_sweep_holes): {e}; apply `sluice migrate --print-sql` as the schema's owner"
-                            )));
-                        }
-                        Err(e) => {
-                            self.told.store(true, Ordering::Relaxed);
-                            warn!(postgres = %self.shown, error = %e, "cannot add schema 2 (sluice_holes, sluice_withdraw, sluice_sweep_holes): of several withdrawals of one client's reservations (calls answered after the timeout), only the last gives its place back; apply `sluice migrate --print-sql` as the schema's owner, and grant the role SELECT, INSERT, DELETE on sluice_holes");
-                            false
-                        }
-                    }
-                };
+        if !holes && (strict || !self.told.load(Ordering::Relaxed)) {
+            // Schema 1 is enough to admit: a role that may not create what
+            // schema 2 adds (a DBA applied the SQL of a version before)
+            // runs without holes, and is told how to get them.
+            match self.apply(client, SCHEMA_V2).await {
+                Ok(()) => (created, holes) = (true, true),
+                Err(e) if strict => {
+                    return Err(ClusterError::Setup(format!(
+                        "cannot add schema 2 (sluice_holes, sluice_withdraw, sluice_sweep_holes): {e}; apply `sluice migrate --print-sql` as the schema's owner"
+                    )));
+                }
+                Err(e) => {
+                    self.told.store(true, Ordering::Relaxed);
+                    warn!(postgres = %self.shown, error = %e, "cannot add schema 2 (sluice_holes, sluice_withdraw, sluice_sweep_holes): of several withdrawals of one client's reservations (calls answered after the timeout), only the last gives its place back; apply `sluice migrate --print-sql` as the schema's owner, and grant the role SELECT, INSERT, DELETE on sluice_holes");
+                }
+            }
+        }
         self.holes.store(holes, Ordering::Relaxed);
         Ok(created)
     }
@@ -576,26 +570,29 @@ impl Postgres {
     /// [`UPKEEP_LIMIT`] (only the connection had a bound: a database that
     /// went silent after the login held the start until TCP gave up).
     pub async fn check(&self) -> Result<(), String> {
-        let shown = self.shown.clone();
-        let checked = async {
-            let mut client = self.maintenance().await?;
-            if !self.ensure_schema(&mut client, false).await? {
-                self.check_persistence(&client).await;
-            }
-            self.write_probe(&client).await
-        };
-        let result = match tokio::time::timeout(UPKEEP_LIMIT, checked).await {
-            Ok(Ok(_)) => None,
-            Ok(Err(e)) => Some(Trouble::Unavailable(format!("postgres {shown}: {e}"))),
-            Err(_) => Some(Trouble::Unavailable(format!(
-                "postgres {shown}: {}",
-                ClusterError::Timeout(UPKEEP_LIMIT)
-            ))),
-        };
-        if result.is_none() {
-            self.warm().await;
+        let mut conn = None;
+        let result = self.bounded_upkeep(&mut conn).await;
+        if let (Ok(()), Some(client)) = (&result, &conn) {
+            self.check_persistence(client).await;
         }
-        self.set_problem(result)
+        self.set_problem(self.trouble(result))
+    }
+
+    /// [`Postgres::upkeep`] within [`UPKEEP_LIMIT`].
+    async fn bounded_upkeep(
+        &self,
+        conn: &mut Option<tokio_postgres::Client>,
+    ) -> Result<(), ClusterError> {
+        match tokio::time::timeout(UPKEEP_LIMIT, self.upkeep(conn)).await {
+            Ok(r) => r,
+            Err(_) => Err(ClusterError::Timeout(UPKEEP_LIMIT)),
+        }
+    }
+
+    fn trouble(&self, result: Result<(), ClusterError>) -> Option<Trouble> {
+        result
+            .err()
+            .map(|e| Trouble::Unavailable(format!("postgres {}: {e}", self.shown)))
     }
 
     /// Open the pool's connections ahead of traffic (a connection's
@@ -633,19 +630,13 @@ impl Postgres {
         let mut conn = None;
         loop {
             tick.tick().await;
-            let result = match tokio::time::timeout(UPKEEP_LIMIT, self.upkeep(&mut conn)).await {
-                Ok(r) => r,
-                Err(_) => Err(ClusterError::Timeout(UPKEEP_LIMIT)),
-            };
+            let result = self.bounded_upkeep(&mut conn).await;
             if result.is_err() {
                 conn = None;
             } else {
                 self.sweep(&mut conn).await;
             }
-            let problem = result
-                .err()
-                .map(|e| Trouble::Unavailable(format!("postgres {}: {e}", self.shown)));
-            let _ = self.set_problem(problem);
+            let _ = self.set_problem(self.trouble(result));
         }
     }
 

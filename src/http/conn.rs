@@ -144,9 +144,10 @@ pub struct Conns {
     idle: Mutex<VecDeque<(u64, Weak<ConnState>)>>,
     registry: Mutex<Registry>,
     open: AtomicUsize,
-    /// A new connection waits for a place and no idle one was there to
-    /// close for it: the next to become idle is (see [`Conns::admit`]).
-    starved: AtomicBool,
+    /// New connections waiting for a place, for which no idle one was
+    /// there to close: the next to become idle is (see [`Conns::admit`]).
+    /// A count: one waiter done does not end another's wait.
+    starved: AtomicUsize,
     became_idle: tokio::sync::Notify,
     pub header_read_timeout: Duration,
     pub keepalive_timeout: Duration,
@@ -171,7 +172,7 @@ impl Conns {
             idle: Mutex::new(VecDeque::new()),
             registry: Mutex::new(Registry::default()),
             open: AtomicUsize::new(0),
-            starved: AtomicBool::new(false),
+            starved: AtomicUsize::new(0),
             became_idle: tokio::sync::Notify::new(),
             header_read_timeout,
             keepalive_timeout,
@@ -197,7 +198,7 @@ impl Conns {
         }
         // Set before looking, so that a connection made idle after the
         // look sees it (the idle queue's lock orders the two).
-        self.starved.store(true, Ordering::SeqCst);
+        self.starved.fetch_add(1, Ordering::SeqCst);
         let permit = loop {
             let idle = self.became_idle.notified();
             tokio::pin!(idle);
@@ -210,7 +211,7 @@ impl Conns {
                 () = idle => {}
             }
         };
-        self.starved.store(false, Ordering::SeqCst);
+        self.starved.fetch_sub(1, Ordering::SeqCst);
         permit
     }
 
@@ -307,7 +308,7 @@ impl Conns {
                 .unwrap_or_else(|e| e.into_inner())
                 .push_back((now, Arc::downgrade(state)));
         }
-        if self.starved.load(Ordering::SeqCst) {
+        if self.starved.load(Ordering::SeqCst) > 0 {
             self.became_idle.notify_one();
         }
     }

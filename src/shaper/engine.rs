@@ -716,6 +716,12 @@ impl<K: Hash + Eq, P> Engine<K, P> {
     /// [`Engine::sweep_moved_earlier`] reads.
     pub fn next_sweep(&self) -> Option<Nanos> {
         self.sweeps.lowered.swap(false, Ordering::AcqRel);
+        self.sweep_at()
+    }
+
+    /// [`Engine::next_sweep`] without clearing its flag (a second look in
+    /// the same round).
+    pub fn sweep_at(&self) -> Option<Nanos> {
         let at = self.sweeps.at.load(Ordering::Acquire);
         (at != Nanos::MAX).then_some(at)
     }
