@@ -40,6 +40,10 @@ pub const CLUSTER_DURATION_SECONDS: &str = "sluice_cluster_duration_seconds";
 /// Requests decided by `on_failure` because the shared schedule failed, by
 /// backend and policy.
 pub const CLUSTER_FALLBACKS_TOTAL: &str = "sluice_cluster_fallbacks_total";
+/// 429s for a full queue answered from the store's refusal of the same
+/// client less than its Retry-After (and a second) before, without a
+/// call, by backend.
+pub const CLUSTER_REMEMBERED_REFUSALS_TOTAL: &str = "sluice_cluster_remembered_refusals_total";
 /// 1 while the shared schedule answers and is usable as configured, else 0,
 /// by backend.
 pub const CLUSTER_HEALTHY: &str = "sluice_cluster_healthy";
@@ -344,6 +348,11 @@ fn describe() {
         CLUSTER_FALLBACKS_TOTAL,
         Unit::Count,
         "Requests decided by on_failure because the shared schedule failed."
+    );
+    describe_counter!(
+        CLUSTER_REMEMBERED_REFUSALS_TOTAL,
+        Unit::Count,
+        "429s for a full queue answered without a call: the store refused the same client less than its Retry-After (and 1 s) before."
     );
     describe_gauge!(
         CLUSTER_HEALTHY,

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use http::StatusCode;
 use support::{
-    Downstream, RedisServer, Sluice, all_answered_together, assert_gaps, client, get,
-    light_client_behind_a_backlog, seed_burst_across, store_stopped_then_resumed, throttle,
-    throttled_then_another, unready_while_writes_are_refused,
+    Downstream, RedisServer, Sluice, a_flood_is_refused_from_memory, all_answered_together,
+    assert_gaps, client, get, light_client_behind_a_backlog, seed_burst_across,
+    store_stopped_then_resumed, throttle, throttled_then_another, unready_while_writes_are_refused,
 };
 
 /// `sluice_cluster_fallbacks_total` for Redis under `policy`, and the
@@ -1044,4 +1044,65 @@ async fn a_redis_that_refuses_writes_makes_the_instance_unready() {
     .await;
     let status = s.status().await;
     assert_eq!(status["cluster"]["state"], "ok", "{status}");
+}
+
+/// A client flooding one instance is refused from the store's last
+/// refusal until a place may have freed, not with a Redis call per 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_client_costs_no_redis_call_per_refusal() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &redis.url(), "reject", 1, "500ms").replace(
+        "rate = \"5/s\"\ncapacity = 10",
+        "rate = \"1/s\"\ncapacity = 1",
+    );
+    let s = Sluice::start(&cfg);
+    a_flood_is_refused_from_memory(&s).await;
+}
+
+/// A refusal remembered for a client is forgotten when one of its held
+/// requests leaves (its place is given back): the client's next request
+/// asks the store again instead of being refused from memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_place_given_back_forgets_the_remembered_refusal() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &redis.url(), "reject", 1, "500ms").replace(
+        "rate = \"5/s\"\ncapacity = 10",
+        "rate = \"1/m\"\ncapacity = 1",
+    );
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let a = |p: &str| {
+        let (c, url) = (c.clone(), s.url(p));
+        async move { get(&c, &url, &[("x-client", "a")]).await }
+    };
+    assert_eq!(a("/first").await.status, StatusCode::OK);
+    let held = tokio::spawn(a("/held"));
+    s.wait_queued(1).await;
+    let remembered = "sluice_cluster_remembered_refusals_total";
+    // Refused by the store (remembered for a second from before this).
+    let refused_at = Instant::now();
+    assert_eq!(a("/refused").await.status, StatusCode::TOO_MANY_REQUESTS);
+    let first = s.metric(remembered).await;
+    let again = Instant::now();
+    assert_eq!(a("/again").await.status, StatusCode::TOO_MANY_REQUESTS);
+    let before = s.metric(remembered).await;
+    if again < refused_at + Duration::from_millis(900) {
+        assert_eq!(before, first + 1.0, "refused without a call");
+    }
+    held.abort();
+    s.wait_queued(0).await;
+    let sent = Instant::now();
+    // Held for its departure in a minute (or refused, if the store has
+    // not yet taken the give-back): either way, asked of the store.
+    let next = tokio::time::timeout(Duration::from_millis(300), a("/next")).await;
+    if let Ok(answer) = &next {
+        assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS);
+    }
+    // Past the second, the refusal would have lapsed anyway: the check
+    // shows nothing then (a slow machine), but cannot fail for it.
+    if sent < refused_at + Duration::from_millis(900) {
+        assert_eq!(s.metric(remembered).await, before);
+    }
 }

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 use support::postgres::PostgresServer;
 use support::{
-    Downstream, Sluice, TestCa, all_answered_together, assert_gaps, client, get,
-    light_client_behind_a_backlog, seed_burst_across, store_stopped_then_resumed,
+    Downstream, Sluice, TestCa, a_flood_is_refused_from_memory, all_answered_together, assert_gaps,
+    client, get, light_client_behind_a_backlog, seed_burst_across, store_stopped_then_resumed,
     unready_while_writes_are_refused,
 };
 
@@ -581,4 +581,19 @@ async fn a_role_that_cannot_add_schema_2_runs_on_schema_1() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("sluice_holes"), "{stderr}");
+}
+
+/// A client flooding one instance is refused from the store's last
+/// refusal until a place may have freed: not with a row-locked call per
+/// 429, which queue on its row and take the pool from every other client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_client_costs_no_database_call_per_refusal() {
+    let pg = PostgresServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &pg, "reject", "").replace(
+        "rate = \"5/s\"\ncapacity = 10",
+        "rate = \"1/s\"\ncapacity = 1",
+    );
+    let s = Sluice::start(&cfg);
+    a_flood_is_refused_from_memory(&s).await;
 }

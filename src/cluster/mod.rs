@@ -15,6 +15,7 @@
 
 pub mod postgres;
 mod redis;
+mod refusals;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +25,7 @@ use tracing::warn;
 
 use crate::config::{ClusterConfig, OnFailure, Store};
 use crate::metrics as m;
+use refusals::Refusals;
 
 /// Why a shared-schedule call failed (then `on_failure` applies).
 #[derive(Debug, thiserror::Error)]
@@ -215,6 +217,9 @@ pub struct Cluster {
     /// The calls failing in a row now (see [`Cluster::is_healthy`]).
     streak: Mutex<Streak>,
     duration: Arc<m::Histogram>,
+    /// Clients the store has just found full.
+    refusals: Arc<Refusals>,
+    remembered: metrics::Counter,
 }
 
 /// Calls failed in a row since the last that succeeded (or since a good
@@ -337,6 +342,9 @@ impl Cluster {
         }
         metrics::counter!(m::CLUSTER_FALLBACKS_TOTAL, "backend" => backend, "policy" => cfg.on_failure.as_str())
             .increment(0);
+        let remembered =
+            metrics::counter!(m::CLUSTER_REMEMBERED_REFUSALS_TOTAL, "backend" => backend);
+        remembered.increment(0);
         Ok(Cluster {
             store: Arc::new(store),
             backend,
@@ -346,6 +354,8 @@ impl Cluster {
             instances: cfg.instances,
             streak: Mutex::default(),
             duration: m::histogram(m::CLUSTER_DURATION_SECONDS, &[("backend", backend)]),
+            refusals: Arc::default(),
+            remembered,
         })
     }
 
@@ -449,13 +459,22 @@ impl Cluster {
     /// the caller gave up (the timeout, then `on_failure`; or its client
     /// left) is given back, instead of holding a departure that nobody
     /// takes and, after the timeout, counting the request twice.
+    ///
+    /// A client the store found full less than its Retry-After ago (and
+    /// less than [`refusals::REMEMBERED_FOR`]) is refused without a call
+    /// (see [`refusals`]).
     pub async fn admit(&self, ask: Ask) -> Result<Verdict, ClusterError> {
         let started = Instant::now();
+        if let Some(retry_after) = self.refusals.refused(&ask, started) {
+            self.remembered.increment(1);
+            return Ok(Verdict::Full { retry_after });
+        }
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let (store, timeout) = (self.store.clone(), self.timeout);
+        let (store, timeout, refusals) = (self.store.clone(), self.timeout, self.refusals.clone());
         let mut rx = Answer {
             rx,
             store: store.clone(),
+            refusals: refusals.clone(),
             timeout,
         };
         tokio::spawn(async move {
@@ -463,12 +482,14 @@ impl Cluster {
             // the task, a little later so as not to lose their answer.
             let limit = orphan_limit(timeout).saturating_add(timeout);
             let verdict = match tokio::time::timeout(limit, store.admit(&ask)).await {
-                Ok(Ok(reply)) => decode(ask, &reply),
+                Ok(Ok(reply)) => decode(ask, &reply, |ask, retry_after| {
+                    refusals.remember(ask, started, retry_after);
+                }),
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(ClusterError::Timeout(timeout)),
             };
             if let Err(Ok(Verdict::Go { reservation, .. })) = tx.send(verdict) {
-                withdraw(&store, timeout, &reservation).await;
+                withdraw(&store, &refusals, timeout, &reservation).await;
             }
         });
         let verdict = match tokio::time::timeout(self.timeout, &mut rx.rx).await {
@@ -490,8 +511,12 @@ impl Cluster {
     /// Give a reservation back (the client left before its departure), in
     /// the background and bounded by the timeout.
     pub fn cancel(&self, r: Reservation) {
-        let (store, timeout) = (self.store.clone(), self.timeout);
-        tokio::spawn(async move { withdraw(&store, timeout, &r).await });
+        // The client's next request asks the store (which refuses it
+        // again if the give-back has not landed yet), and so does the
+        // one after the give-back lands.
+        self.refusals.forget(&r.key);
+        let (store, timeout, refusals) = (self.store.clone(), self.timeout, self.refusals.clone());
+        tokio::spawn(async move { withdraw(&store, &refusals, timeout, &r).await });
     }
 }
 
@@ -501,6 +526,7 @@ impl Cluster {
 struct Answer {
     rx: tokio::sync::oneshot::Receiver<Result<Verdict, ClusterError>>,
     store: Arc<Backend>,
+    refusals: Arc<Refusals>,
     timeout: Duration,
 }
 
@@ -512,8 +538,9 @@ impl Drop for Answer {
         if let Ok(Ok(Verdict::Go { reservation, .. })) = self.rx.try_recv()
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
-            let (store, timeout) = (self.store.clone(), self.timeout);
-            runtime.spawn(async move { withdraw(&store, timeout, &reservation).await });
+            let (store, refusals) = (self.store.clone(), self.refusals.clone());
+            let timeout = self.timeout;
+            runtime.spawn(async move { withdraw(&store, &refusals, timeout, &reservation).await });
         }
     }
 }
@@ -537,16 +564,23 @@ pub(crate) fn orphan_limit(timeout: Duration) -> Duration {
     timeout.saturating_mul(4).max(Duration::from_secs(2))
 }
 
-async fn withdraw(store: &Backend, timeout: Duration, r: &Reservation) {
+/// Give a reservation back; a refusal of its client remembered meanwhile
+/// is forgotten (a place may have freed).
+async fn withdraw(store: &Backend, refusals: &Refusals, timeout: Duration, r: &Reservation) {
     match tokio::time::timeout(timeout, store.cancel(r)).await {
-        Ok(Ok(())) => {}
+        Ok(Ok(())) => refusals.forget(&r.key),
         Ok(Err(e)) => warn!(error = %e, "cannot withdraw a cluster reservation"),
         Err(_) => warn!("withdrawing a cluster reservation timed out"),
     }
 }
 
-/// A store's admission reply as a verdict.
-fn decode(ask: Ask, reply: &[i64]) -> Result<Verdict, ClusterError> {
+/// A store's admission reply as a verdict; `full` is told of a refusal
+/// for a full queue.
+fn decode(
+    ask: Ask,
+    reply: &[i64],
+    full: impl FnOnce(&Ask, Duration),
+) -> Result<Verdict, ClusterError> {
     let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
     match reply {
         [1, delay, new_d, first_slot, ..] => Ok(Verdict::Go {
@@ -561,9 +595,11 @@ fn decode(ask: Ask, reply: &[i64]) -> Result<Verdict, ClusterError> {
                 cost: ask.cost,
             },
         }),
-        [0, retry, ..] => Ok(Verdict::Full {
-            retry_after: micros(*retry),
-        }),
+        [0, retry, ..] => {
+            let retry_after = micros(*retry);
+            full(&ask, retry_after);
+            Ok(Verdict::Full { retry_after })
+        }
         [2, retry, ..] => Ok(Verdict::MaxWait {
             retry_after: micros(*retry),
         }),

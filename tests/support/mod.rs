@@ -1343,3 +1343,86 @@ pub async fn light_client_behind_a_backlog(
     );
     heavy
 }
+
+impl Sluice {
+    /// The sum of every series of the counter or gauge `name` in
+    /// `/metrics` (0 when it has none).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let body = get(&client(), &self.admin_url("/metrics"), &[]).await.body;
+        String::from_utf8_lossy(&body)
+            .lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix(name)?;
+                let value = match rest.strip_prefix('{') {
+                    Some(labelled) => labelled.split_once("} ")?.1,
+                    None => rest.strip_prefix(' ')?,
+                };
+                value.parse::<f64>().ok()
+            })
+            .sum()
+    }
+}
+
+/// One client floods `s` (its route at 1/s with capacity 1, cluster
+/// mode): 32 connections, each sending one request after another for
+/// 1.5 s (50 at most; one held for its departure holds its connection
+/// up to a second). The store is asked about a refused client again
+/// only when a place may have freed, not once per 429. The bound on store calls grows with the
+/// flood's length, so a slow machine loosens it instead of failing it;
+/// without remembered refusals the calls are one per request (over
+/// 1,000 here).
+pub async fn a_flood_is_refused_from_memory(s: &Sluice) {
+    let calls = s.metric("sluice_cluster_calls_total").await;
+    let remembered = s.metric("sluice_cluster_remembered_refusals_total").await;
+    let c = client();
+    let t = Instant::now();
+    let deadline = t + Duration::from_millis(1_500);
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let (c, s_url) = (c.clone(), s.url(&format!("/flood{i}")));
+            tokio::spawn(async move {
+                let (mut ok, mut refused) = (0u32, 0u32);
+                for _ in 0..50 {
+                    if Instant::now() >= deadline {
+                        break;
+                    }
+                    let a = get(&c, &s_url, &[("x-client", "hot")]).await;
+                    match a.status {
+                        StatusCode::OK => ok += 1,
+                        StatusCode::TOO_MANY_REQUESTS => {
+                            let retry = a.headers.get("retry-after").and_then(|v| v.to_str().ok());
+                            assert_eq!(retry, Some("1"));
+                            refused += 1;
+                        }
+                        other => panic!("{other}"),
+                    }
+                }
+                (ok, refused)
+            })
+        })
+        .collect();
+    let (mut ok, mut refused) = (0, 0);
+    for task in tasks {
+        let (o, r) = task.await.unwrap();
+        ok += o;
+        refused += r;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let calls = s.metric("sluice_cluster_calls_total").await - calls;
+    let remembered = s.metric("sluice_cluster_remembered_refusals_total").await - remembered;
+    assert!(refused >= 100, "{refused} refused");
+    // One at once and one a second after that, as the rate allows.
+    assert!(f64::from(ok) <= secs + 2.0, "{ok} forwarded in {secs:.1} s");
+    // A refusal is remembered until a place frees (a departure, or a
+    // second at most); after each, the 32 connections may all ask once.
+    let bound = 32.0 * (f64::from(ok) + secs.ceil() + 2.0);
+    assert!(
+        calls <= bound,
+        "{calls} store calls for {ok} forwarded and {refused} refused in {secs:.1} s"
+    );
+    assert_eq!(
+        calls + remembered,
+        f64::from(ok + refused),
+        "{calls} calls, {remembered} remembered"
+    );
+}
