@@ -760,3 +760,41 @@ async fn the_admin_listener_bounds_its_connections() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// HTTP/2 lets a client repeat an agreeing `Content-Length` (two `0`s on
+/// a GET); the upstream, over HTTP/1.1, gets one (a strict server, Node's
+/// llhttp, refuses two with 400). Read off the upstream's socket: hyper's
+/// server would show one either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_length_from_an_http2_client_reaches_the_upstream_once() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let raw = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = conn.read(&mut buf).unwrap();
+            assert!(n > 0, "closed before a head");
+            head.extend_from_slice(&buf[..n]);
+        }
+        conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            .unwrap();
+        String::from_utf8_lossy(&head).to_ascii_lowercase()
+    });
+    let s = Sluice::start(&base(upstream, "", &default_route("global", "100/s", 10)));
+    let (mut h2, _driver) = h2_connect(s.addr).await;
+    let req = http::Request::get(format!("http://{}/twice", s.addr))
+        .header("content-length", "0")
+        .header("content-length", "0")
+        .body(http_body_util::Empty::<Bytes>::new())
+        .unwrap();
+    assert_eq!(h2.send_request(req).await.unwrap().status(), StatusCode::OK);
+    let head = tokio::task::spawn_blocking(move || raw.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(head.matches("content-length").count(), 1, "{head}");
+}

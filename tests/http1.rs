@@ -415,6 +415,35 @@ async fn connection_close_ends_the_connection_after_its_answer() {
     .await;
 }
 
+/// Bytes a client sends after a `Connection: close` request do not cost
+/// it the answer: sluice closes its side and reads and drops them until
+/// the client closes too (nginx's lingering close). Closing with them
+/// unread resets the connection, and the kernel drops what of the answer
+/// it has not sent yet: here most of a 32 MB answer, which the client
+/// reads only after sending them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_after_a_close_do_not_reset_the_answer_before_it() {
+    const BODY: usize = 32 << 20;
+    let mut answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {BODY}\r\n\r\n").into_bytes();
+    answer.resize(answer.len() + BODY, b'x');
+    let upstream = canned_upstream(answer.leak(), 1, Duration::from_secs(5));
+    on_one_connection(upstream, |c| {
+        send(
+            c,
+            b"GET /last HTTP/1.1\r\nHost: t\r\nX-Client: c\r\nConnection: close\r\n\r\n",
+        );
+        // sluice is writing the answer by now, and reads nothing more.
+        std::thread::sleep(Duration::from_millis(300));
+        send(c, b"GET /after HTTP/1.1\r\nHost: t\r\nX-Client: c\r\n\r\n");
+        let a = read_answer(c, false);
+        assert_eq!((a.status, a.body.len()), (200, BODY));
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).unwrap();
+        assert!(rest.is_empty(), "{} bytes after", rest.len());
+    })
+    .await;
+}
+
 /// Host as RFC 9112 3.2 has it: an HTTP/1.1 request without a Host, or
 /// with two, gets 400; an absolute-form target's authority comes before
 /// Host; an HTTP/1.0 request without one reaches the upstream with the
@@ -685,4 +714,88 @@ async fn a_tunnel_silent_both_ways_for_read_timeout_is_closed() {
     })
     .await
     .unwrap();
+}
+
+/// An upstream that answers every request on a connection with "ok",
+/// the first after `first` (so that requests sent together open
+/// connections of their own), and closes a connection idle for `idle`.
+fn keep_alive_upstream(first: Duration, idle: Duration) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().take(64) {
+            let Ok(mut conn) = conn else { return };
+            std::thread::spawn(move || {
+                let _ = conn.set_read_timeout(Some(idle));
+                let mut buf = [0u8; 4096];
+                let mut delay = Some(first);
+                // Each read is one request (sluice sends one at a time).
+                while matches!(conn.read(&mut buf), Ok(n) if n > 0) {
+                    if let Some(d) = delay.take() {
+                        std::thread::sleep(d);
+                    }
+                    if conn
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Sockets to `peer` (its port) in CLOSE_WAIT: closed by the peer, not
+/// yet by us.
+fn close_wait_to(peer: SocketAddr) -> usize {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let port = format!(":{:04X}", peer.port());
+    tcp.lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[2].ends_with(&port) && f[3] == "08"
+        })
+        .count()
+}
+
+/// Upstream connections a burst opened, idle in the pool below the one
+/// that a request at a time keeps using, are closed once the upstream
+/// has closed them, not kept in CLOSE_WAIT for the pool's life.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_upstream_connections_a_burst_left_are_closed_with_the_upstream() {
+    let upstream = keep_alive_upstream(Duration::from_millis(200), Duration::from_millis(300));
+    let cfg = config(upstream).replace("[server]\n", "[server]\nworkers = 1\n");
+    let sluice = Sluice::start(&cfg);
+    let addr = sluice.addr;
+    let burst: Vec<_> = (0..8)
+        .map(|i| {
+            tokio::task::spawn_blocking(move || {
+                let request = format!("GET /b{i} HTTP/1.1\r\nHost: t\r\nX-Client: b{i}\r\n\r\n");
+                let c = &mut connect(addr);
+                send(c, request.as_bytes());
+                read_answer(c, false).status
+            })
+        })
+        .collect();
+    for b in burst {
+        assert_eq!(b.await.unwrap(), 200);
+    }
+    let closed = tokio::task::spawn_blocking(move || {
+        // A request every 100 ms keeps one connection in use; the others
+        // go idle and the upstream closes them after 300 ms.
+        let c = &mut connect(addr);
+        for i in 0..12 {
+            let request = format!("GET /s{i} HTTP/1.1\r\nHost: t\r\nX-Client: s\r\n\r\n");
+            send(c, request.as_bytes());
+            assert_eq!(read_answer(c, false).status, 200);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        close_wait_to(upstream)
+    })
+    .await
+    .unwrap();
+    assert_eq!(closed, 0, "connections left in CLOSE_WAIT");
 }

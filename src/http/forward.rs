@@ -411,8 +411,11 @@ impl Upstream {
                 .headers
                 .insert(TE, HeaderValue::from_static("trailers"));
         }
-        // The HTTP/1.1 client writes each field on a line of its own.
+        // The HTTP/1.1 client writes each field on a line of its own: one
+        // `Cookie`, and one `Content-Length` (HTTP/2 lets a client repeat
+        // an agreeing one, which a strict HTTP/1.1 server refuses).
         join_cookies(&mut parts.headers);
+        one_length(&mut parts.headers);
         if self.forwarded_headers {
             add_forwarded(&mut parts.headers, peer, trusted, host.as_ref());
         } else {

@@ -43,7 +43,7 @@ use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use smallvec::SmallVec;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
 use tokio::net::TcpStream;
 use tracing::debug;
 
@@ -300,7 +300,7 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                             if bad {
                                 let _ =
                                     send(&mut stream, &bad_request(), s.conns.send_timeout).await;
-                                let _ = stream.shutdown().await;
+                                Box::pin(linger(&mut stream)).await;
                                 return Next::Closed;
                             }
                         }
@@ -364,7 +364,12 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
             }
             drop(guard);
             if close {
-                let _ = stream.shutdown().await;
+                // (A close of ours, a drain or an eviction, does not wait.)
+                if s.state.close.reason().is_none() {
+                    Box::pin(linger(&mut stream)).await;
+                } else {
+                    let _ = stream.shutdown().await;
+                }
                 return Next::Closed;
             }
         }
@@ -571,6 +576,26 @@ fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
     })
 }
 
+/// Close after the last answer, the client's close asked for (or a head
+/// refused): our FIN, then what the client still sends is read and
+/// dropped until it closes too, for [`LINGER_TIME`] and [`LINGER_BYTES`]
+/// at most. Closing with bytes unread makes the kernel reset the
+/// connection, and a reset can destroy the answer before the client has
+/// read it (nginx's `lingering_close`).
+/// (Boxed by its callers: the connection's future need not carry its
+/// timer.)
+async fn linger(stream: &mut TcpStream) {
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let (mut rest, mut sink) = ((&mut *stream).take(LINGER_BYTES), tokio::io::sink());
+    let _ = tokio::time::timeout(LINGER_TIME, tokio::io::copy(&mut rest, &mut sink)).await;
+}
+
+/// How long, and how much, a closing connection reads and drops.
+const LINGER_TIME: Duration = Duration::from_secs(2);
+const LINGER_BYTES: u64 = 64 * 1024;
+
 /// hyper's answer to a head it cannot read.
 fn bad_request() -> Vec<u8> {
     let mut out =
@@ -655,10 +680,13 @@ fn response_head(
     close: bool,
 ) -> (Vec<u8>, Framing) {
     let status = parts.status;
+    // The length is written by this function, not copied: only digits
+    // (`parse` would take "+5"), and never on 1xx and 204 (RFC 9110 8.6).
     let declared = parts
         .headers
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
         .and_then(|v| v.parse::<u64>().ok());
     let no_body = head_request
         || status.is_informational()
@@ -680,7 +708,7 @@ fn response_head(
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
     for (name, value) in &parts.headers {
-        if name == CONNECTION || name == TRANSFER_ENCODING {
+        if name == CONNECTION || name == TRANSFER_ENCODING || name == CONTENT_LENGTH {
             continue;
         }
         out.extend_from_slice(name.as_str().as_bytes());
@@ -688,14 +716,13 @@ fn response_head(
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    match framing {
-        Framing::Length(n) if declared.is_none() => put_length(&mut out, n),
-        Framing::None
-            if head_request
-                && declared.is_none()
-                && !status.is_informational()
-                && status != StatusCode::NO_CONTENT
-                && status != StatusCode::NOT_MODIFIED =>
+    let bodiless = status.is_informational() || status == StatusCode::NO_CONTENT;
+    match (framing, declared) {
+        (Framing::Length(n), _) => put_length(&mut out, n),
+        // The length a GET would have had (HEAD, 304), as declared.
+        (Framing::None, Some(n)) if !bodiless => put_length(&mut out, n),
+        (Framing::None, None)
+            if head_request && !bodiless && status != StatusCode::NOT_MODIFIED =>
         {
             // A body of its own (a refusal's text) says its length; an
             // upstream's answer without one says nothing, and an empty
@@ -704,7 +731,7 @@ fn response_head(
                 put_length(&mut out, n);
             }
         }
-        Framing::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+        (Framing::Chunked, _) => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
         _ => {}
     }
     if !parts.headers.contains_key(DATE) {
@@ -847,6 +874,37 @@ mod tests {
         // Its own length passes through; a body of ours says its size.
         assert!(head(full(Bytes::new()), Some("1234")).contains("content-length: 1234"));
         assert!(head(full(Bytes::from_static(b"refused")), None).contains("content-length: 7"));
+    }
+
+    #[test]
+    fn one_length_is_written_and_none_on_1xx_and_204() {
+        let answer = |status: u16, declared: &str, head_request: bool| {
+            let mut r = Response::new(full(Bytes::from_static(b"abc")));
+            *r.status_mut() = StatusCode::from_u16(status).unwrap();
+            r.headers_mut().insert(
+                CONTENT_LENGTH,
+                http::HeaderValue::from_str(declared).unwrap(),
+            );
+            let (parts, body) = r.into_parts();
+            let head = response_head(&parts, &body, head_request, false).0;
+            let head = String::from_utf8(head).unwrap();
+            let lengths: Vec<&str> = head
+                .lines()
+                .filter_map(|l| l.strip_prefix("content-length: "))
+                .collect();
+            assert!(
+                !head.contains("transfer-encoding") || lengths.is_empty(),
+                "{head}"
+            );
+            lengths.join(",")
+        };
+        assert_eq!(answer(200, "3", false), "3");
+        // Not digits only: not copied, and not trusted as the framing.
+        assert_eq!(answer(200, "+3", false), "3");
+        assert_eq!(answer(204, "0", false), "");
+        assert_eq!(answer(204, "5", false), "");
+        assert_eq!(answer(304, "1234", false), "1234");
+        assert_eq!(answer(200, "1234", true), "1234");
     }
 
     #[test]
