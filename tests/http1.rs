@@ -799,3 +799,35 @@ async fn idle_upstream_connections_a_burst_left_are_closed_with_the_upstream() {
     .unwrap();
     assert_eq!(closed, 0, "connections left in CLOSE_WAIT");
 }
+
+/// A connection lingering after `Connection: close` (its client keeps it
+/// open) does not hold up a shutdown: the drain ends its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lingering_connection_does_not_hold_up_a_shutdown() {
+    let ds = Downstream::start().await;
+    let mut sluice = Sluice::start(&config(ds.addr));
+    let addr = sluice.addr;
+    let kept = tokio::task::spawn_blocking(move || {
+        let mut c = connect(addr);
+        send(
+            &mut c,
+            b"GET /last HTTP/1.1\r\nHost: t\r\nX-Client: c\r\nConnection: close\r\n\r\n",
+        );
+        assert_eq!(read_answer(&mut c, false).status, 200);
+        c
+    })
+    .await
+    .unwrap();
+    let t = Instant::now();
+    sluice.signal("TERM");
+    let exited = tokio::task::spawn_blocking(move || {
+        let status = sluice.wait_exit(Duration::from_secs(10));
+        (status, t.elapsed())
+    })
+    .await
+    .unwrap();
+    assert!(exited.0.is_some_and(|s| s.success()), "{exited:?}");
+    // The linger is 2 s; an idle drain takes milliseconds.
+    assert!(exited.1 < Duration::from_millis(1_500), "{exited:?}");
+    drop(kept);
+}

@@ -399,10 +399,12 @@ impl Hold {
                     reservation,
                     ..
                 } = *s;
-                shaper.budget().give_queued();
+                // (The give-back first: once the place shows as free here,
+                // no refusal of the client is remembered.)
                 if let Some(r) = reservation {
                     cluster.cancel(r);
                 }
+                shaper.budget().give_queued();
             }
         }
     }

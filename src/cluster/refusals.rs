@@ -29,18 +29,46 @@ const SHARDS: usize = 16;
 /// Clients remembered per shard at most: past it a refusal is not
 /// remembered (the next request asks the store), so memory stays bounded
 /// whatever the keys.
-const PER_SHARD: usize = 4_096;
+const PER_SHARD: usize = 1_024;
+
+/// How often a shard drops the refusals that have lapsed, at most (a
+/// refusal looked up after it lapsed goes at once).
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// One remembered refusal: the client's queue takes no request of `cost`
-/// or more before `until`, under the policy it was refused under.
+/// or more before `retry_at` (the store's Retry-After), under the policy
+/// it was refused under; remembered until `until`.
 struct Refused {
     until: Instant,
+    retry_at: Instant,
     cost: u32,
     policy: (u64, u32, u64),
 }
 
+#[derive(Default)]
+struct Shard {
+    refused: HashMap<String, Refused>,
+    /// When a place was last given back by a client of this shard: a
+    /// refusal asked before then may predate it, and is not remembered.
+    forgot: Option<Instant>,
+    swept: Option<Instant>,
+}
+
+impl Shard {
+    /// Drop what has lapsed, once per [`SWEEP_EVERY`] at most.
+    fn sweep(&mut self, now: Instant) {
+        if self
+            .swept
+            .is_none_or(|t| now.saturating_duration_since(t) >= SWEEP_EVERY)
+        {
+            self.refused.retain(|_, r| r.until > now);
+            self.swept = Some(now);
+        }
+    }
+}
+
 pub struct Refusals {
-    shards: [Mutex<HashMap<String, Refused>>; SHARDS],
+    shards: [Mutex<Shard>; SHARDS],
     hasher: RandomState,
 }
 
@@ -60,59 +88,66 @@ fn policy(ask: &Ask) -> (u64, u32, u64) {
 }
 
 impl Refusals {
-    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<String, Refused>> {
+    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, Shard> {
         // (The shard index is below SHARDS.)
         let i = usize::try_from(self.hasher.hash_one(key) % SHARDS as u64).unwrap_or(0);
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// How long `ask`'s client is still refused at `now` (the store's
-    /// Retry-After, counted down), if it is remembered as full.
+    /// The store's Retry-After for `ask`'s client, counted down to `now`,
+    /// if it is remembered as full.
     pub fn refused(&self, ask: &Ask, now: Instant) -> Option<Duration> {
         let mut shard = self.shard(&ask.key);
-        let r = shard.get(&ask.key)?;
+        shard.sweep(now);
+        let r = shard.refused.get(&ask.key)?;
         if r.until <= now || r.policy != policy(ask) {
-            shard.remove(&ask.key);
+            shard.refused.remove(&ask.key);
             return None;
         }
-        (ask.cost >= r.cost).then(|| r.until - now)
+        (ask.cost >= r.cost).then(|| r.retry_at.saturating_duration_since(now))
     }
 
     /// The store refused `ask`, asked at `asked` (before the store read
     /// its clock: the place frees no earlier than `asked` + `retry_after`
     /// here), with `retry_after`.
     pub fn remember(&self, ask: &Ask, asked: Instant, retry_after: Duration) {
-        let until = asked + retry_after.min(REMEMBERED_FOR);
         let mut shard = self.shard(&ask.key);
-        if shard.len() >= PER_SHARD && !shard.contains_key(&ask.key) {
-            let now = Instant::now();
-            shard.retain(|_, r| r.until > now);
-            if shard.len() >= PER_SHARD {
+        if shard.forgot.is_some_and(|t| asked <= t) {
+            return;
+        }
+        if shard.refused.len() >= PER_SHARD && !shard.refused.contains_key(&ask.key) {
+            shard.sweep(Instant::now());
+            if shard.refused.len() >= PER_SHARD {
                 return;
             }
         }
         // The latest answer replaces an earlier one: it has the client's
         // D as it is now.
-        shard.insert(
+        shard.refused.insert(
             ask.key.clone(),
             Refused {
-                until,
+                until: asked + retry_after.min(REMEMBERED_FOR),
+                retry_at: asked + retry_after,
                 cost: ask.cost,
                 policy: policy(ask),
             },
         );
     }
 
-    /// A place of `key`'s client was given back: ask the store again.
+    /// A place of `key`'s client was given back: ask the store again, and
+    /// remember no refusal asked before now (it may have been answered
+    /// before the place came back).
     pub fn forget(&self, key: &str) {
-        self.shard(key).remove(key);
+        let mut shard = self.shard(key);
+        shard.refused.remove(key);
+        shard.forgot = Some(Instant::now());
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
         self.shards
             .iter()
-            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len())
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).refused.len())
             .sum()
     }
 }
@@ -158,16 +193,24 @@ mod tests {
     #[test]
     fn a_long_retry_after_is_remembered_for_a_second_and_forgotten_on_a_give_back() {
         let (r, t0) = (Refusals::default(), Instant::now());
-        r.remember(&ask("a", 1, 1), t0, Duration::from_secs(3_600));
+        let hour = Duration::from_secs(3_600);
+        r.remember(&ask("a", 1, 1), t0, hour);
+        // The store's Retry-After, counted down; for a second.
         let later = t0 + REMEMBERED_FOR - Duration::from_millis(1);
-        assert_eq!(
-            r.refused(&ask("a", 1, 1), later),
-            Some(Duration::from_millis(1))
-        );
+        assert_eq!(r.refused(&ask("a", 1, 1), later), Some(hour - (later - t0)));
         assert_eq!(r.refused(&ask("a", 1, 1), t0 + REMEMBERED_FOR), None);
-        r.remember(&ask("a", 1, 1), t0, Duration::from_secs(3_600));
+        let t1 = t0;
+        r.remember(&ask("a", 1, 1), t1, hour);
         r.forget("a");
-        assert_eq!(r.refused(&ask("a", 1, 1), t0), None);
+        assert_eq!(r.refused(&ask("a", 1, 1), t1), None);
+        // A refusal asked before the give-back, answered after it, is not
+        // remembered: the place may have come back after the store read
+        // the client's D.
+        r.remember(&ask("a", 1, 1), t1, hour);
+        assert_eq!(r.refused(&ask("a", 1, 1), t1), None);
+        let t2 = Instant::now() + Duration::from_millis(1);
+        r.remember(&ask("a", 1, 1), t2, hour);
+        assert_eq!(r.refused(&ask("a", 1, 1), t2), Some(hour));
     }
 
     #[test]

@@ -405,6 +405,8 @@ fn framing(
     head_request: bool,
 ) -> Result<(Framing, bool), Error> {
     if head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+        // (The length a GET would have had, as one field.)
+        one_length(headers);
         return Ok((Framing::Length(0), true));
     }
     if let Some(last) = headers.get_all(TRANSFER_ENCODING).iter().next_back() {
@@ -1087,6 +1089,29 @@ mod tests {
         assert!(c.stale());
         // Peeked, not taken.
         assert_eq!(c.io.read(&mut buf).await.unwrap(), 5);
+    }
+
+    /// A `HEAD` (or 304) answer's agreeing repeated length is one field
+    /// (the server side writes only a length made of digits).
+    #[test]
+    fn a_head_answers_repeated_length_is_one_field() {
+        for (wire, head_request) in [
+            (
+                &b"HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\n\r\n"[..],
+                true,
+            ),
+            (
+                b"HTTP/1.1 304 Not Modified\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n",
+                false,
+            ),
+        ] {
+            let mut buf = BytesMut::from(wire);
+            let Ok(Some(head)) = parse_head(&mut buf, head_request) else {
+                panic!("not parsed");
+            };
+            let lengths: Vec<_> = head.parts.headers.get_all(CONTENT_LENGTH).iter().collect();
+            assert_eq!(lengths, ["5"]);
+        }
     }
 
     #[test]

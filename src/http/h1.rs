@@ -47,7 +47,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest, Re
 use tokio::net::TcpStream;
 use tracing::debug;
 
-use super::conn::{ConnState, Conns, Reason};
+use super::conn::{Close, ConnState, Conns, Reason};
 use super::handler::Handler;
 use super::response::ProxyBody;
 use super::stall::Stall;
@@ -300,7 +300,7 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
                             if bad {
                                 let _ =
                                     send(&mut stream, &bad_request(), s.conns.send_timeout).await;
-                                Box::pin(linger(&mut stream)).await;
+                                Box::pin(linger(&mut stream, &s.state.close)).await;
                                 return Next::Closed;
                             }
                         }
@@ -364,12 +364,7 @@ pub fn serve(s: Session<'_>, mut stream: TcpStream) -> impl Future<Output = Next
             }
             drop(guard);
             if close {
-                // (A close of ours, a drain or an eviction, does not wait.)
-                if s.state.close.reason().is_none() {
-                    Box::pin(linger(&mut stream)).await;
-                } else {
-                    let _ = stream.shutdown().await;
-                }
+                Box::pin(linger(&mut stream, &s.state.close)).await;
                 return Next::Closed;
             }
         }
@@ -581,15 +576,20 @@ fn parse(buf: &mut BytesMut, max_head: usize) -> Parsed {
 /// dropped until it closes too, for [`LINGER_TIME`] and [`LINGER_BYTES`]
 /// at most. Closing with bytes unread makes the kernel reset the
 /// connection, and a reset can destroy the answer before the client has
-/// read it (nginx's `lingering_close`).
+/// read it (nginx's `lingering_close`). A close of sluice's own (a drain,
+/// an eviction: `close`), asked before or meanwhile, does not wait.
 /// (Boxed by its callers: the connection's future need not carry its
 /// timer.)
-async fn linger(stream: &mut TcpStream) {
-    if stream.shutdown().await.is_err() {
+async fn linger(stream: &mut TcpStream, close: &Close) {
+    if stream.shutdown().await.is_err() || close.reason().is_some() {
         return;
     }
     let (mut rest, mut sink) = ((&mut *stream).take(LINGER_BYTES), tokio::io::sink());
-    let _ = tokio::time::timeout(LINGER_TIME, tokio::io::copy(&mut rest, &mut sink)).await;
+    let drain = tokio::time::timeout(LINGER_TIME, tokio::io::copy(&mut rest, &mut sink));
+    tokio::select! {
+        _ = drain => {}
+        _ = close.wait() => {}
+    }
 }
 
 /// How long, and how much, a closing connection reads and drops.
