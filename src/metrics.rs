@@ -40,9 +40,9 @@ pub const CLUSTER_DURATION_SECONDS: &str = "sluice_cluster_duration_seconds";
 /// Requests decided by `on_failure` because the shared schedule failed, by
 /// backend and policy.
 pub const CLUSTER_FALLBACKS_TOTAL: &str = "sluice_cluster_fallbacks_total";
-/// 429s for a full queue answered from the store's refusal of the same
-/// client less than its Retry-After (and a second) before, without a
-/// call, by backend.
+/// 429s (a full queue, `max_wait`) answered from the store's refusal of
+/// the same client less than its Retry-After (and a second) before,
+/// without a call, by backend.
 pub const CLUSTER_REMEMBERED_REFUSALS_TOTAL: &str = "sluice_cluster_remembered_refusals_total";
 /// 1 while the shared schedule answers and is usable as configured, else 0,
 /// by backend.
@@ -352,7 +352,7 @@ fn describe() {
     describe_counter!(
         CLUSTER_REMEMBERED_REFUSALS_TOTAL,
         Unit::Count,
-        "429s for a full queue answered without a call: the store refused the same client less than its Retry-After (and 1 s) before."
+        "429s (a full queue, max_wait) answered without a call: the store refused the same client less than its Retry-After (and 1 s) before."
     );
     describe_gauge!(
         CLUSTER_HEALTHY,

@@ -1060,6 +1060,20 @@ async fn a_flooding_client_costs_no_redis_call_per_refusal() {
     a_flood_is_refused_from_memory(&s).await;
 }
 
+/// The same under `max_wait` (a queue long enough never to fill): a
+/// departure past it is refused from memory too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_flooding_past_max_wait_costs_no_redis_call_per_refusal() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &redis.url(), "reject", 1, "500ms").replace(
+        "rate = \"5/s\"\ncapacity = 10",
+        "rate = \"1/s\"\ncapacity = 1000\nmax_wait = \"1s\"",
+    );
+    let s = Sluice::start(&cfg);
+    a_flood_is_refused_from_memory(&s).await;
+}
+
 /// A refusal remembered for a client is forgotten when one of its held
 /// requests leaves (its place is given back): the client's next request
 /// asks the store again instead of being refused from memory.

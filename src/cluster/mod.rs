@@ -25,7 +25,7 @@ use tracing::warn;
 
 use crate::config::{ClusterConfig, OnFailure, Store};
 use crate::metrics as m;
-use refusals::Refusals;
+use refusals::{Refusals, Why};
 
 /// Why a shared-schedule call failed (then `on_failure` applies).
 #[derive(Debug, thiserror::Error)]
@@ -460,14 +460,17 @@ impl Cluster {
     /// left) is given back, instead of holding a departure that nobody
     /// takes and, after the timeout, counting the request twice.
     ///
-    /// A client the store found full less than its Retry-After ago (and
-    /// less than [`refusals::REMEMBERED_FOR`]) is refused without a call
-    /// (see [`refusals`]).
+    /// A client the store refused (a full queue, `max_wait`) less than
+    /// its Retry-After ago, and less than [`refusals::REMEMBERED_FOR`],
+    /// is refused without a call (see [`refusals`]).
     pub async fn admit(&self, ask: Ask) -> Result<Verdict, ClusterError> {
         let started = Instant::now();
-        if let Some(retry_after) = self.refusals.refused(&ask, started) {
+        if let Some((why, retry_after)) = self.refusals.refused(&ask, started) {
             self.remembered.increment(1);
-            return Ok(Verdict::Full { retry_after });
+            return Ok(match why {
+                Why::Full => Verdict::Full { retry_after },
+                Why::MaxWait => Verdict::MaxWait { retry_after },
+            });
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (store, timeout, refusals) = (self.store.clone(), self.timeout, self.refusals.clone());
@@ -482,8 +485,8 @@ impl Cluster {
             // the task, a little later so as not to lose their answer.
             let limit = orphan_limit(timeout).saturating_add(timeout);
             let verdict = match tokio::time::timeout(limit, store.admit(&ask)).await {
-                Ok(Ok(reply)) => decode(ask, &reply, |ask, retry_after| {
-                    refusals.remember(ask, started, retry_after);
+                Ok(Ok(reply)) => decode(ask, &reply, |ask, why, retry_after| {
+                    refusals.remember(ask, why, started, retry_after);
                 }),
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(ClusterError::Timeout(timeout)),
@@ -574,12 +577,12 @@ async fn withdraw(store: &Backend, refusals: &Refusals, timeout: Duration, r: &R
     }
 }
 
-/// A store's admission reply as a verdict; `full` is told of a refusal
-/// for a full queue.
+/// A store's admission reply as a verdict; `refused` is told of a
+/// refusal.
 fn decode(
     ask: Ask,
     reply: &[i64],
-    full: impl FnOnce(&Ask, Duration),
+    refused: impl FnOnce(&Ask, Why, Duration),
 ) -> Result<Verdict, ClusterError> {
     let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
     match reply {
@@ -597,12 +600,14 @@ fn decode(
         }),
         [0, retry, ..] => {
             let retry_after = micros(*retry);
-            full(&ask, retry_after);
+            refused(&ask, Why::Full, retry_after);
             Ok(Verdict::Full { retry_after })
         }
-        [2, retry, ..] => Ok(Verdict::MaxWait {
-            retry_after: micros(*retry),
-        }),
+        [2, retry, ..] => {
+            let retry_after = micros(*retry);
+            refused(&ask, Why::MaxWait, retry_after);
+            Ok(Verdict::MaxWait { retry_after })
+        }
         // Run after its caller stopped waiting: nothing was reserved.
         [3, ..] => Err(ClusterError::Late),
         _ => Err(ClusterError::Reply),

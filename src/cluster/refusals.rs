@@ -1,5 +1,6 @@
-//! Refusals remembered: a client the store has just found full is
-//! refused here again, without a call, until a place may have freed.
+//! Refusals remembered: a client the store has just found full (or
+//! whose departure would be past `max_wait`) is refused here again,
+//! without a call, until a place may have freed.
 //!
 //! A client that floods (a retry loop, an attack on one key) would
 //! otherwise cost a store round trip per 429: through PostgreSQL a
@@ -35,14 +36,23 @@ const PER_SHARD: usize = 1_024;
 /// refusal looked up after it lapsed goes at once).
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
+/// Why the store refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    Full,
+    MaxWait,
+}
+
 /// One remembered refusal: the client's queue takes no request of `cost`
 /// or more before `retry_at` (the store's Retry-After), under the policy
-/// it was refused under; remembered until `until`.
+/// it was refused under; remembered until `until`. (A larger cost waits
+/// as long or longer, and needs as much room or more.)
 struct Refused {
+    why: Why,
     until: Instant,
     retry_at: Instant,
     cost: u32,
-    policy: (u64, u32, u64),
+    policy: (u64, u32, u64, u64),
 }
 
 #[derive(Default)]
@@ -82,9 +92,9 @@ impl Default for Refusals {
 }
 
 /// What decides a refusal besides the client's D: a reload that changes
-/// the rate, the capacity or the burst starts over.
-fn policy(ask: &Ask) -> (u64, u32, u64) {
-    (ask.step_us, ask.capacity, ask.tau_us)
+/// the rate, the capacity, the burst or `max_wait` starts over.
+fn policy(ask: &Ask) -> (u64, u32, u64, u64) {
+    (ask.step_us, ask.capacity, ask.tau_us, ask.max_wait_us)
 }
 
 impl Refusals {
@@ -94,9 +104,9 @@ impl Refusals {
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The store's Retry-After for `ask`'s client, counted down to `now`,
-    /// if it is remembered as full.
-    pub fn refused(&self, ask: &Ask, now: Instant) -> Option<Duration> {
+    /// Why `ask`'s client is remembered as refused, and the store's
+    /// Retry-After counted down to `now`.
+    pub fn refused(&self, ask: &Ask, now: Instant) -> Option<(Why, Duration)> {
         let mut shard = self.shard(&ask.key);
         shard.sweep(now);
         let r = shard.refused.get(&ask.key)?;
@@ -104,13 +114,13 @@ impl Refusals {
             shard.refused.remove(&ask.key);
             return None;
         }
-        (ask.cost >= r.cost).then(|| r.retry_at.saturating_duration_since(now))
+        (ask.cost >= r.cost).then(|| (r.why, r.retry_at.saturating_duration_since(now)))
     }
 
-    /// The store refused `ask`, asked at `asked` (before the store read
-    /// its clock: the place frees no earlier than `asked` + `retry_after`
-    /// here), with `retry_after`.
-    pub fn remember(&self, ask: &Ask, asked: Instant, retry_after: Duration) {
+    /// The store refused `ask` (`why`), asked at `asked` (before the store
+    /// read its clock: the place frees no earlier than `asked` +
+    /// `retry_after` here), with `retry_after`.
+    pub fn remember(&self, ask: &Ask, why: Why, asked: Instant, retry_after: Duration) {
         let mut shard = self.shard(&ask.key);
         if shard.forgot.is_some_and(|t| asked <= t) {
             return;
@@ -126,6 +136,7 @@ impl Refusals {
         shard.refused.insert(
             ask.key.clone(),
             Refused {
+                why,
                 until: asked + retry_after.min(REMEMBERED_FOR),
                 retry_at: asked + retry_after,
                 cost: ask.cost,
@@ -156,7 +167,7 @@ impl Refusals {
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::{PER_SHARD, REMEMBERED_FOR, Refusals, SHARDS};
+    use super::{PER_SHARD, REMEMBERED_FOR, Refusals, SHARDS, Why};
     use crate::cluster::Ask;
 
     fn ask(key: &str, cost: u32, capacity: u32) -> Ask {
@@ -176,16 +187,22 @@ mod tests {
     fn a_refusal_is_remembered_until_its_retry_after_for_that_cost_and_more() {
         let (r, t0) = (Refusals::default(), Instant::now());
         let ms = |n: u64| Duration::from_millis(n);
-        r.remember(&ask("a", 2, 10), t0, ms(300));
-        assert_eq!(r.refused(&ask("a", 2, 10), t0 + ms(100)), Some(ms(200)));
-        assert_eq!(r.refused(&ask("a", 5, 10), t0 + ms(299)), Some(ms(1)));
+        r.remember(&ask("a", 2, 10), Why::Full, t0, ms(300));
+        assert_eq!(
+            r.refused(&ask("a", 2, 10), t0 + ms(100)),
+            Some((Why::Full, ms(200)))
+        );
+        assert_eq!(
+            r.refused(&ask("a", 5, 10), t0 + ms(299)),
+            Some((Why::Full, ms(1)))
+        );
         // A cheaper request may fit: the store decides.
         assert_eq!(r.refused(&ask("a", 1, 10), t0 + ms(100)), None);
         assert_eq!(r.refused(&ask("b", 2, 10), t0 + ms(100)), None);
         // Another policy (a reload), or the place freed: asked again.
         assert_eq!(r.refused(&ask("a", 2, 11), t0 + ms(100)), None);
         assert_eq!(r.refused(&ask("a", 2, 10), t0 + ms(100)), None);
-        r.remember(&ask("a", 2, 10), t0, ms(300));
+        r.remember(&ask("a", 2, 10), Why::Full, t0, ms(300));
         assert_eq!(r.refused(&ask("a", 2, 10), t0 + ms(300)), None);
         assert_eq!(r.len(), 0);
     }
@@ -194,41 +211,72 @@ mod tests {
     fn a_long_retry_after_is_remembered_for_a_second_and_forgotten_on_a_give_back() {
         let (r, t0) = (Refusals::default(), Instant::now());
         let hour = Duration::from_secs(3_600);
-        r.remember(&ask("a", 1, 1), t0, hour);
+        r.remember(&ask("a", 1, 1), Why::Full, t0, hour);
         // The store's Retry-After, counted down; for a second.
         let later = t0 + REMEMBERED_FOR - Duration::from_millis(1);
-        assert_eq!(r.refused(&ask("a", 1, 1), later), Some(hour - (later - t0)));
+        assert_eq!(
+            r.refused(&ask("a", 1, 1), later),
+            Some((Why::Full, hour - (later - t0)))
+        );
         assert_eq!(r.refused(&ask("a", 1, 1), t0 + REMEMBERED_FOR), None);
         let t1 = t0;
-        r.remember(&ask("a", 1, 1), t1, hour);
+        r.remember(&ask("a", 1, 1), Why::Full, t1, hour);
         r.forget("a");
         assert_eq!(r.refused(&ask("a", 1, 1), t1), None);
         // A refusal asked before the give-back, answered after it, is not
         // remembered: the place may have come back after the store read
         // the client's D.
-        r.remember(&ask("a", 1, 1), t1, hour);
+        r.remember(&ask("a", 1, 1), Why::Full, t1, hour);
         assert_eq!(r.refused(&ask("a", 1, 1), t1), None);
         let t2 = Instant::now() + Duration::from_millis(1);
-        r.remember(&ask("a", 1, 1), t2, hour);
-        assert_eq!(r.refused(&ask("a", 1, 1), t2), Some(hour));
+        r.remember(&ask("a", 1, 1), Why::Full, t2, hour);
+        assert_eq!(r.refused(&ask("a", 1, 1), t2), Some((Why::Full, hour)));
     }
 
     #[test]
     fn the_latest_refusal_of_a_client_stands() {
         let (r, t0) = (Refusals::default(), Instant::now());
         let ms = |n: u64| Duration::from_millis(n);
-        r.remember(&ask("a", 3, 10), t0, ms(500));
-        r.remember(&ask("a", 1, 10), t0, ms(100));
-        assert_eq!(r.refused(&ask("a", 1, 10), t0 + ms(50)), Some(ms(50)));
-        assert_eq!(r.refused(&ask("a", 3, 10), t0 + ms(50)), Some(ms(50)));
+        r.remember(&ask("a", 3, 10), Why::Full, t0, ms(500));
+        r.remember(&ask("a", 1, 10), Why::Full, t0, ms(100));
+        assert_eq!(
+            r.refused(&ask("a", 1, 10), t0 + ms(50)),
+            Some((Why::Full, ms(50)))
+        );
+        assert_eq!(
+            r.refused(&ask("a", 3, 10), t0 + ms(50)),
+            Some((Why::Full, ms(50)))
+        );
         assert_eq!(r.refused(&ask("a", 3, 10), t0 + ms(100)), None);
+    }
+
+    #[test]
+    fn a_max_wait_refusal_is_remembered_under_the_same_max_wait() {
+        let (r, t0) = (Refusals::default(), Instant::now());
+        let ms = |n: u64| Duration::from_millis(n);
+        let with_max_wait = |max_wait_us| Ask {
+            max_wait_us,
+            ..ask("a", 1, 1_000)
+        };
+        r.remember(&with_max_wait(1_000_000), Why::MaxWait, t0, ms(400));
+        assert_eq!(
+            r.refused(&with_max_wait(1_000_000), t0 + ms(100)),
+            Some((Why::MaxWait, ms(300)))
+        );
+        // A reload that changed max_wait: asked again.
+        assert_eq!(r.refused(&with_max_wait(2_000_000), t0 + ms(100)), None);
     }
 
     #[test]
     fn memory_is_bounded_whatever_the_keys() {
         let (r, t0) = (Refusals::default(), Instant::now());
         for i in 0..SHARDS * PER_SHARD * 2 {
-            r.remember(&ask(&i.to_string(), 1, 1), t0, Duration::from_secs(1));
+            r.remember(
+                &ask(&i.to_string(), 1, 1),
+                Why::Full,
+                t0,
+                Duration::from_secs(1),
+            );
         }
         assert!(r.len() <= SHARDS * PER_SHARD, "{}", r.len());
         assert!(r.len() >= SHARDS * PER_SHARD / 2, "{}", r.len());

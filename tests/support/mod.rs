@@ -1363,8 +1363,8 @@ impl Sluice {
     }
 }
 
-/// One client floods `s` (its route at 1/s with capacity 1, cluster
-/// mode): 32 connections, each sending one request after another for
+/// One client floods `s` (its route at 1/s with capacity 1, or a
+/// `max_wait` of 1 s; cluster mode): 32 connections, each sending one request after another for
 /// 1.5 s (50 at most; one held for its departure holds its connection
 /// up to a second). The store is asked about a refused client again
 /// only when a place may have freed, not once per 429. The bound on store calls grows with the
