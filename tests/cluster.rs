@@ -27,6 +27,12 @@ async fn fallbacks(s: &Sluice, policy: &str) -> (Option<f64>, String) {
     (n, metrics)
 }
 
+/// One instance (`on_failure = "reject"`) whose route's rate and
+/// capacity lines are `route`.
+fn one_instance(ds: SocketAddr, redis: &str, route: &str) -> String {
+    config(ds, redis, "reject", 1, "500ms").replace("rate = \"5/s\"\ncapacity = 10", route)
+}
+
 fn config(ds: SocketAddr, redis: &str, on_failure: &str, instances: u32, timeout: &str) -> String {
     format!(
         r#"
@@ -1052,10 +1058,7 @@ async fn a_redis_that_refuses_writes_makes_the_instance_unready() {
 async fn a_flooding_client_costs_no_redis_call_per_refusal() {
     let redis = RedisServer::start();
     let ds = Downstream::start().await;
-    let cfg = config(ds.addr, &redis.url(), "reject", 1, "500ms").replace(
-        "rate = \"5/s\"\ncapacity = 10",
-        "rate = \"1/s\"\ncapacity = 1",
-    );
+    let cfg = one_instance(ds.addr, &redis.url(), "rate = \"1/s\"\ncapacity = 1");
     let s = Sluice::start(&cfg);
     a_flood_is_refused_from_memory(&s).await;
 }
@@ -1066,8 +1069,9 @@ async fn a_flooding_client_costs_no_redis_call_per_refusal() {
 async fn a_client_flooding_past_max_wait_costs_no_redis_call_per_refusal() {
     let redis = RedisServer::start();
     let ds = Downstream::start().await;
-    let cfg = config(ds.addr, &redis.url(), "reject", 1, "500ms").replace(
-        "rate = \"5/s\"\ncapacity = 10",
+    let cfg = one_instance(
+        ds.addr,
+        &redis.url(),
         "rate = \"1/s\"\ncapacity = 1000\nmax_wait = \"1s\"",
     );
     let s = Sluice::start(&cfg);
@@ -1081,10 +1085,7 @@ async fn a_client_flooding_past_max_wait_costs_no_redis_call_per_refusal() {
 async fn a_place_given_back_forgets_the_remembered_refusal() {
     let redis = RedisServer::start();
     let ds = Downstream::start().await;
-    let cfg = config(ds.addr, &redis.url(), "reject", 1, "500ms").replace(
-        "rate = \"5/s\"\ncapacity = 10",
-        "rate = \"1/m\"\ncapacity = 1",
-    );
+    let cfg = one_instance(ds.addr, &redis.url(), "rate = \"1/m\"\ncapacity = 1");
     let s = Sluice::start(&cfg);
     let c = client();
     let a = |p: &str| {

@@ -217,7 +217,7 @@ pub struct Cluster {
     /// The calls failing in a row now (see [`Cluster::is_healthy`]).
     streak: Mutex<Streak>,
     duration: Arc<m::Histogram>,
-    /// Clients the store has just found full.
+    /// Clients the store has just refused.
     refusals: Arc<Refusals>,
     remembered: metrics::Counter,
 }

@@ -121,6 +121,10 @@ impl Refusals {
     /// read its clock: the place frees no earlier than `asked` +
     /// `retry_after` here), with `retry_after`.
     pub fn remember(&self, ask: &Ask, why: Why, asked: Instant, retry_after: Duration) {
+        // (A store's reply past the clock's range is not remembered.)
+        let Some(retry_at) = asked.checked_add(retry_after) else {
+            return;
+        };
         let mut shard = self.shard(&ask.key);
         if shard.forgot.is_some_and(|t| asked <= t) {
             return;
@@ -138,7 +142,7 @@ impl Refusals {
             Refused {
                 why,
                 until: asked + retry_after.min(REMEMBERED_FOR),
-                retry_at: asked + retry_after,
+                retry_at,
                 cost: ask.cost,
                 policy: policy(ask),
             },

@@ -261,9 +261,7 @@ pub async fn exchange(
                 framing,
                 reuse,
             } = head;
-            conn.bodiless = head_request
-                || parts.status == StatusCode::NO_CONTENT
-                || parts.status == StatusCode::NOT_MODIFIED;
+            conn.bodiless = bodiless(parts.status, head_request);
             let body = Incoming {
                 conn: Some(conn),
                 framing,
@@ -404,7 +402,7 @@ fn framing(
     headers: &mut HeaderMap,
     head_request: bool,
 ) -> Result<(Framing, bool), Error> {
-    if head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+    if bodiless(status, head_request) {
         // (The length a GET would have had, as one field.)
         one_length(headers);
         return Ok((Framing::Length(0), true));
@@ -445,6 +443,11 @@ fn framing(
         Some(n) => (Framing::Length(n), true),
         None => (Framing::Close, false),
     })
+}
+
+/// Whether an answer has no body whatever its fields say (RFC 9112 6.3).
+fn bodiless(status: StatusCode, head_request: bool) -> bool {
+    head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED
 }
 
 /// Whether a comma-separated field value lists `token`.

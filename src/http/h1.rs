@@ -688,10 +688,9 @@ fn response_head(
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
         .and_then(|v| v.parse::<u64>().ok());
-    let no_body = head_request
-        || status.is_informational()
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED;
+    // Never a body nor a length (1xx, 204); never a body (also HEAD, 304).
+    let bodiless = status.is_informational() || status == StatusCode::NO_CONTENT;
+    let no_body = head_request || bodiless || status == StatusCode::NOT_MODIFIED;
     let framing = if no_body {
         Framing::None
     } else if let Some(n) = declared {
@@ -716,7 +715,6 @@ fn response_head(
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    let bodiless = status.is_informational() || status == StatusCode::NO_CONTENT;
     match (framing, declared) {
         (Framing::Length(n), _) => put_length(&mut out, n),
         // The length a GET would have had (HEAD, 304), as declared.
