@@ -1764,3 +1764,250 @@ fn an_over_size_message_gives_its_room_back_while_it_is_read_to_its_end() {
         assert!(m.contains(&line), "{m}");
     }
 }
+
+/// An upstream that answers the end of data on a pooled session with 421
+/// has had the message: it is not sent again on a fresh session (the
+/// retry is for a session found stale before anything was sent). The
+/// client gets 451 and sends it again itself, paced.
+#[test]
+fn a_421_to_the_end_of_data_is_not_sent_again_on_a_fresh_session() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&plain(up.port));
+    let addr = sluice.smtp.unwrap();
+    let r = smtp::send(addr, &["--subject", "first"]);
+    assert_eq!(code(&r[0]["data"]), Some(250), "{r:?}");
+    up.set_mode("421-at-dot");
+    let r = smtp::send(addr, &["--subject", "second"]);
+    assert_eq!(code(&r[0]["data"]), Some(451), "{r:?}");
+    // Give a second try time to arrive, then count.
+    std::thread::sleep(Duration::from_millis(500));
+    let seconds = up
+        .arrivals()
+        .iter()
+        .filter(|a| {
+            a["subject"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("second"))
+        })
+        .count();
+    assert_eq!(seconds, 1, "{:?}", up.arrivals());
+}
+
+/// A scripted upstream on a raw socket: answers EHLO, MAIL, RCPT and
+/// DATA, then reads nothing until `resume` says so, then reads to the
+/// end of the connection (or 3 s of silence) and returns what came after
+/// its 354.
+fn stalling_upstream(
+    listener: std::net::TcpListener,
+    at_354: std::sync::mpsc::Sender<()>,
+    resume: std::sync::mpsc::Receiver<()>,
+) -> std::thread::JoinHandle<Vec<u8>> {
+    use std::io::{BufRead, Read, Write};
+    std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        let mut w = s.try_clone().unwrap();
+        let mut r = std::io::BufReader::new(s);
+        w.write_all(b"220 upstream.test\r\n").unwrap();
+        loop {
+            let mut line = String::new();
+            assert!(r.read_line(&mut line).unwrap() > 0, "closed before DATA");
+            let verb = line.get(..4).unwrap_or("").to_ascii_uppercase();
+            let answer: &[u8] = match verb.as_str() {
+                "EHLO" => b"250 upstream.test\r\n",
+                "DATA" => b"354 go ahead\r\n",
+                _ => b"250 ok\r\n",
+            };
+            w.write_all(answer).unwrap();
+            if verb == "DATA" {
+                break;
+            }
+        }
+        at_354.send(()).unwrap();
+        resume.recv().unwrap();
+        r.get_mut()
+            .set_read_timeout(Some(Duration::from_secs(3)))
+            .unwrap();
+        let mut got = r.buffer().to_vec();
+        let mut chunk = vec![0u8; 1 << 16];
+        let until = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < until {
+            match r.get_mut().read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+            }
+        }
+        got
+    })
+}
+
+/// A client that hangs up while its message's text is still going
+/// upstream (a slow upstream, a large message) aborts the relay: the
+/// upstream never sees the end of data, so it does not deliver a message
+/// whose client, never answered, will send it again. (The relay counted
+/// itself committed before the first byte of the text went.)
+#[test]
+fn a_client_that_hangs_up_while_its_text_goes_upstream_aborts_the_relay() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (at_354_tx, at_354) = std::sync::mpsc::channel();
+    let (resume, resume_rx) = std::sync::mpsc::channel();
+    let upstream = stalling_upstream(listener, at_354_tx, resume_rx);
+    let sluice = Sluice::start(&config(
+        port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"5/s\"\ncapacity = 10\nmax_message_size = 40000000",
+    ));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    start_message(&mut raw, "large");
+    // 24 MB: more than the loopback socket buffers of both ends hold, so
+    // the text cannot all go while the upstream reads nothing.
+    let line = format!("{}\r\n", "x".repeat(998));
+    let chunk = line.repeat(1000);
+    for _ in 0..24 {
+        raw.send(&chunk);
+    }
+    raw.send(".\r\n");
+    at_354
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the relay reached DATA");
+    std::thread::sleep(Duration::from_millis(500));
+    raw.hang_up();
+    // Time for sluice to see the client gone, then the upstream reads on.
+    std::thread::sleep(Duration::from_secs(2));
+    resume.send(()).unwrap();
+    let got = upstream.join().unwrap();
+    assert!(
+        got.len() > 1_000_000,
+        "the text was going: {} bytes",
+        got.len()
+    );
+    assert!(
+        !got.ends_with(b"\r\n.\r\n"),
+        "the end of data reached the upstream after {} bytes",
+        got.len()
+    );
+    let m = metrics(&sluice);
+    assert!(
+        m.contains(r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 1"#),
+        "{m}"
+    );
+}
+
+/// Drip `bytes` to the session one byte every 100 ms (for 8 s at most)
+/// on a second handle of its socket, and return how long after the first
+/// byte the session's timeout `421` came (the replies before it read).
+fn cut_off_after(s: &std::net::TcpStream, replies_before: usize, bytes: &[u8]) -> Duration {
+    use std::io::{BufRead, Write};
+    let mut w = s.try_clone().unwrap();
+    let drip = bytes.to_vec();
+    let dripper = std::thread::spawn(move || {
+        for b in drip.iter().cycle().take(80) {
+            if w.write_all(&[*b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let start = Instant::now();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+    let mut seen = 0;
+    loop {
+        let mut line = String::new();
+        let n = r.read_line(&mut line).unwrap();
+        assert!(n > 0, "closed without a 421");
+        if line.starts_with("421") {
+            // (With an enhanced code, 4.4.2, after EHLO only.)
+            assert!(line.contains("Timeout"), "{line}");
+            assert!(seen >= replies_before, "{seen} replies before the 421");
+            let after = start.elapsed();
+            let _ = s.shutdown(std::net::Shutdown::Both);
+            dripper.join().unwrap();
+            return after;
+        }
+        if line.as_bytes().get(3) != Some(&b'-') {
+            seen += 1;
+        }
+    }
+}
+
+fn one_second_idle(port: u16, listener_extra: &str) -> String {
+    config(
+        port,
+        "tls = \"none\"",
+        &format!(
+            "key = \"global\"\nrate = \"5/s\"\ncapacity = 10\nidle_timeout = \"1s\"\n{listener_extra}"
+        ),
+    )
+}
+
+/// `idle_timeout` is for a whole command line, for the greeting of a
+/// refused client, and for a message at the slowest rate Postfix allows
+/// (500 bytes/s once the first `idle_timeout` is spent): a client that
+/// sends a byte now and then is cut off, not kept for days (each byte
+/// started the wait again).
+#[test]
+fn a_client_dripping_bytes_is_cut_off_at_idle_timeout() {
+    use std::io::Write;
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&one_second_idle(up.port, ""));
+    let addr = sluice.smtp.unwrap();
+    // A command line, a byte every 100 ms: cut off at 1 s (not 8).
+    let s = std::net::TcpStream::connect(addr).unwrap();
+    let took = cut_off_after(&s, 1, b"NOOP");
+    assert!(took < Duration::from_secs(4), "command line: {took:?}");
+    // A message, a byte every 100 ms, a line end every 4: cut off too.
+    let s = std::net::TcpStream::connect(addr).unwrap();
+    (&s).write_all(b"EHLO a\r\nMAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.org>\r\nDATA\r\n")
+        .unwrap();
+    let took = cut_off_after(&s, 5, b"ab\r\n");
+    assert!(took < Duration::from_secs(4), "message: {took:?}");
+    // A client refused at its greeting, with a command every 100 ms.
+    let refused = Sluice::start(&one_second_idle(up.port, "allow_from = [\"10.0.0.0/8\"]"));
+    let s = std::net::TcpStream::connect(refused.smtp.unwrap()).unwrap();
+    let took = cut_off_after(&s, 1, b"NOOP\r\n");
+    assert!(took < Duration::from_secs(4), "refused: {took:?}");
+}
+
+/// EHLO and HELO count as commands that move no mail (so a client cannot
+/// hold a session by greeting now and then), and RCPTs past
+/// `max_recipients` count as errors past a thousand of them (Postfix's
+/// `smtpd_recipient_overshoot_limit`).
+#[test]
+fn greetings_and_recipients_past_the_limit_do_not_hold_a_session() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&plain(up.port));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    for i in 0..119 {
+        let reply = raw.cmd(if i % 2 == 0 {
+            "EHLO a.test"
+        } else {
+            "HELO a.test"
+        });
+        assert!(reply.starts_with("250"), "{i}: {reply}");
+    }
+    assert!(raw.cmd("HELO a.test").starts_with("250"));
+    // (No enhanced code after HELO.)
+    let reply = raw.reply();
+    assert!(reply.starts_with("421 Too many errors"), "{reply}");
+
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"5/s\"\ncapacity = 10\nmax_recipients = 2",
+    ));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    assert!(raw.cmd("EHLO a.test").starts_with("250"));
+    assert!(raw.cmd("MAIL FROM:<a@example.com>").starts_with("250"));
+    // Pipelined, as a client told 452 may send them.
+    let rcpts = "RCPT TO:<b@example.org>\r\n".repeat(2 + 1019);
+    raw.send(&rcpts);
+    for i in 0..2 + 1019 {
+        let reply = raw.reply();
+        let want = if i < 2 { "250" } else { "452" };
+        assert!(reply.starts_with(want), "{i}: {reply}");
+    }
+    assert!(raw.cmd("RCPT TO:<b@example.org>").starts_with("452"));
+    let reply = raw.reply();
+    assert!(reply.starts_with("421 4.7.0"), "{reply}");
+}

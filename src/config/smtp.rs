@@ -180,7 +180,8 @@ pub struct SmtpListener {
     pub max_message_size: usize,
     pub max_recipients: usize,
     pub max_connections: usize,
-    /// How long a client may stay silent (between commands, within data).
+    /// How long a client may stay silent, or take over one command line;
+    /// a message's text must then come at 500 bytes/s on average.
     pub idle_timeout: Duration,
     /// The greeting's and EHLO reply's name.
     pub hostname: String,

@@ -232,9 +232,12 @@ pub fn stuffed(body: &[u8]) -> Vec<u8> {
     if !body.is_empty() && !body.ends_with(b"\r\n") {
         out.extend_from_slice(b"\r\n");
     }
-    out.extend_from_slice(b".\r\n");
+    out.extend_from_slice(END_OF_DATA);
     out
 }
+
+/// What ends a message's text (RFC 5321 4.1.1.4), after its last CRLF.
+const END_OF_DATA: &[u8] = b".\r\n";
 
 impl Session {
     /// Open a session: connect, greeting, EHLO, STARTTLS (then EHLO
@@ -598,10 +601,22 @@ impl Session {
             }
             return Err(RelayError::Refused(refusal));
         }
+        // The text first, then the end of data on its own: a client that
+        // hangs up while the text is still going aborts the relay (the
+        // upstream never sees the end of data), and only once the end of
+        // data starts going is the message the upstream's to take.
         let wire = stuffed(body);
+        let (text, end) = wire.split_at(wire.len().saturating_sub(END_OF_DATA.len()));
+        within(deadline, false, self.stream.write_all(text)).await?;
         env.committed
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        within(deadline, true, self.stream.write_all(&wire)).await?;
+        // (Flushed: over TLS, the last record may still be in hand when
+        // the socket was full.)
+        within(deadline, true, async {
+            self.stream.write_all(end).await?;
+            self.stream.flush().await
+        })
+        .await?;
         let reply = self.reply(deadline.max(env.reply_by), true).await?;
         match reply.code {
             200..300 => Ok(reply),

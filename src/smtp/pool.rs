@@ -104,6 +104,8 @@ impl Pool {
                     if reused
                         && !retried
                         && e.stale_session()
+                        // A 421 to the end of data: the message went, once.
+                        && !env.committed.load(std::sync::atomic::Ordering::Relaxed)
                         && !throttled_error(&e)
                         && Instant::now() < deadline =>
                 {

@@ -65,6 +65,16 @@ const HALF_CLOSE_WITH_QUIT: Duration = Duration::from_secs(2);
 const MAX_AHEAD: usize = 64 * 1024;
 /// How long a failed AUTH is answered late (slows guessing).
 const AUTH_FAILURE_DELAY: Duration = Duration::from_secs(1);
+/// The slowest a message may come in, on average, once its first
+/// `idle_timeout` is spent (Postfix's `smtpd_min_data_rate`): each byte
+/// read gives the client 1/500 s more, up to `idle_timeout` ahead. A client
+/// that sends one byte now and then is cut off, not kept for days.
+const MIN_DATA_RATE: u64 = 500;
+/// RCPTs past `max_recipients` answered `452` before each further one
+/// counts as an error (Postfix's `smtpd_recipient_overshoot_limit`): a
+/// client told to send the rest later may pipeline them, but cannot keep a
+/// transaction open for ever.
+const MAX_OVERSHOOT: u32 = 1000;
 
 /// Message ids for the trace header.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -172,6 +182,11 @@ struct Session {
     errors: u32,
     /// Commands that moved no mail (see [`MAX_JUNK`]).
     junk: u32,
+    /// RCPTs past `max_recipients` (see [`MAX_OVERSHOOT`]).
+    overshoot: u32,
+    /// The session was refused at its greeting: it ends by then, whatever
+    /// the client sends.
+    refused_until: Option<Instant>,
     /// Discarding the rest of an over-long line.
     skipping: bool,
     stop: CancellationToken,
@@ -201,6 +216,8 @@ pub(super) async fn serve(
         in_data: false,
         errors: 0,
         junk: 0,
+        overshoot: 0,
+        refused_until: None,
         skipping: false,
         stop,
     };
@@ -290,11 +307,10 @@ impl Session {
     }
 
     /// Flush, then read more input; ends the session at the client's end,
-    /// its silence past `idle_timeout`, or shutdown (while no message is
-    /// in hand; when the drain gives up, always).
-    async fn read_more(&mut self) -> Result<(), End> {
+    /// at `deadline` (421 4.4.2), or at shutdown (while no message is in
+    /// hand; when the drain gives up, always).
+    async fn read_more(&mut self, deadline: Instant) -> Result<(), End> {
         self.flush().await?;
-        let idle = self.listener.cfg.idle_timeout;
         let closing = self.front.admission.closing().clone();
         let idle_only = self.tx.is_none() && !self.in_data;
         tokio::select! {
@@ -302,7 +318,7 @@ impl Session {
                 Ok(0) | Err(_) => Err(End::Gone),
                 Ok(_) => Ok(()),
             },
-            () = tokio::time::sleep(idle) => {
+            () = tokio::time::sleep_until(deadline.into()) => {
                 self.say(&reply::TIMEOUT);
                 Err(End::Closed)
             }
@@ -329,7 +345,14 @@ impl Session {
 
     /// The next line, or `None` once a line longer than `max` was
     /// answered `too_long` (the rest of it is skipped before the next).
+    /// The whole line must come within `idle_timeout` of the wait for it
+    /// (Postfix's `smtpd_per_request_deadline`): a byte now and then does
+    /// not keep a session.
     async fn line_within(&mut self, max: usize, too_long: &Reply) -> Result<Option<Vec<u8>>, End> {
+        let mut deadline = Instant::now() + self.listener.cfg.idle_timeout;
+        if let Some(until) = self.refused_until {
+            deadline = deadline.min(until);
+        }
         loop {
             let unread = self.inbuf.unread();
             let lf = unread.iter().position(|&b| b == b'\n');
@@ -342,7 +365,7 @@ impl Session {
                     None => self.inbuf.discard(),
                 }
                 if self.skipping {
-                    self.read_more().await?;
+                    self.read_more(deadline).await?;
                 }
                 continue;
             }
@@ -363,7 +386,7 @@ impl Session {
                     self.error(too_long)?;
                     return Ok(None);
                 }
-                None => self.read_more().await?,
+                None => self.read_more(deadline).await?,
             }
         }
     }
@@ -401,9 +424,10 @@ impl Session {
     }
 
     /// After a `554` greeting: every command but QUIT is answered `503`
-    /// until the client quits (RFC 5321 3.1), its silence passes
-    /// `idle_timeout` or its errors pass the limit.
+    /// until the client quits (RFC 5321 3.1), `idle_timeout` has passed
+    /// since the greeting, or its errors pass the limit.
     async fn refused(&mut self) {
+        self.refused_until = Some(Instant::now() + self.listener.cfg.idle_timeout);
         loop {
             let Ok(line) = self.line(MAX_COMMAND_LINE, &reply::LINE_TOO_LONG).await else {
                 return;
@@ -447,6 +471,9 @@ impl Session {
                 let ehlo = self.ehlo_reply();
                 // The EHLO reply carries no enhanced code.
                 ehlo.write(&mut self.out, false);
+                // Counted like NOOP: a client repeating it now and then
+                // cannot hold a session for ever.
+                self.count_junk()?;
             }
             Request::Helo { host } => {
                 self.tx = None;
@@ -455,6 +482,7 @@ impl Session {
                 self.esmtp = false;
                 let name = self.listener.cfg.hostname.clone();
                 self.say(&Reply::owned(250, [0, 0, 0], name));
+                self.count_junk()?;
             }
             Request::Mail { from } => self.mail(from).await?,
             Request::Rcpt { to } => self.rcpt(to)?,
@@ -685,6 +713,10 @@ impl Session {
         }
         if tx.rcpts.len() >= max {
             self.say(&reply::TOO_MANY_RECIPIENTS);
+            self.overshoot = self.overshoot.saturating_add(1);
+            if self.overshoot > MAX_OVERSHOOT {
+                return self.count_error();
+            }
             return Ok(());
         }
         // `<postmaster>` comes out of the parser empty.
@@ -729,6 +761,7 @@ impl Session {
             // earlier transactions.
             self.errors = 0;
             self.junk = 0;
+            self.overshoot = 0;
         }
         self.say(&answer);
         Ok(())
@@ -767,11 +800,21 @@ impl Session {
         let mut message = Vec::new();
         let mut room = self.front.budget.room();
         let mut refused: Option<Reply> = None;
+        let idle = self.listener.cfg.idle_timeout;
+        let mut deadline = Instant::now() + idle;
         loop {
             let unread = self.inbuf.unread();
             let sink = refused.is_none().then_some(&mut message);
             let used = rx.ingest(unread, sink);
             self.inbuf.consume(used);
+            // Each byte buys 1/MIN_DATA_RATE s, up to `idle_timeout` ahead.
+            let bought = Duration::from_micros(
+                u64::try_from(used)
+                    .unwrap_or(u64::MAX)
+                    .saturating_mul(1_000_000 / MIN_DATA_RATE),
+            );
+            let most = Instant::now() + idle;
+            deadline = deadline.checked_add(bought).map_or(most, |d| d.min(most));
             if refused.is_none() {
                 let why = if message.len() > max {
                     Some(reply::TOO_BIG)
@@ -792,7 +835,7 @@ impl Session {
             if rx.done() {
                 break;
             }
-            self.read_more().await?;
+            self.read_more(deadline).await?;
         }
         if let Some(why) = refused {
             return Ok(Err(why));
@@ -820,6 +863,9 @@ impl Session {
             .unwrap_or("unknown")
             .chars()
             .filter(|c| !c.is_control())
+            // 7-bit, as the header goes to upstreams without SMTPUTF8 or
+            // 8BITMIME too.
+            .map(|c| if c.is_ascii_graphic() { c } else { '?' })
             .take(255)
             .collect();
         // RFC 5321 4.1.3: an IPv6 address literal is tagged.

@@ -11,7 +11,8 @@ Prints `PORT <n>` first, then one JSON line per message taken:
                  `454 Throttling failure` then ok), "451" (always),
                  "drop-at-dot" (close at the end of data, no reply),
                  "354-at-dot" (takes the message, answers its end of
-                 data 354: out of step),
+                 data 354: out of step), "421-at-dot" (takes the
+                 message, answers its end of data 421),
                  "421-close", "slow-reply" (takes the message, answers
                  its end of data 1 s later), "slower-reply" (3 s later),
                  "550-606" (MAIL refused `550 5.7.606`), "550-close"
@@ -109,6 +110,8 @@ class Upstream:
         }), flush=True)
         if self.mode() == "354-at-dot":
             return "354 out of step"
+        if self.mode() == "421-at-dot":
+            return "421 4.3.0 Shutting down"
         if self.mode() == "slow-reply":
             await asyncio.sleep(1)
         elif self.mode() == "slower-reply":
