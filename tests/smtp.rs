@@ -2011,3 +2011,24 @@ fn greetings_and_recipients_past_the_limit_do_not_hold_a_session() {
     let reply = raw.reply();
     assert!(reply.starts_with("421 4.7.0"), "{reply}");
 }
+
+/// The trace header sluice adds is 7-bit whatever name the client gave
+/// in EHLO: it goes to upstreams without SMTPUTF8 or 8BITMIME too.
+#[test]
+fn a_non_ascii_ehlo_name_reaches_the_trace_header_as_ascii() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&plain(up.port));
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    assert!(raw.cmd("EHLO h\u{f4}st.test").starts_with("250"));
+    assert!(raw.cmd("MAIL FROM:<raw@example.com>").starts_with("250"));
+    assert!(raw.cmd("RCPT TO:<user@example.org>").starts_with("250"));
+    assert!(raw.cmd("DATA").starts_with("354"));
+    raw.send("Subject: name\r\n\r\nbody\r\n");
+    assert!(raw.cmd(".").starts_with("250"));
+    let got = up.wait_arrivals(1, Duration::from_secs(10));
+    let received = got[0]["received"][0].as_str().unwrap_or("");
+    assert!(
+        received.starts_with("Received: from h?st.test "),
+        "{received}"
+    );
+}
