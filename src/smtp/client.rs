@@ -215,26 +215,39 @@ pub fn path(address: &str) -> String {
 /// [`Session::send`]).
 const PIPELINE_GROUP: usize = 100;
 
-/// The message as it goes on the wire: a dot doubled at the start of
-/// every line (a line starting after a bare CR or LF too, so a message
-/// cannot smuggle an end of data past a relay that reads bare line
-/// ends), then the end of data.
-pub fn stuffed(body: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(body.len() + body.len() / 64 + 5);
-    let mut line_start = true;
-    for &b in body {
-        if line_start && b == b'.' {
-            out.push(b'.');
-        }
-        out.push(b);
-        line_start = b == b'\n' || b == b'\r';
-    }
-    if !body.is_empty() && !body.ends_with(b"\r\n") {
-        out.extend_from_slice(b"\r\n");
-    }
-    out.extend_from_slice(END_OF_DATA);
-    out
+/// A message's text as it goes on the wire, piece by piece (a large
+/// message is not copied whole): a dot doubled at the start of every line
+/// (a line starting after a bare CR or LF too, so a message cannot smuggle
+/// an end of data past a relay that reads bare line ends), and a last line
+/// end when the text lacks one. The end of data goes after it.
+#[derive(Debug)]
+struct Stuffer {
+    line_start: bool,
 }
+
+impl Stuffer {
+    fn new() -> Stuffer {
+        Stuffer { line_start: true }
+    }
+
+    /// Append `part`, the next piece of `body`, stuffed; `last`: the
+    /// last piece (a missing line end is added).
+    fn push(&mut self, body: &[u8], part: &[u8], last: bool, out: &mut Vec<u8>) {
+        for &b in part {
+            if self.line_start && b == b'.' {
+                out.push(b'.');
+            }
+            out.push(b);
+            self.line_start = b == b'\n' || b == b'\r';
+        }
+        if last && !body.is_empty() && !body.ends_with(b"\r\n") {
+            out.extend_from_slice(b"\r\n");
+        }
+    }
+}
+
+/// How much of a message's text is stuffed and written at a time.
+const TEXT_PIECE: usize = 64 * 1024;
 
 /// What ends a message's text (RFC 5321 4.1.1.4), after its last CRLF.
 const END_OF_DATA: &[u8] = b".\r\n";
@@ -605,15 +618,22 @@ impl Session {
         // hangs up while the text is still going aborts the relay (the
         // upstream never sees the end of data), and only once the end of
         // data starts going is the message the upstream's to take.
-        let wire = stuffed(body);
-        let (text, end) = wire.split_at(wire.len().saturating_sub(END_OF_DATA.len()));
-        within(deadline, false, self.stream.write_all(text)).await?;
+        let mut stuffer = Stuffer::new();
+        let mut piece = Vec::with_capacity(TEXT_PIECE + TEXT_PIECE / 16);
+        let mut parts = body.chunks(TEXT_PIECE).peekable();
+        // (An empty text has no piece: the end of data alone goes.)
+        while let Some(part) = parts.next() {
+            piece.clear();
+            stuffer.push(body, part, parts.peek().is_none(), &mut piece);
+            within(deadline, false, self.stream.write_all(&piece)).await?;
+        }
+        drop(piece);
         env.committed
             .store(true, std::sync::atomic::Ordering::Relaxed);
         // (Flushed: over TLS, the last record may still be in hand when
         // the socket was full.)
         within(deadline, true, async {
-            self.stream.write_all(end).await?;
+            self.stream.write_all(END_OF_DATA).await?;
             self.stream.flush().await
         })
         .await?;
@@ -773,6 +793,29 @@ mod tests {
         assert_eq!(reply.esc, [0, 0, 0]);
         assert_eq!(enhanced_code(b"550 5.7.6066 x\r\n"), None);
         assert_eq!(enhanced_code(b"550 5.7\r\n"), None);
+    }
+
+    /// The text as `send` writes it, in pieces of `piece` bytes, then the
+    /// end of data.
+    fn stuffed_in(body: &[u8], piece: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut stuffer = Stuffer::new();
+        let mut parts = body.chunks(piece).peekable();
+        while let Some(part) = parts.next() {
+            stuffer.push(body, part, parts.peek().is_none(), &mut out);
+        }
+        out.extend_from_slice(END_OF_DATA);
+        out
+    }
+
+    fn stuffed(body: &[u8]) -> Vec<u8> {
+        let whole = stuffed_in(body, TEXT_PIECE);
+        // Pieces of any size give the same bytes: a line start is carried
+        // from one to the next.
+        for piece in 1..=4 {
+            assert_eq!(stuffed_in(body, piece), whole, "pieces of {piece}");
+        }
+        whole
     }
 
     #[test]

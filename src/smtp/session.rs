@@ -795,9 +795,11 @@ impl Session {
     /// header, and the room it holds; or, for one over `max` or the
     /// staging budget, the refusal (after its end, as RFC 1870 wants).
     async fn read_data(&mut self, max: usize) -> Result<Result<(Vec<u8>, Room), Reply>, End> {
-        let trace = self.trace_header();
+        // The message is read in after its trace header: one copy, all of
+        // it counted in the staging budget.
+        let mut message = self.trace_header().into_bytes();
+        let trace_len = message.len();
         let mut rx = DataReader::new();
-        let mut message = Vec::new();
         let mut room = self.front.budget.room();
         let mut refused: Option<Reply> = None;
         let idle = self.listener.cfg.idle_timeout;
@@ -816,9 +818,9 @@ impl Session {
             let most = Instant::now() + idle;
             deadline = deadline.checked_add(bought).map_or(most, |d| d.min(most));
             if refused.is_none() {
-                let why = if message.len() > max {
+                let why = if message.len().saturating_sub(trace_len) > max {
                     Some(reply::TOO_BIG)
-                } else if !room.grow_to(message.capacity() + trace.len()) {
+                } else if !room.grow_to(message.capacity()) {
                     Some(reply::NO_STORAGE)
                 } else {
                     None
@@ -840,9 +842,7 @@ impl Session {
         if let Some(why) = refused {
             return Ok(Err(why));
         }
-        let mut out = trace.into_bytes();
-        out.extend_from_slice(&message);
-        Ok(Ok((out, room)))
+        Ok(Ok((message, room)))
     }
 
     /// The `Received:` line a relay puts before the message (RFC 5321
