@@ -57,7 +57,12 @@ fn metrics(s: &Sluice) -> String {
 /// One full transaction on a raw connection, up to (not including) the
 /// end of data.
 fn start_message(raw: &mut Raw, subject: &str) {
-    assert!(raw.cmd("EHLO raw.test").starts_with("250"));
+    start_message_as(raw, "raw.test", subject);
+}
+
+/// The same, greeting with EHLO `name`.
+fn start_message_as(raw: &mut Raw, name: &str, subject: &str) {
+    assert!(raw.cmd(&format!("EHLO {name}")).starts_with("250"));
     assert!(raw.cmd("MAIL FROM:<raw@example.com>").starts_with("250"));
     assert!(raw.cmd("RCPT TO:<user@example.org>").starts_with("250"));
     assert!(raw.cmd("DATA").starts_with("354"));
@@ -2019,11 +2024,7 @@ fn a_non_ascii_ehlo_name_reaches_the_trace_header_as_ascii() {
     let up = SmtpUpstream::start(UpstreamOpts::default());
     let sluice = Sluice::start(&plain(up.port));
     let mut raw = Raw::connect(sluice.smtp.unwrap());
-    assert!(raw.cmd("EHLO h\u{f4}st.test").starts_with("250"));
-    assert!(raw.cmd("MAIL FROM:<raw@example.com>").starts_with("250"));
-    assert!(raw.cmd("RCPT TO:<user@example.org>").starts_with("250"));
-    assert!(raw.cmd("DATA").starts_with("354"));
-    raw.send("Subject: name\r\n\r\nbody\r\n");
+    start_message_as(&mut raw, "h\u{f4}st.test", "name");
     assert!(raw.cmd(".").starts_with("250"));
     let got = up.wait_arrivals(1, Duration::from_secs(10));
     let received = got[0]["received"][0].as_str().unwrap_or("");
