@@ -1881,8 +1881,10 @@ fn a_client_that_hangs_up_while_its_text_goes_upstream_aborts_the_relay() {
     std::thread::sleep(Duration::from_secs(2));
     resume.send(()).unwrap();
     let got = upstream.join().unwrap();
+    // (At least a piece of it: how much the kernels buffered depends on
+    // their autotuning.)
     assert!(
-        got.len() > 1_000_000,
+        got.len() > 64 * 1024,
         "the text was going: {} bytes",
         got.len()
     );

@@ -66,14 +66,16 @@ pub enum RelayError {
 
 impl RelayError {
     /// Whether trying again on a fresh session is safe and may help: the
-    /// session was stale (closed, or the upstream said 421 before the
-    /// message was sent).
-    pub fn stale_session(&self) -> bool {
-        match self {
-            RelayError::Lost { after_dot, .. } => !after_dot,
-            RelayError::Refused(r) | RelayError::Setup(r) => r.code == 421,
-            _ => false,
-        }
+    /// session was stale (closed, or the upstream said 421), and the end
+    /// of data had not started going (`committed`: the message may have
+    /// been taken, even with a 421 to it).
+    pub fn stale_session(&self, committed: bool) -> bool {
+        !committed
+            && match self {
+                RelayError::Lost { .. } => true,
+                RelayError::Refused(r) | RelayError::Setup(r) => r.code == 421,
+                _ => false,
+            }
     }
 }
 
@@ -221,28 +223,42 @@ const PIPELINE_GROUP: usize = 100;
 /// an end of data past a relay that reads bare line ends), and a last line
 /// end when the text lacks one. The end of data goes after it.
 #[derive(Debug)]
-struct Stuffer {
+struct Stuffer<'a> {
+    body: &'a [u8],
+    /// How much of `body` has gone into pieces.
+    at: usize,
     line_start: bool,
 }
 
-impl Stuffer {
-    fn new() -> Stuffer {
-        Stuffer { line_start: true }
+impl<'a> Stuffer<'a> {
+    fn new(body: &'a [u8]) -> Stuffer<'a> {
+        Stuffer {
+            body,
+            at: 0,
+            line_start: true,
+        }
     }
 
-    /// Append `part`, the next piece of `body`, stuffed; `last`: the
-    /// last piece (a missing line end is added).
-    fn push(&mut self, body: &[u8], part: &[u8], last: bool, out: &mut Vec<u8>) {
-        for &b in part {
+    /// The next piece: up to `max` bytes of the text, stuffed, in `out`
+    /// (cleared first); `false` once the whole text has gone.
+    fn next_piece(&mut self, max: usize, out: &mut Vec<u8>) -> bool {
+        if self.at >= self.body.len() {
+            return false;
+        }
+        out.clear();
+        let end = self.at.saturating_add(max.max(1)).min(self.body.len());
+        for &b in &self.body[self.at..end] {
             if self.line_start && b == b'.' {
                 out.push(b'.');
             }
             out.push(b);
             self.line_start = b == b'\n' || b == b'\r';
         }
-        if last && !body.is_empty() && !body.ends_with(b"\r\n") {
+        self.at = end;
+        if end == self.body.len() && !self.body.ends_with(b"\r\n") {
             out.extend_from_slice(b"\r\n");
         }
+        true
     }
 }
 
@@ -618,13 +634,10 @@ impl Session {
         // hangs up while the text is still going aborts the relay (the
         // upstream never sees the end of data), and only once the end of
         // data starts going is the message the upstream's to take.
-        let mut stuffer = Stuffer::new();
+        let mut stuffer = Stuffer::new(body);
         let mut piece = Vec::with_capacity(TEXT_PIECE + TEXT_PIECE / 16);
-        let mut parts = body.chunks(TEXT_PIECE).peekable();
         // (An empty text has no piece: the end of data alone goes.)
-        while let Some(part) = parts.next() {
-            piece.clear();
-            stuffer.push(body, part, parts.peek().is_none(), &mut piece);
+        while stuffer.next_piece(TEXT_PIECE, &mut piece) {
             within(deadline, false, self.stream.write_all(&piece)).await?;
         }
         drop(piece);
@@ -799,10 +812,10 @@ mod tests {
     /// end of data.
     fn stuffed_in(body: &[u8], piece: usize) -> Vec<u8> {
         let mut out = Vec::new();
-        let mut stuffer = Stuffer::new();
-        let mut parts = body.chunks(piece).peekable();
-        while let Some(part) = parts.next() {
-            stuffer.push(body, part, parts.peek().is_none(), &mut out);
+        let mut stuffer = Stuffer::new(body);
+        let mut next = Vec::new();
+        while stuffer.next_piece(piece, &mut next) {
+            out.extend_from_slice(&next);
         }
         out.extend_from_slice(END_OF_DATA);
         out
@@ -848,9 +861,9 @@ mod tests {
                 ..
             })
         ));
-        assert!(after.is_err_and(|e| !e.stale_session()));
+        assert!(after.is_err_and(|e| !e.stale_session(true)));
         let before = parse_reply(b"250OK\r\n", false);
-        assert!(before.is_err_and(|e| e.stale_session()));
+        assert!(before.is_err_and(|e| e.stale_session(false)));
         assert!(parse_reply(b"250 Ok\r\n", true).is_ok());
     }
 
@@ -868,10 +881,12 @@ mod tests {
             after_dot,
             why: String::new(),
         };
-        assert!(lost(false).stale_session());
-        assert!(!lost(true).stale_session());
+        assert!(lost(false).stale_session(false));
+        assert!(!lost(true).stale_session(true));
         let r = |code| Reply::owned(code, [4, 0, 0], String::new());
-        assert!(RelayError::Refused(r(421)).stale_session());
-        assert!(!RelayError::Refused(r(451)).stale_session());
+        assert!(RelayError::Refused(r(421)).stale_session(false));
+        // A 421 to the end of data: the message went, once.
+        assert!(!RelayError::Refused(r(421)).stale_session(true));
+        assert!(!RelayError::Refused(r(451)).stale_session(false));
     }
 }

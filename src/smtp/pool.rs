@@ -103,9 +103,9 @@ impl Pool {
                 Err(e)
                     if reused
                         && !retried
-                        && e.stale_session()
-                        // A 421 to the end of data: the message went, once.
-                        && !env.committed.load(std::sync::atomic::Ordering::Relaxed)
+                        && e.stale_session(
+                            env.committed.load(std::sync::atomic::Ordering::Relaxed),
+                        )
                         && !throttled_error(&e)
                         && Instant::now() < deadline =>
                 {

@@ -184,9 +184,9 @@ struct Session {
     junk: u32,
     /// RCPTs past `max_recipients` (see [`MAX_OVERSHOOT`]).
     overshoot: u32,
-    /// The session was refused at its greeting: it ends by then, whatever
-    /// the client sends.
-    refused_until: Option<Instant>,
+    /// The session ends by then whatever the client sends (421 4.4.2):
+    /// set for a client refused at its greeting.
+    ends_by: Option<Instant>,
     /// Discarding the rest of an over-long line.
     skipping: bool,
     stop: CancellationToken,
@@ -217,7 +217,7 @@ pub(super) async fn serve(
         errors: 0,
         junk: 0,
         overshoot: 0,
-        refused_until: None,
+        ends_by: None,
         skipping: false,
         stop,
     };
@@ -350,8 +350,8 @@ impl Session {
     /// not keep a session.
     async fn line_within(&mut self, max: usize, too_long: &Reply) -> Result<Option<Vec<u8>>, End> {
         let mut deadline = Instant::now() + self.listener.cfg.idle_timeout;
-        if let Some(until) = self.refused_until {
-            deadline = deadline.min(until);
+        if let Some(end) = self.ends_by {
+            deadline = deadline.min(end);
         }
         loop {
             let unread = self.inbuf.unread();
@@ -427,7 +427,7 @@ impl Session {
     /// until the client quits (RFC 5321 3.1), `idle_timeout` has passed
     /// since the greeting, or its errors pass the limit.
     async fn refused(&mut self) {
-        self.refused_until = Some(Instant::now() + self.listener.cfg.idle_timeout);
+        self.ends_by = Some(Instant::now() + self.listener.cfg.idle_timeout);
         loop {
             let Ok(line) = self.line(MAX_COMMAND_LINE, &reply::LINE_TOO_LONG).await else {
                 return;
