@@ -23,6 +23,7 @@ load is bounded in count and time.
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -113,12 +114,40 @@ max_queued = 1000000
 
 # === the loads ===
 
+class ToolCpu:
+    """The CPU a load tool used (user and system time of the children this
+    driver waited for, from getrusage): `t = ToolCpu()`, run the tool to
+    its end, then `t.per(responses)`. On 2 shared cores the tool's own cost
+    per response is part of what every rate here measures."""
+
+    def __init__(self):
+        self.before = resource.getrusage(resource.RUSAGE_CHILDREN)
+
+    def per(self, responses):
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        n = max(responses, 1)
+        return {"tool_user_us_per_response": (after.ru_utime - self.before.ru_utime) * 1e6 / n,
+                "tool_sys_us_per_response": (after.ru_stime - self.before.ru_stime) * 1e6 / n}
+
+
 def e2e(*args):
     out = subprocess.run([E2E, *map(str, args)], capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise RuntimeError(f"e2e {args}: {out.stderr.strip()}")
     lines = out.stdout.strip().splitlines()
     return json.loads(lines[-1]) if lines else {}
+
+
+def e2e_flood(proxy, ds, conns, seconds):
+    """The flood by our own tool, with the proxy's CPU (as wrk's) and the
+    tool's own CPU per response."""
+    meter = CpuMeter(proxy.pids(), seconds, os.path.join(WORK, "perf.txt"))
+    tool = ToolCpu()
+    r = e2e("flood", proxy.url + "/x", ds, conns, seconds)
+    responses = round((r.get("refused_per_s", 0) + r.get("forwarded_per_s", 0)) * seconds)
+    r.update(tool.per(responses))
+    r.update(meter.per(round(r.get("refused_per_s", 0) * seconds)))
+    return r
 
 
 class Floor:
@@ -153,6 +182,7 @@ def wrk(proxy, conns, seconds, key=None, script=None, perf=False):
         args += ["-H", f"X-Client: {key}"]
     args.append(proxy.url + "/x")
     meter = CpuMeter(proxy.pids(), seconds, os.path.join(WORK, "perf.txt")) if perf else None
+    tool = ToolCpu()
     out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 30).stdout
     res = {"tool": "wrk", "connections": conns, "seconds": seconds}
     m = re.search(r"(\d+) requests in", out)
@@ -164,6 +194,7 @@ def wrk(proxy, conns, seconds, key=None, script=None, perf=False):
     for p in ("50", "99"):
         m = re.search(rf"^\s+{p}%\s+(\S+)", out, re.M)
         res[f"p{p}_us"] = parse_latency(m.group(1)) if m else None
+    res.update(tool.per(res["requests"]))
     if meter:
         res.update(meter.per(res["requests"]))
     return res
@@ -220,19 +251,22 @@ def main():
                      lambda: e2e("passthrough", p.url + "/x", ds, 16, 5))
             if p.workers != 2:
                 scenario(p, "flood-wrk", 1, 1, lambda: wrk(p, 64, 6, key="flood", perf=True))
-            scenario(p, "flood-e2e", 1, 1, lambda: e2e("flood", p.url + "/x", ds, 64, 5))
+                scenario(p, "flood-e2e", 1, 1, lambda: e2e_flood(p, ds, 64, 5))
             scenario(p, "many", 1, 1, lambda: e2e("many", p.url + "/x", ds, 10000))
-        # The targets' wrk figures (2 workers each): ROUNDS rounds, the two
-        # proxies alternating within each round and the order alternating
-        # between rounds, so that both see the same moments of this VM
-        # (one run each moved the ratios by 10-15 % between two runs an
-        # hour apart); the table gives each proxy's median.
+        # The targets' wrk figures (2 workers each), and the flood by our
+        # own tool beside them: ROUNDS rounds, the two proxies alternating
+        # within each round and the order alternating between rounds, so
+        # that both see the same moments of this VM (one run each moved the
+        # ratios by 10-15 % between two runs an hour apart, and the own
+        # tool's flood ratio by 0.74-1.38 x between rounds of one hour);
+        # the table gives each proxy's median.
         pair = [p for p in proxies if p.workers == 2]
         for i in range(ROUNDS):
             for p in (pair if i % 2 == 0 else pair[::-1]):
                 scenario(p, "passthrough-wrk", 1000000, 1000000,
                          lambda: wrk(p, 16, 6, script=keys, perf=True))
                 scenario(p, "flood-wrk", 1, 1, lambda: wrk(p, 64, 6, key="flood", perf=True))
+                scenario(p, "flood-e2e", 1, 1, lambda: e2e_flood(p, ds, 64, 5))
         # Baseline: the downstream alone, for the latency a proxy adds.
         direct = Proxy("direct", 0, ds)
         direct.url = f"http://127.0.0.1:{ds}"

@@ -3,7 +3,7 @@
 # machine, loopback only, in one run: wrk and our own load tool, the C
 # spinner's scheduling floor, perf stat CPU per request. Writes the table
 # to benches/vs-nginx/results.md and into BENCHMARKS.md (between its
-# vs-nginx markers). About 8 minutes.
+# vs-nginx markers). About 9 minutes.
 #
 #   bash benches/vs-nginx/run.sh
 set -euo pipefail

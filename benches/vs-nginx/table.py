@@ -93,7 +93,10 @@ METRICS += [
     ("  same: p99 latency, µs", "passthrough-e2e", ("p99_us",), "{}", "lower"),
     ("64-connection flood on one key, wrk: 429s per second", "flood-wrk", ("requests_per_s",), "{:.0f}", "higher"),
     ("  same: CPU per refusal, µs", "flood-wrk", ("cpu_us_per_request",), "{:.1f}", "lower"),
+    ("  same: wrk's own user / system CPU per response, µs", "flood-wrk", ("tool_cpu",), "{}", ""),
     ("64-connection flood on one key, own tool: 429s per second", "flood-e2e", ("refused_per_s",), "{:.0f}", "higher"),
+    ("  same: CPU per refusal, µs", "flood-e2e", ("cpu_us_per_request",), "{:.1f}", "lower"),
+    ("  same: the own tool's user / system CPU per response, µs", "flood-e2e", ("tool_cpu",), "{}", ""),
     ("10,000 clients x 2 at once: answered 200", "many", ("ok",), "{}", "equal"),
     ("10,000 clients x 2 at once: seconds until all answered", "many", ("seconds",), "{:.2f}", "lower"),
     ("10,000 clients: proxy resident memory after, MiB", "many", ("rss_mib",), "{:.1f}", "lower"),
@@ -122,6 +125,9 @@ def derived(proxy, scenario, key):
         return None if not k else f"{k['p50_us']} / {k['p99_us']}"
     if key == "user_sys":
         u, s = x.get("user_us_per_request"), x.get("sys_us_per_request")
+        return None if u is None else f"{u:.1f} / {s:.1f}"
+    if key == "tool_cpu":
+        u, s = x.get("tool_user_us_per_response"), x.get("tool_sys_us_per_response")
         return None if u is None else f"{u:.1f} / {s:.1f}"
     if key == "rss_mib":
         return r.get("rss_kib", 0) / 1024
@@ -201,11 +207,14 @@ if rounds:
                  and "error" not in r["result"]]
         if scenario == "flood-wrk" and key == "requests_per_s":
             vals = [x.get("non_2xx", 0) / max(x.get("seconds", 1), 1) for x in found]
+        elif key == "tool_total":
+            vals = [x["tool_user_us_per_response"] + x["tool_sys_us_per_response"]
+                    if "tool_user_us_per_response" in x else None for x in found]
         else:
             vals = [x.get(key) for x in found]
         return " / ".join(show(v, fmt) for v in vals)
     print()
-    print("The rounds behind the medians (2 workers, wrk, in the order run):")
+    print("The rounds behind the medians (2 workers, in the order run):")
     print()
     print("| round values | sluice | nginx |")
     print("|---|---|---|")
@@ -213,7 +222,11 @@ if rounds:
                                 ("pass-through p99, µs", "passthrough-wrk", "p99_us", "{:.0f}"),
                                 ("pass-through CPU per request, µs", "passthrough-wrk", "cpu_us_per_request", "{:.1f}"),
                                 ("flood 429s per second", "flood-wrk", "requests_per_s", "{:.0f}"),
-                                ("flood CPU per refusal, µs", "flood-wrk", "cpu_us_per_request", "{:.1f}")):
+                                ("flood CPU per refusal, µs", "flood-wrk", "cpu_us_per_request", "{:.1f}"),
+                                ("  wrk's own CPU per response (user + system), µs", "flood-wrk", "tool_total", "{:.1f}"),
+                                ("flood by our own tool, 429s per second", "flood-e2e", "refused_per_s", "{:.0f}"),
+                                ("  its CPU per refusal, µs", "flood-e2e", "cpu_us_per_request", "{:.1f}"),
+                                ("  the tool's own CPU per response (user + system), µs", "flood-e2e", "tool_total", "{:.1f}")):
         print(f"| {label} | {each('sluice-2w', sc, key, fmt)} | {each('nginx-2w', sc, key, fmt)} |")
 print()
 print("Both with 1 worker:")
@@ -228,4 +241,4 @@ errors = [r for r in rows if "error" in r["result"]]
 for r in errors:
     print(f"\nScenario {r['result']['scenario']} failed for {r['proxy']}: {r['result']['error']}")
 print()
-print("Reproduce: `bash benches/vs-nginx/run.sh` (installs nginx, wrk and perf if missing; about 8 minutes).")
+print("Reproduce: `bash benches/vs-nginx/run.sh` (installs nginx, wrk and perf if missing; about 9 minutes).")
