@@ -45,8 +45,9 @@ pub enum Why {
 
 /// One remembered refusal: the client's queue takes no request of `cost`
 /// or more before `retry_at` (the store's Retry-After), under the policy
-/// it was refused under; remembered until `until`. (A larger cost waits
-/// as long or longer, and needs as much room or more.)
+/// it was refused under; remembered until `until`. (A larger cost needs
+/// as much room or more: see [`Refusals::refused`] for how much longer it
+/// waits.)
 struct Refused {
     why: Why,
     until: Instant,
@@ -104,8 +105,14 @@ impl Refusals {
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Why `ask`'s client is remembered as refused, and the store's
-    /// Retry-After counted down to `now`.
+    /// Why `ask`'s client is remembered as refused, and the Retry-After
+    /// the store would give `ask`, counted down to `now`.
+    ///
+    /// A full queue takes a request of cost c once its client's D is at
+    /// most (b + 1 - c)·T ahead (both stores: Retry-After = D - (b - c +
+    /// 1)·T - now, and D - now when c > b), so a larger cost than the one
+    /// refused waits that much longer. A departure past `max_wait` does
+    /// not depend on the cost: the same Retry-After.
     pub fn refused(&self, ask: &Ask, now: Instant) -> Option<(Why, Duration)> {
         let mut shard = self.shard(&ask.key);
         shard.sweep(now);
@@ -114,7 +121,21 @@ impl Refusals {
             shard.refused.remove(&ask.key);
             return None;
         }
-        (ask.cost >= r.cost).then(|| (r.why, r.retry_at.saturating_duration_since(now)))
+        if ask.cost < r.cost {
+            return None;
+        }
+        let retry_at = match r.why {
+            Why::MaxWait => r.retry_at,
+            Why::Full => {
+                let room = |cost: u32| u64::from(cost.min(ask.capacity.saturating_add(1)));
+                let later = room(ask.cost)
+                    .saturating_sub(room(r.cost))
+                    .saturating_mul(ask.step_us);
+                // (A wait past the clock's range: the store answers.)
+                r.retry_at.checked_add(Duration::from_micros(later))?
+            }
+        };
+        Some((r.why, retry_at.saturating_duration_since(now)))
     }
 
     /// The store refused `ask` (`why`), asked at `asked` (before the store
@@ -196,9 +217,19 @@ mod tests {
             r.refused(&ask("a", 2, 10), t0 + ms(100)),
             Some((Why::Full, ms(200)))
         );
+        // A larger cost waits (5 - 2)·T longer (T = 200 ms), as the store
+        // would say; past the capacity, as long as a cost of b + 1.
         assert_eq!(
             r.refused(&ask("a", 5, 10), t0 + ms(299)),
-            Some((Why::Full, ms(1)))
+            Some((Why::Full, ms(601)))
+        );
+        assert_eq!(
+            r.refused(&ask("a", 11, 10), t0 + ms(299)),
+            Some((Why::Full, ms(1_801)))
+        );
+        assert_eq!(
+            r.refused(&ask("a", 500, 10), t0 + ms(299)),
+            Some((Why::Full, ms(1_801)))
         );
         // A cheaper request may fit: the store decides.
         assert_eq!(r.refused(&ask("a", 1, 10), t0 + ms(100)), None);
@@ -247,9 +278,11 @@ mod tests {
             r.refused(&ask("a", 1, 10), t0 + ms(50)),
             Some((Why::Full, ms(50)))
         );
+        // Cost 3 waits (3 - 1)·T = 400 ms longer than cost 1: what the
+        // first answer said.
         assert_eq!(
             r.refused(&ask("a", 3, 10), t0 + ms(50)),
-            Some((Why::Full, ms(50)))
+            Some((Why::Full, ms(450)))
         );
         assert_eq!(r.refused(&ask("a", 3, 10), t0 + ms(100)), None);
     }
