@@ -560,9 +560,13 @@ impl Redis {
         self.problem.set(problem)
     }
 
-    /// Re-check every few seconds, so a fixed topology is seen.
+    /// Re-check every few seconds, so a fixed topology is seen. A check
+    /// that took longer than the period (unreachable seeds, each asked
+    /// with its own timeout) is followed by a full period, not by checks
+    /// back to back.
     pub async fn watch(&self) {
         let mut tick = tokio::time::interval(Duration::from_secs(5));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
         loop {
             tick.tick().await;
