@@ -287,6 +287,44 @@ async fn the_local_fallback_never_runs_faster_than_r_over_instances() {
     assert!(retry > 29 * 86_400, "Retry-After {retry} s");
 }
 
+/// With the store unreachable and `on_failure = "local"`, the upstream's
+/// rate R is shared as the routes' rates are: each instance sends it at
+/// most R / instances, so the fleet never sends more than R.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_fallback_shares_the_upstreams_rate_too() {
+    let ds = Downstream::start().await;
+    // Nothing listens on port 1: every call fails at once. R = 20/s for
+    // 4 instances: 5/s here, 200 ms apart (50 ms at R itself); each
+    // client's own share (250/s) never binds.
+    let cfg = config(ds.addr, "redis://127.0.0.1:1", "local", 4, "200ms")
+        .replace("url = ", "rate = \"20/s\"\nurl = ")
+        .replace(
+            "rate = \"5/s\"\ncapacity = 10",
+            "rate = \"1000/s\"\ncapacity = 10",
+        );
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let requests: Vec<_> = (0..4)
+        .map(|i| {
+            let (c, url) = (c.clone(), s.url(&format!("/shared/{i}")));
+            tokio::spawn(async move { get(&c, &url, &[("x-client", &format!("k{i}"))]).await })
+        })
+        .collect();
+    for r in requests {
+        assert_eq!(r.await.unwrap().status, StatusCode::OK);
+    }
+    let times: Vec<Instant> = ds
+        .seen()
+        .into_iter()
+        .filter(|r| r.path.starts_with("/shared/"))
+        .map(|r| r.at)
+        .collect();
+    assert_eq!(times.len(), 4);
+    // 200 ms apart; no closer than half of it after a late release (DESIGN
+    // section 1), and the upper bound allows a busy machine's delays.
+    assert_gaps(&times, 100, 300);
+}
+
 /// With `on_failure = "local"` an instance whose store cannot be reached
 /// serves (shaping locally), so it stays ready; `/status` says what is
 /// wrong.

@@ -612,15 +612,23 @@ impl Admission {
     fn rule(&self, registry: &mut Registry, spec: &RuleSpec<'_>) -> Rule {
         let gated = spec.cap.is_some() || spec.pausable;
         let up_key = (spec.protocol, spec.upstream.to_owned(), gated);
+        // In cluster mode the store keeps the cap R for the fleet, and the
+        // engine's gate serves only the routes that fall back (`on_failure
+        // = "local"`): it holds this instance's share, R / instances, as
+        // their rate is r / instances.
+        let cap = match &self.cluster {
+            Some(c) => spec.cap.map(|r| r.share(c.instances)),
+            None => spec.cap,
+        };
         let upstream = match registry.upstreams.get(&up_key) {
             Some(&id) => {
                 if gated {
-                    self.shaper.set_upstream_rate(id, spec.cap);
+                    self.shaper.set_upstream_rate(id, cap);
                 }
                 id
             }
             None => {
-                let id = self.shaper.add_gated_upstream(spec.cap, spec.pausable);
+                let id = self.shaper.add_gated_upstream(cap, spec.pausable);
                 registry.upstreams.insert(up_key, id);
                 id
             }
@@ -641,15 +649,8 @@ impl Admission {
         };
         let local = route(spec.name.to_owned(), spec.policy);
         let fallback = self.cluster.as_ref().map(|c| {
-            let interval = spec
-                .policy
-                .rate
-                .interval_nanos()
-                .saturating_mul(u64::from(c.instances));
-            // Slower than the slowest rate: the slowest, never r itself
-            // (that would let the fleet send instances x r).
             let policy = Policy {
-                rate: Rate::from_interval_nanos(interval).unwrap_or(Rate::SLOWEST),
+                rate: spec.policy.rate.share(c.instances),
                 ..spec.policy
             };
             route(format!("{}\0local", spec.name), policy)

@@ -272,7 +272,7 @@ pub enum RedisMode {
 /// What to do with a request when Redis fails or times out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnFailure {
-    /// Shape locally at r / instances.
+    /// Shape locally at r / instances (and an upstream's R / instances).
     Local,
     /// Answer 503.
     Reject,
@@ -677,8 +677,7 @@ impl Validator {
     ) {
         let fallback = |rate: Rate| {
             let c = cluster.filter(|c| c.on_failure == OnFailure::Local)?;
-            let interval = rate.interval_nanos().saturating_mul(u64::from(c.instances));
-            Some(Rate::from_interval_nanos(interval).unwrap_or(Rate::SLOWEST))
+            Some(rate.share(c.instances))
         };
         let shapes = routes
             .iter()
@@ -735,6 +734,10 @@ impl Validator {
                     most,
                     cap,
                 );
+            }
+            if let Some(share) = cap.and_then(fallback) {
+                let at = "at the upstream's rate / cluster.instances (on_failure = \"local\")";
+                self.within_span(&path, &format!("cost {most} {at}"), most, share);
             }
             if let Some(share) = fallback(rate) {
                 let at = "at rate / cluster.instances (on_failure = \"local\")";

@@ -1227,6 +1227,15 @@ fn a_burst_queue_or_cost_too_long_for_the_schedule_is_invalid() {
     assert_eq!(problems(&capped), Vec::<String>::new());
     let under = capped.replace("max = 100000", "max = 10000");
     assert_eq!(problems(&format!("{under}{local}")), Vec::<String>::new());
+    // And the upstream's rate is shared too while the store is down: 1/d
+    // over 1,000 instances is the slowest rate (30 days), and 10,000 of
+    // those are past the span, where 10,000 days are not.
+    let slow_cap = under.replace("\"100/s\"", "\"1/d\"");
+    assert_eq!(problems(&slow_cap), Vec::<String>::new());
+    assert_problem(
+        &format!("{slow_cap}{local}"),
+        "route 'default': cost 10000 at the upstream's rate / cluster.instances (on_failure = \"local\")",
+    );
 }
 
 #[test]

@@ -90,6 +90,14 @@ impl Rate {
     }
 
     /// Time between two cost units (T = 1/r).
+    /// One of `n` equal shares of this rate (each instance's share of a
+    /// fleet's rate); past the slowest rate, the slowest, never a faster
+    /// one.
+    pub fn share(self, n: u32) -> Rate {
+        let interval = self.interval_nanos().saturating_mul(u64::from(n));
+        Rate::from_interval_nanos(interval).unwrap_or(Rate::SLOWEST)
+    }
+
     pub fn interval(self) -> Duration {
         Duration::from_nanos(self.interval)
     }
@@ -144,6 +152,14 @@ pub fn per_unit(per_second: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_share_is_slower_by_the_count_and_never_past_the_slowest() {
+        let r = |s: &str| s.parse::<Rate>().map_err(|e| e.to_string());
+        assert_eq!(r("20/s").map(|x| x.share(4)), r("5/s"));
+        assert_eq!(r("20/s").map(|x| x.share(1)), r("20/s"));
+        assert_eq!(r("1/h").map(|x| x.share(10_000)), Ok(Rate::SLOWEST));
+    }
 
     #[test]
     fn writes_itself_in_the_unit_that_counts() {
