@@ -213,10 +213,10 @@ pub struct Redis {
     health: String,
     /// The runtime every call runs on (the caller's, when made outside one).
     runtime: Option<Handle>,
-    /// Redis's clock less ours (µs) as the last admission saw it: Redis's
-    /// `TIME` when it ran, less our clock when it was sent (so no less
-    /// than the true difference; a stall makes it larger, never smaller).
-    /// `i64::MIN` until the first.
+    /// Redis's clock less our monotonic one (µs) as the last admission
+    /// saw it: Redis's `TIME` when it ran, less our clock when it was sent
+    /// (so no less than the true difference; a stall makes it larger,
+    /// never smaller). `i64::MIN` until the first.
     offset_us: AtomicI64,
 }
 
@@ -629,7 +629,7 @@ impl Redis {
         // On one server only: a Redis Cluster's masters keep clocks of
         // their own, and one learned offset could refuse every call to a
         // master whose clock is behind another's.
-        let sent = epoch_us();
+        let sent = monotonic_us();
         let offset = self.offset_us.load(Ordering::Relaxed);
         let single = matches!(**self.conn.load(), Some(Conn::Single(_)));
         let deadline = if offset == i64::MIN || !single {
@@ -674,11 +674,15 @@ impl Redis {
     }
 }
 
-/// Our wall clock in µs since the Unix epoch (Redis's `TIME` is one too).
-fn epoch_us() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+/// Our monotonic clock in µs since its first read. The offset learned
+/// from Redis's `TIME` is against it, so a step of this machine's wall
+/// clock (NTP, a VM resumed) leaves every deadline where it was: against
+/// the wall clock, a step back by more than the orphan limit made every
+/// call in flight miss its deadline until the next reply.
+fn monotonic_us() -> i64 {
+    static ORIGIN: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let origin = *ORIGIN.get_or_init(std::time::Instant::now);
+    i64::try_from(origin.elapsed().as_micros()).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]
