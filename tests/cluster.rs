@@ -325,6 +325,45 @@ async fn the_local_fallback_shares_the_upstreams_rate_too() {
     assert_gaps(&times, 100, 300);
 }
 
+/// A capped upstream whose calendar is taken for more than the 100,000
+/// slots one admission searches: the request is refused as departing too
+/// far ahead, not given a slot that may be taken already (two requests in
+/// one slot would let the upstream get more than R).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calendar_taken_past_the_search_refuses_instead_of_booking_a_taken_slot() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = config(ds.addr, &redis.url(), "reject", 1, "2s")
+        .replace("url = ", "rate = \"1000/s\"\nurl = ");
+    let s = Sluice::start(&cfg);
+    // 100,500 slots of 1 ms taken in a row from Redis's now: 100 s of the
+    // upstream's schedule.
+    redis.cli(&[
+        "EVAL",
+        "local t = redis.call('TIME') \
+             local s = math.floor((tonumber(t[1]) * 1000000 + tonumber(t[2])) / 1000) \
+             for i = 0, 100499 do redis.call('ZADD', KEYS[1], s + i, s + i) end \
+             redis.call('PEXPIRE', KEYS[1], 600000) return s",
+        "1",
+        "sluice:{u:api}:slots:1000",
+    ]);
+    let answer = tokio::time::timeout(
+        Duration::from_secs(10),
+        get(&client(), &s.url("/far"), &[("x-client", "k")]),
+    )
+    .await
+    .expect("refused at once, not held for the end of the calendar");
+    assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = answer
+        .headers
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    // About the 100 s the search went through.
+    assert!((90..=110).contains(&retry), "Retry-After {retry} s");
+}
+
 /// With `on_failure = "local"` an instance whose store cannot be reached
 /// serves (shaping locally), so it stays ready; `/status` says what is
 /// wrong.

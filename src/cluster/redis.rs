@@ -43,7 +43,8 @@ use crate::config::RedisMode;
 /// cost, tau, slot interval (0: uncapped), max_wait, deadline (µs; the
 /// deadline on Redis's clock, 0: none). Returns {verdict, value, newD,
 /// first slot, Redis's now}: verdict 1 = go after `value` µs; 0 = queue
-/// full, retry after `value` µs; 2 = departure past max_wait, retry after
+/// full, retry after `value` µs; 2 = departure past max_wait (or past
+/// more than 100,000 taken slots of the cap's calendar), retry after
 /// `value` µs; 3 = run past the deadline, nothing done (the caller has
 /// given up: a reservation made now would never be taken nor given back).
 const ADMIT: &str = r"
@@ -82,8 +83,14 @@ if gstep > 0 then
       if v >= s + cost then break end
       if v >= s then s = v + 1; moved = true end
     end
+    if not moved then break end
     scanned = scanned + #taken
-    if not moved or scanned > 100000 then break end
+    if scanned > 100000 then
+      -- over 100,000 slots taken in a row from d on, and `s` not known
+      -- free: refused as a departure too far ahead (a slot booked twice
+      -- would let the upstream get more than R)
+      return {2, math.max(s * gstep - now, 1), 0, 0, now}
+    end
   end
   first = s
   d = math.max(d, s * gstep)
