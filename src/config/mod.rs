@@ -225,7 +225,8 @@ pub struct ClusterConfig {
     pub timeout: Duration,
     pub on_failure: OnFailure,
     /// Instances sharing the schedule; with `on_failure = "local"` each
-    /// shapes at r / instances while Redis is unreachable.
+    /// shapes at r / instances (and an upstream's R / instances) while
+    /// the store is unreachable.
     pub instances: u32,
 }
 
@@ -870,7 +871,7 @@ impl Validator {
             None if on_failure == Some(OnFailure::Local) => {
                 self.problem(
                     "cluster.instances",
-                    "is required with on_failure = \"local\": how many instances share the schedule (each shapes at rate / instances while the store is unreachable)",
+                    "is required with on_failure = \"local\": how many instances share the schedule (each shapes at rate / instances, and an upstream's rate / instances, while the store is unreachable)",
                 );
                 None
             }
