@@ -10,7 +10,8 @@ use http::StatusCode;
 use support::{
     Downstream, RedisServer, Sluice, a_flood_is_refused_from_memory, all_answered_together,
     assert_gaps, client, get, light_client_behind_a_backlog, seed_burst_across,
-    store_stopped_then_resumed, throttle, throttled_then_another, unready_while_writes_are_refused,
+    store_stopped_then_resumed, throttle, throttled_then_another, together,
+    unready_while_writes_are_refused,
 };
 
 /// `sluice_cluster_fallbacks_total` for Redis under `policy`, and the
@@ -188,12 +189,7 @@ async fn a_backlogged_client_does_not_hold_the_cap_for_everyone() {
         }
     }
     assert_eq!(ok, 11);
-    let a_times: Vec<Instant> = ds
-        .seen()
-        .into_iter()
-        .filter(|r| r.path.starts_with("/a/"))
-        .map(|r| r.at)
-        .collect();
+    let a_times = ds.arrivals("/a/");
     // 200 ms apart; DESIGN section 1 guarantees no gap under T/2 (a late
     // release may be followed by an on-time one), and the upper bound
     // allows a store round trip and scheduling delay on a busy machine.
@@ -277,12 +273,7 @@ async fn the_local_fallback_never_runs_faster_than_r_over_instances() {
     assert_eq!(first.status, StatusCode::OK);
     let second = get(&c, &s.url("/2"), &[("x-client", "k")]).await;
     assert_eq!(second.status, StatusCode::TOO_MANY_REQUESTS);
-    let retry: u64 = second
-        .headers
-        .get("retry-after")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let retry = second.retry_after().unwrap_or(0);
     // 721 h / 721 would be 1 h; the fallback's own rate is 30 days.
     assert!(retry > 29 * 86_400, "Retry-After {retry} s");
 }
@@ -303,22 +294,9 @@ async fn the_local_fallback_shares_the_upstreams_rate_too() {
             "rate = \"1000/s\"\ncapacity = 10",
         );
     let s = Sluice::start(&cfg);
-    let c = client();
-    let requests: Vec<_> = (0..4)
-        .map(|i| {
-            let (c, url) = (c.clone(), s.url(&format!("/shared/{i}")));
-            tokio::spawn(async move { get(&c, &url, &[("x-client", &format!("k{i}"))]).await })
-        })
-        .collect();
-    for r in requests {
-        assert_eq!(r.await.unwrap().status, StatusCode::OK);
-    }
-    let times: Vec<Instant> = ds
-        .seen()
-        .into_iter()
-        .filter(|r| r.path.starts_with("/shared/"))
-        .map(|r| r.at)
-        .collect();
+    let statuses = together(&s, 4, |i| format!("/shared/{i}"), |i| format!("k{i}")).await;
+    assert_eq!(statuses, vec![StatusCode::OK; 4]);
+    let times = ds.arrivals("/shared/");
     assert_eq!(times.len(), 4);
     // 200 ms apart; no closer than half of it after a late release (DESIGN
     // section 1), and the upper bound allows a busy machine's delays.
@@ -354,12 +332,7 @@ async fn a_calendar_taken_past_the_search_refuses_instead_of_booking_a_taken_slo
     .await
     .expect("refused at once, not held for the end of the calendar");
     assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS);
-    let retry: u64 = answer
-        .headers
-        .get("retry-after")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let retry = answer.retry_after().unwrap_or(0);
     // About the 100 s the search went through.
     assert!((90..=110).contains(&retry), "Retry-After {retry} s");
 }
@@ -512,12 +485,7 @@ async fn a_pause_holds_no_more_than_capacity_of_a_client() {
     if sending < Duration::from_millis(1_500) {
         assert!(refused >= 19, "{refused} refused");
     }
-    let held: Vec<Duration> = ds
-        .seen()
-        .iter()
-        .filter(|r| r.path.starts_with("/b"))
-        .map(|r| r.at - paused_at)
-        .collect();
+    let held: Vec<Duration> = ds.arrivals("/b").iter().map(|&at| at - paused_at).collect();
     assert_eq!(held.len(), 30 - refused);
     assert!(
         held.iter().all(|d| *d >= Duration::from_millis(1_900)),
@@ -842,12 +810,7 @@ async fn allow_forwards_unshaped_while_the_store_is_stopped() {
         assert_eq!(a.status, StatusCode::OK, "request {i}");
     }
     let took = sent.elapsed();
-    let arrivals: Vec<Instant> = ds
-        .seen()
-        .iter()
-        .filter(|r| r.path.starts_with("/stopped/"))
-        .map(|r| r.at)
-        .collect();
+    let arrivals = ds.arrivals("/stopped/");
     assert_eq!(arrivals.len(), 15);
     let spread = *arrivals.iter().max().unwrap() - *arrivals.iter().min().unwrap();
     assert!(
@@ -1037,12 +1000,7 @@ async fn instances_with_different_caps_keep_their_own_calendars() {
     for h in held {
         assert_eq!(h.await.unwrap().status, StatusCode::OK);
     }
-    let mut at: Vec<Instant> = ds
-        .seen()
-        .into_iter()
-        .filter(|r| r.path.starts_with("/b/"))
-        .map(|r| r.at)
-        .collect();
+    let mut at = ds.arrivals("/b/");
     at.sort_unstable();
     assert_eq!(at.len(), 8);
     // 200 ms apart (5/s): 1.4 s from the first to the last (a release
@@ -1081,15 +1039,8 @@ async fn one_stall_does_not_make_the_instance_unready() {
         let (c, url) = (c.clone(), s.admin_url("/readyz"));
         async move { get(&c, &url, &[]).await.status }
     };
-    let together: Vec<_> = (0..8)
-        .map(|i| {
-            let (c, url) = (c.clone(), s.url(&format!("/{i}")));
-            tokio::spawn(async move { get(&c, &url, &[("x-client", &format!("k{i}"))]).await })
-        })
-        .collect();
-    for h in together {
-        assert_eq!(h.await.unwrap().status, StatusCode::SERVICE_UNAVAILABLE);
-    }
+    let statuses = together(&s, 8, |i| format!("/{i}"), |i| format!("k{i}")).await;
+    assert_eq!(statuses, vec![StatusCode::SERVICE_UNAVAILABLE; 8]);
     // Every failure was counted before its answer.
     let failed = Instant::now();
     assert_eq!(

@@ -83,12 +83,7 @@ async fn two_instances_share_one_schedule_through_the_cluster() {
         }
     }
     assert_eq!(admitted, 13);
-    let times: Vec<Instant> = ds
-        .seen()
-        .into_iter()
-        .filter(|r| r.path.starts_with("/seed/"))
-        .map(|r| r.at)
-        .collect();
+    let times = ds.arrivals("/seed/");
     assert_eq!(times.len(), 13);
     // DESIGN section 1: 200 ms apart, a late release followed by a gap
     // no shorter than T/2 (100 ms); the upper bound allows a store round

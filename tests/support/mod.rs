@@ -152,6 +152,16 @@ impl Downstream {
         self.seen.lock().unwrap().clone()
     }
 
+    /// When each request whose path starts with `prefix` arrived, in the
+    /// order they did.
+    pub fn arrivals(&self, prefix: &str) -> Vec<Instant> {
+        let seen = self.seen.lock().unwrap();
+        seen.iter()
+            .filter(|r| r.path.starts_with(prefix))
+            .map(|r| r.at)
+            .collect()
+    }
+
     pub fn max_in_flight(&self) -> usize {
         self.max_in_flight.load(Ordering::SeqCst)
     }
@@ -657,6 +667,16 @@ pub struct Answer {
     pub at: Instant,
 }
 
+impl Answer {
+    /// `Retry-After` in whole seconds, when there is one.
+    pub fn retry_after(&self) -> Option<u64> {
+        self.headers
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+    }
+}
+
 /// Send a request with `headers`; panics only on transport failure.
 pub async fn send(
     client: &Client<HttpConnector, Full<Bytes>>,
@@ -1108,19 +1128,33 @@ pub async fn throttle(s: &Sluice, ds: &Downstream) -> (tokio::task::JoinHandle<A
     (throttled, ds.seen()[0].at)
 }
 
-/// `n` requests of client `key` sent together (each on its own task,
-/// paths `/during0`...), each of which must be answered 200.
-pub async fn all_answered_together(s: &Sluice, key: &str, n: usize) {
+/// `n` requests sent together, each on its own task: request `i` to path
+/// `path(i)` as client `key(i)`. Their statuses, in that order.
+pub async fn together(
+    s: &Sluice,
+    n: usize,
+    path: impl Fn(usize) -> String,
+    key: impl Fn(usize) -> String,
+) -> Vec<StatusCode> {
     let c = client();
     let sent: Vec<_> = (0..n)
         .map(|i| {
-            let (c, url, key) = (c.clone(), s.url(&format!("/during{i}")), key.to_owned());
+            let (c, url, key) = (c.clone(), s.url(&path(i)), key(i));
             tokio::spawn(async move { get(&c, &url, &[("x-client", key.as_str())]).await.status })
         })
         .collect();
+    let mut statuses = Vec::new();
     for status in sent {
-        assert_eq!(status.await.unwrap(), StatusCode::OK);
+        statuses.push(status.await.unwrap());
     }
+    statuses
+}
+
+/// `n` requests of client `key` sent together (paths `/during0`...), each
+/// of which must be answered 200.
+pub async fn all_answered_together(s: &Sluice, key: &str, n: usize) {
+    let statuses = together(s, n, |i| format!("/during{i}"), |_| key.to_owned()).await;
+    assert_eq!(statuses, vec![StatusCode::OK; n]);
 }
 
 /// The shared-schedule store of `s` (on_failure = "reject") answers reads
