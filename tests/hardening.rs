@@ -530,6 +530,54 @@ async fn a_staged_body_that_stops_arriving_gets_408() {
     assert_eq!(paths, vec!["/first"]);
 }
 
+/// A queued request whose body drips (a byte every 100 ms, each within
+/// `body_read_timeout` of the one before) is cut off with 408 once its
+/// first `body_read_timeout` is spent and it has not kept up 500 bytes/s
+/// (Apache's `mod_reqtimeout` MinRate): it departs meanwhile, and nothing
+/// else would bound it (before, 1,000 bytes took 100 s and kept their room
+/// in the staging budget all along).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_body_that_drips_is_cut_off_after_its_first_timeout() {
+    use std::io::{Read, Write};
+    let ds = Downstream::start().await;
+    let routes = default_route("ip", "1/s", 5);
+    let s = Sluice::start(&base(ds.addr, "body_read_timeout = \"1s\"", &routes));
+    let c = client();
+    // Takes the client's slot: the next request departs about 1 s later,
+    // while its body still drips.
+    assert_eq!(get(&c, &s.url("/first"), &[]).await.status, StatusCode::OK);
+    let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
+    let t = Instant::now();
+    sock.write_all(b"POST /drip HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n")
+        .unwrap();
+    let mut writer = sock.try_clone().unwrap();
+    let drip = std::thread::spawn(move || {
+        for _ in 0..1000 {
+            std::thread::sleep(Duration::from_millis(100));
+            if writer.write_all(b"x").is_err() {
+                return;
+            }
+        }
+    });
+    sock.set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let mut buf = vec![0u8; 1024];
+    let n = sock.read(&mut buf).unwrap_or(0);
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(
+        head.starts_with("HTTP/1.1 408"),
+        "{head:?} after {:?}",
+        t.elapsed()
+    );
+    // About 1 s; the old rule would have taken 100 s.
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    drop(sock);
+    drip.join().unwrap();
+    assert_eq!(s.status().await["staged_bytes"], 0);
+    let paths: Vec<String> = ds.seen().into_iter().map(|r| r.path).collect();
+    assert_eq!(paths, vec!["/first"]);
+}
+
 /// A body sent in 1-byte chunks costs what its bytes cost: the staged
 /// copy is one buffer, counted whole in the budget. (Kept as the chunks
 /// came, each byte held a 32-byte entry and its share of a read buffer:

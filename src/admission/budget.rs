@@ -6,6 +6,47 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// The slowest a held body (an HTTP request's, an SMTP message) may come
+/// in, on average, once its first idle period is spent, in bytes per
+/// second (Apache's `mod_reqtimeout` `MinRate=500`, Postfix's
+/// `smtpd_min_data_rate`): a sender dripping a byte now and then is cut
+/// off, instead of holding its room in the budget for days.
+pub const MIN_DATA_RATE: u64 = 500;
+
+/// By when a held body's sender must have sent its next bytes: within
+/// `idle` of the start, and each byte read buys 1/[`MIN_DATA_RATE`] s
+/// more, never more than `idle` ahead of the last read.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadDeadline {
+    at: Instant,
+    idle: Duration,
+}
+
+impl ReadDeadline {
+    pub fn new(now: Instant, idle: Duration) -> ReadDeadline {
+        ReadDeadline {
+            at: now + idle,
+            idle,
+        }
+    }
+
+    /// `bytes` more were read, at `now`.
+    pub fn read(&mut self, bytes: usize, now: Instant) {
+        let bought = Duration::from_micros(
+            u64::try_from(bytes)
+                .unwrap_or(u64::MAX)
+                .saturating_mul(1_000_000 / MIN_DATA_RATE),
+        );
+        let most = now + self.idle;
+        self.at = self.at.checked_add(bought).map_or(most, |d| d.min(most));
+    }
+
+    pub fn at(&self) -> Instant {
+        self.at
+    }
+}
 
 /// The staging limits and the bytes held now.
 #[derive(Debug)]

@@ -34,7 +34,7 @@ use crate::metrics::{self as m, Outcome};
 use crate::pacer::{AcquireError, Admitted, LagObserver, Shaper, Waiting};
 pub use crate::shaper::{ClientView, Limits, Nanos, Policy, Probe, Rate, Rejection};
 use crate::shaper::{RouteId, UpstreamId};
-pub use budget::{Room, StageBudget};
+pub use budget::{MIN_DATA_RATE, ReadDeadline, Room, StageBudget};
 pub use key::{Key, KeyBuf, compose};
 use spacing::Spacing;
 

@@ -57,7 +57,8 @@ pub struct Server {
     pub listen: Vec<SocketAddr>,
     pub header_read_timeout: Duration,
     /// The longest pause between two reads of a request body that is
-    /// staged while its request waits (nginx's `client_body_timeout`).
+    /// staged while its request waits (nginx's `client_body_timeout`);
+    /// past it, the body must come at `admission::MIN_DATA_RATE`.
     pub body_read_timeout: Duration,
     /// The longest a write of a response to a client may wait for the
     /// client to read (nginx's `send_timeout`).

@@ -7,7 +7,7 @@
 //! of large queued bodies cannot grow memory.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
@@ -16,6 +16,7 @@ use hyper::body::{Body, Frame};
 
 use super::h1::RequestBody;
 
+use crate::admission::ReadDeadline;
 pub use crate::admission::{Room, StageBudget};
 
 /// A body read in full, and the room it takes.
@@ -42,8 +43,9 @@ pub enum StageError {
     /// The body was malformed (an invalid chunk): the client's error (400).
     #[error("the request body is malformed: {0}")]
     Malformed(hyper::Error),
-    /// No part of the body came for `server.body_read_timeout` (408).
-    #[error("the request body stopped arriving")]
+    /// No part of the body came for `server.body_read_timeout`, or it came
+    /// slower than `MIN_DATA_RATE` once that time was spent (408).
+    #[error("the request body stopped arriving, or came slower than 500 bytes/s")]
     TimedOut,
 }
 
@@ -103,11 +105,14 @@ pub fn linger(mut rest: RequestBody) {
     });
 }
 
-/// Read `body` in full within the budget, each part within `idle` of
-/// the one before (a client that stops sending would keep its room in the
-/// budget for as long as it keeps the connection). (An `async` block, not
-/// an `async fn`, so that the future holds one copy of the body, not two:
-/// a held request carries it.)
+/// Read `body` in full within the budget: its first part within `idle`,
+/// then at [`crate::admission::MIN_DATA_RATE`] bytes per second on
+/// average, and each part within `idle` of the one before. (A client
+/// that stops sending, or sends a byte now and then, would keep its room
+/// in the budget for as long as it keeps the connection; after its
+/// request departs, nothing else bounds it.) An `async` block, not an
+/// `async fn`, so that the future holds one copy of the body, not two: a
+/// held request carries it.
 pub fn stage(
     body: RequestBody,
     budget: &Arc<StageBudget>,
@@ -157,13 +162,15 @@ async fn read(
     // byte, many times what is counted.
     let mut data = BytesMut::with_capacity(declared.unwrap_or(0));
     let mut trailers = None;
-    while let Some(frame) = tokio::time::timeout(idle, body.frame())
+    let mut deadline = ReadDeadline::new(Instant::now(), idle);
+    while let Some(frame) = tokio::time::timeout_at(deadline.at().into(), body.frame())
         .await
         .map_err(|_| StageError::TimedOut)?
     {
         let frame = frame.map_err(body_error)?;
         match frame.into_data() {
             Ok(part) => {
+                deadline.read(part.len(), Instant::now());
                 let len = data.len().saturating_add(part.len());
                 if len > max {
                     return Err(StageError::TooLarge(max));

@@ -40,7 +40,7 @@ use super::io::{InBuf, Stream};
 use super::pool::{Pool, client_reply, throttled_error};
 use super::reply::{self, Reply};
 use super::{Front, Listener};
-use crate::admission::{Hold, HoldError, Key, Room, Rule, Verdict, compose};
+use crate::admission::{Hold, HoldError, Key, ReadDeadline, Room, Rule, Verdict, compose};
 use crate::config::{MAX_HOLD, SmtpCost, SmtpKeyPart};
 use crate::metrics::Outcome;
 
@@ -65,11 +65,6 @@ const HALF_CLOSE_WITH_QUIT: Duration = Duration::from_secs(2);
 const MAX_AHEAD: usize = 64 * 1024;
 /// How long a failed AUTH is answered late (slows guessing).
 const AUTH_FAILURE_DELAY: Duration = Duration::from_secs(1);
-/// The slowest a message may come in, on average, once its first
-/// `idle_timeout` is spent (Postfix's `smtpd_min_data_rate`): each byte
-/// read gives the client 1/500 s more, up to `idle_timeout` ahead. A client
-/// that sends one byte now and then is cut off, not kept for days.
-const MIN_DATA_RATE: u64 = 500;
 /// RCPTs past `max_recipients` answered `452` before each further one
 /// counts as an error (Postfix's `smtpd_recipient_overshoot_limit`): a
 /// client told to send the rest later may pipeline them, but cannot keep a
@@ -802,21 +797,15 @@ impl Session {
         let mut rx = DataReader::new();
         let mut room = self.front.budget.room();
         let mut refused: Option<Reply> = None;
-        let idle = self.listener.cfg.idle_timeout;
-        let mut deadline = Instant::now() + idle;
+        // A message must come within `idle_timeout`, then at
+        // MIN_DATA_RATE on average (Postfix's `smtpd_min_data_rate`).
+        let mut deadline = ReadDeadline::new(Instant::now(), self.listener.cfg.idle_timeout);
         loop {
             let unread = self.inbuf.unread();
             let sink = refused.is_none().then_some(&mut message);
             let used = rx.ingest(unread, sink);
             self.inbuf.consume(used);
-            // Each byte buys 1/MIN_DATA_RATE s, up to `idle_timeout` ahead.
-            let bought = Duration::from_micros(
-                u64::try_from(used)
-                    .unwrap_or(u64::MAX)
-                    .saturating_mul(1_000_000 / MIN_DATA_RATE),
-            );
-            let most = Instant::now() + idle;
-            deadline = deadline.checked_add(bought).map_or(most, |d| d.min(most));
+            deadline.read(used, Instant::now());
             if refused.is_none() {
                 let why = if message.len().saturating_sub(trace_len) > max {
                     Some(reply::TOO_BIG)
@@ -837,7 +826,7 @@ impl Session {
             if rx.done() {
                 break;
             }
-            self.read_more(deadline).await?;
+            self.read_more(deadline.at()).await?;
         }
         if let Some(why) = refused {
             return Ok(Err(why));
