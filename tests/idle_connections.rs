@@ -13,6 +13,67 @@ use bytes::Bytes;
 use http::StatusCode;
 use support::*;
 
+/// A worker at its share of `max_connections` closes an idle keep-alive
+/// connection only when a new connection has come for its place: with
+/// none waiting, both idle connections stay open and serve again. (Room
+/// made ahead of the next connection closed the older one as soon as the
+/// limit was reached, and could close a connection just accepted, before
+/// its first request was read.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_closed_only_for_a_connection_that_came() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let ds = Downstream::start().await;
+    let cfg = CONFIG.replace("DOWNSTREAM", &ds.addr.to_string()).replace(
+        "keepalive_timeout = \"3s\"",
+        "keepalive_timeout = \"30s\"\nworkers = 1\nmax_connections = 2",
+    );
+    let s = Sluice::start(&cfg);
+    let ask = |conn: &mut BufReader<std::net::TcpStream>, path: &str| {
+        let head = format!("GET {path} HTTP/1.1\r\nHost: t\r\n\r\n");
+        if conn.get_mut().write_all(head.as_bytes()).is_err() {
+            return String::new();
+        }
+        // The whole answer: its head, then its 2-byte body ("ok").
+        let mut head = String::new();
+        loop {
+            let mut line = String::new();
+            if conn.read_line(&mut line).unwrap_or(0) == 0 {
+                return head;
+            }
+            head.push_str(&line);
+            if line == "\r\n" {
+                break;
+            }
+        }
+        let mut body = [0u8; 2];
+        let _ = conn.read_exact(&mut body);
+        head
+    };
+    let open = || {
+        let sock = std::net::TcpStream::connect(s.addr).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        BufReader::new(sock)
+    };
+    let (mut one, mut two) = (open(), open());
+    assert!(ask(&mut one, "/one").starts_with("HTTP/1.1 200"));
+    assert!(ask(&mut two, "/two").starts_with("HTTP/1.1 200"));
+    // Both idle at the limit, and no third connection.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let again = ask(&mut one, "/one-again");
+    assert!(again.starts_with("HTTP/1.1 200"), "{again:?}");
+    assert!(ask(&mut two, "/two-again").starts_with("HTTP/1.1 200"));
+    // A third closes the one idle longest (`one` was used before `two`).
+    let mut three = open();
+    assert!(ask(&mut three, "/three").starts_with("HTTP/1.1 200"));
+    let mut buf = [0u8; 1];
+    assert_eq!(
+        one.get_mut().read(&mut buf).unwrap_or(0),
+        0,
+        "the oldest idle is closed"
+    );
+}
+
 /// Let this test process open as many sockets as the machine allows.
 fn raise_open_files() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};

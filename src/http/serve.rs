@@ -404,22 +404,28 @@ impl Worker {
 
     async fn accept_loop(self: Arc<Self>, listener: TcpListener, connections: TaskTracker) {
         loop {
-            // At its share of max_connections, a worker closes its oldest
-            // idle connection for the new one; with none idle, it waits
-            // (the kernel backlog holds the rest, as HAProxy's maxconn).
-            let permit = tokio::select! {
-                () = self.stop.cancelled() => return,
-                p = self.conns.admit() => match p {
-                    Some(p) => p,
-                    None => return,
-                },
-            };
             let accepted = tokio::select! {
                 () = self.stop.cancelled() => return,
                 a = listener.accept() => a,
             };
             match accepted {
                 Ok((stream, peer)) => {
+                    // At its share of max_connections, a worker closes its
+                    // oldest idle connection for the new one; with none
+                    // idle, the new one waits for a place (and the kernel
+                    // backlog holds the rest, as HAProxy's maxconn). Room
+                    // is made once a connection has come, not ahead of
+                    // it: made ahead, it closed an idle connection for one
+                    // that might never come, and a connection accepted
+                    // just before (idle until its first request is read)
+                    // could be the one closed.
+                    let permit = tokio::select! {
+                        () = self.stop.cancelled() => return,
+                        p = self.conns.admit() => match p {
+                            Some(p) => p,
+                            None => return,
+                        },
+                    };
                     let _ = stream.set_nodelay(true);
                     connections.spawn(self.clone().serve_connection(stream, peer, permit));
                 }
