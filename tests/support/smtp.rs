@@ -108,6 +108,15 @@ impl SmtpUpstream {
         }
     }
 
+    /// Assert that the server has taken exactly `n` messages. A message
+    /// is recorded when the server's line about it is read, a moment
+    /// after the server answered it: up to 10 s are given for the `n`th.
+    #[track_caller]
+    pub fn assert_taken(&self, n: usize) {
+        let a = self.wait_arrivals(n, Duration::from_secs(10));
+        assert_eq!(a.len(), n, "{a:?}");
+    }
+
     /// End the server (by its PID), as an upstream that goes away.
     pub fn stop(&mut self) {
         let _ = self.child.kill();
