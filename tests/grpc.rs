@@ -33,9 +33,11 @@ impl GrpcServer {
         self.0.port
     }
 
-    fn calls(&self) -> Vec<(u64, String)> {
+    /// The calls it took (monotonic ns, payload), once it has taken at
+    /// least `n` (or after 10 s).
+    fn calls(&self, n: usize) -> Vec<(u64, String)> {
         self.0
-            .lines()
+            .lines_once("call ", n)
             .iter()
             .filter_map(|l| {
                 let (ns, payload) = l.strip_prefix("call ")?.split_once(' ')?;
@@ -133,7 +135,7 @@ fn shaped_calls(sluice: &Sluice, server: &GrpcServer) {
             "refused late: {r}"
         );
     }
-    let calls = server.calls();
+    let calls = server.calls(11);
     assert_eq!(calls.len(), 11);
     let gaps: Vec<u64> = calls
         .windows(2)
@@ -276,7 +278,7 @@ fn a_grpc_pushback_pauses_the_upstream() {
     let next = client(&target, &["unary", "--count", "1"]);
     assert_eq!(next.len(), 1, "{next:?}");
     assert_eq!(next[0]["code"], "OK", "{next:?}");
-    let calls = server.calls();
+    let calls = server.calls(2);
     assert_eq!(calls.len(), 2, "{calls:?}");
     let paused_ms = (calls[1].0 - calls[0].0) / 1_000_000;
     assert!(

@@ -23,10 +23,11 @@ impl WsServer {
         self.0.port
     }
 
-    /// Handshake arrivals (monotonic ns), in order.
-    fn opens(&self) -> Vec<u64> {
+    /// Handshake arrivals (monotonic ns), in order, once there are at
+    /// least `n` (or after 10 s).
+    fn opens(&self, n: usize) -> Vec<u64> {
         self.0
-            .lines()
+            .lines_once("open ", n)
             .iter()
             .filter_map(|l| l.strip_prefix("open "))
             .filter_map(|r| r.split(' ').next()?.parse().ok())
@@ -137,7 +138,7 @@ fn thirty_clients_open_paced_and_echo_at_once() {
         let echo = r["echo_ms"].as_f64().unwrap();
         assert!(echo < 500.0, "slow echo through the tunnel: {r}");
     }
-    let opens = server.opens();
+    let opens = server.opens(30);
     assert_eq!(opens.len(), 30);
     // Each handshake is a new upstream connection that the server's event
     // loop timestamps: a gap may shrink by what the one before it was
@@ -237,7 +238,7 @@ fn an_open_tunnel_holds_its_max_concurrency_slot() {
         rs[0]["error"].as_str().is_some_and(|e| e.contains("504")),
         "{rs:?}"
     );
-    assert_eq!(server.opens().len(), 1, "the second reached the server");
+    assert_eq!(server.opens(1).len(), 1, "the second reached the server");
 }
 
 /// An open tunnel does not stand in the way of the connection limit: one

@@ -1332,6 +1332,21 @@ impl PyServer {
     pub fn lines(&self) -> Vec<String> {
         self.lines.lock().unwrap().clone()
     }
+
+    /// What it printed, once at least `n` lines start with `prefix` (or
+    /// after 10 s). A line is read a moment after the server printed it,
+    /// which may be after the answer it printed it for reached the test.
+    pub fn lines_once(&self, prefix: &str, n: usize) -> Vec<String> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let lines = self.lines();
+            let found = lines.iter().filter(|l| l.starts_with(prefix)).count();
+            if found >= n || Instant::now() > deadline {
+                return lines;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
 
 impl Drop for PyServer {
