@@ -314,13 +314,15 @@ async fn a_calendar_taken_past_the_search_refuses_instead_of_booking_a_taken_slo
     let cfg = config(ds.addr, &redis.url(), "reject", 1, "2s")
         .replace("url = ", "rate = \"1000/s\"\nurl = ");
     let s = Sluice::start(&cfg);
-    // 100,500 slots of 1 ms taken in a row from Redis's now: 100 s of the
-    // upstream's schedule.
+    // 110,000 slots of 1 ms taken in a row from Redis's now: 110 s of the
+    // upstream's schedule, so that more than the 100,000 searched are
+    // still ahead when the request comes (up to 10 s later on a busy
+    // machine; at 100,500 a run under load found their end).
     redis.cli(&[
         "EVAL",
         "local t = redis.call('TIME') \
              local s = math.floor((tonumber(t[1]) * 1000000 + tonumber(t[2])) / 1000) \
-             for i = 0, 100499 do redis.call('ZADD', KEYS[1], s + i, s + i) end \
+             for i = 0, 109999 do redis.call('ZADD', KEYS[1], s + i, s + i) end \
              redis.call('PEXPIRE', KEYS[1], 600000) return s",
         "1",
         "sluice:{u:api}:slots:1000",
