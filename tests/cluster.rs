@@ -298,9 +298,11 @@ async fn the_local_fallback_shares_the_upstreams_rate_too() {
     assert_eq!(statuses, vec![StatusCode::OK; 4]);
     let times = ds.arrivals("/shared/");
     assert_eq!(times.len(), 4);
-    // 200 ms apart; no closer than half of it after a late release (DESIGN
-    // section 1), and the upper bound allows a busy machine's delays.
-    assert_gaps(&times, 100, 300);
+    // 200 ms apart: no closer than half of it at the departures after a
+    // late release (DESIGN section 1; the downstream's own wake-up can
+    // take a little off), and the upper bound allows a busy machine's
+    // delays. At R itself they would be 50 ms.
+    assert_gaps(&times, 80, 400);
 }
 
 /// A capped upstream whose calendar is taken for more than the 100,000

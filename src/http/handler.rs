@@ -686,7 +686,7 @@ impl Handler {
             ),
             StageError::TimedOut => problem(
                 StatusCode::REQUEST_TIMEOUT,
-                "the request body stopped arriving, or came slower than 500 bytes/s",
+                &StageError::TimedOut.to_string(),
                 None,
             ),
             // Nobody reads this answer: the client is gone.

@@ -45,7 +45,10 @@ pub enum StageError {
     Malformed(hyper::Error),
     /// No part of the body came for `server.body_read_timeout`, or it came
     /// slower than `MIN_DATA_RATE` once that time was spent (408).
-    #[error("the request body stopped arriving, or came slower than 500 bytes/s")]
+    #[error(
+        "the request body stopped arriving, or came slower than {} bytes/s",
+        crate::admission::MIN_DATA_RATE
+    )]
     TimedOut,
 }
 

@@ -89,7 +89,6 @@ impl Rate {
         self.interval
     }
 
-    /// Time between two cost units (T = 1/r).
     /// One of `n` equal shares of this rate (each instance's share of a
     /// fleet's rate); past the slowest rate, the slowest, never a faster
     /// one.
@@ -98,6 +97,7 @@ impl Rate {
         Rate::from_interval_nanos(interval).unwrap_or(Rate::SLOWEST)
     }
 
+    /// Time between two cost units (T = 1/r).
     pub fn interval(self) -> Duration {
         Duration::from_nanos(self.interval)
     }
