@@ -477,6 +477,38 @@ async fn a_queued_body_over_the_staging_limit_gets_413() {
     assert_eq!(ds.seen().len(), 1);
 }
 
+/// A queued request refused before its body is read (413: its declared
+/// length is past `max_staged_body`) is answered without `100 Continue`:
+/// a client that asked first (`Expect: 100-continue`) is not invited to
+/// upload the body just refused. (What sluice reads of a refused body so
+/// that its answer is seen, nginx's lingering close, must not be what
+/// makes the server send its 100.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_refused_behind_expect_is_never_invited() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&format!(
+        "{}\n[limits]\nmax_staged_body = \"64KiB\"\n",
+        queue_config(ds.addr, "")
+    ));
+    let c = client();
+    let first = get(&c, &s.url("/live/1"), &[("x-client", "k")]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let mut sock = raw(
+        s.addr,
+        "POST /big HTTP/1.1\r\nHost: t\r\nX-Client: k\r\nContent-Length: 100000\r\nExpect: 100-continue\r\n\r\n",
+        b"",
+    );
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    // Everything sluice sends until it closes (after its linger).
+    let mut got = Vec::new();
+    let _ = sock.read_to_end(&mut got);
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text:?}");
+    assert!(!text.contains(" 100 "), "{text:?}");
+    assert_eq!(ds.seen().len(), 1);
+}
+
 /// Many queued large bodies: past `max_staged_bytes` the rest get 503, and
 /// resident memory stays within the bound (reported).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
