@@ -448,6 +448,13 @@ fn an_upstream_that_goes_away_gives_a_4xx_never_a_250() {
     let r = smtp::send(addr, &[]);
     assert_eq!(code(&r[0]["data"]), Some(451), "{r:?}");
     assert!(text(&r[0]["data"]).starts_with("4.4.2"), "{r:?}");
+    // It answers with a 250 line over a 550 one (RFC 5321 4.2.1 has one
+    // code for all lines): not a success either (the first line's code
+    // was taken, and the client told 250).
+    up.set_mode("mixed-at-dot");
+    let r = smtp::send(addr, &[]);
+    assert_eq!(code(&r[0]["data"]), Some(451), "{r:?}");
+    assert!(text(&r[0]["data"]).starts_with("4.4.2"), "{r:?}");
     // It refuses service with 421: not relayed to the client as 421.
     up.set_mode("421-close");
     let r = smtp::send(addr, &[]);
@@ -464,6 +471,20 @@ fn an_upstream_that_goes_away_gives_a_4xx_never_a_250() {
         ),
         "{m}"
     );
+}
+
+/// A 250 to the end of data on one line longer than smtp-proto reads
+/// (4,096 bytes) is a 250: the line is cut and its code kept, as Postfix
+/// does. (Taken for a lost session, it told the client 451, and the
+/// client sent the message again.)
+#[test]
+fn a_250_on_a_long_line_is_taken() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    up.set_mode("long-at-dot");
+    let sluice = Sluice::start(&plain(up.port));
+    let r = smtp::send(sluice.smtp.unwrap(), &[]);
+    assert_eq!(code(&r[0]["data"]), Some(250), "{r:?}");
+    up.assert_taken(1);
 }
 
 /// An upstream's permanent refusal reaches the client as it was given:

@@ -52,7 +52,8 @@ pub enum RelayError {
     #[error("the upstream refused the message: {} {}", .0.code, .0.text)]
     Refused(Reply),
     /// The message needs an extension the upstream lacks (8BITMIME,
-    /// SMTPUTF8); the reply to give says which.
+    /// SMTPUTF8), or is larger than the SIZE it offers; the reply to give
+    /// says which. Never sent.
     #[error("{}", .0.text)]
     Incapable(Reply),
     /// The connection failed or timed out mid-transaction; `after_dot`
@@ -355,12 +356,8 @@ impl Session {
     }
 
     async fn ehlo(&mut self, name: &str, deadline: Instant) -> Result<(), RelayError> {
-        within(
-            deadline,
-            false,
-            self.stream.write_all(format!("EHLO {name}\r\n").as_bytes()),
-        )
-        .await?;
+        self.write_commands(format!("EHLO {name}\r\n").as_bytes(), deadline)
+            .await?;
         let raw = self.raw_reply(deadline, false).await?;
         match EhloResponse::parse(&mut raw.iter()) {
             Ok(e) => {
@@ -427,8 +424,23 @@ impl Session {
     }
 
     async fn command(&mut self, line: &[u8], deadline: Instant) -> Result<Reply, RelayError> {
-        within(deadline, false, self.stream.write_all(line)).await?;
+        self.write_commands(line, deadline).await?;
         self.reply(deadline, false).await
+    }
+
+    /// Write commands whose replies are read next, flushed: over TLS,
+    /// a write ends once rustls holds the bytes, and what the socket had
+    /// no room for would wait in it while sluice waits for the replies.
+    async fn write_commands(
+        &mut self,
+        commands: &[u8],
+        deadline: Instant,
+    ) -> Result<(), RelayError> {
+        within(deadline, false, async {
+            self.stream.write_all(commands).await?;
+            self.stream.flush().await
+        })
+        .await
     }
 
     /// The next complete reply's bytes.
@@ -519,7 +531,7 @@ impl Session {
             return Err(RelayError::Incapable(super::reply::EIGHTBIT_UNSUPPORTED));
         }
         if self.caps.size && self.caps.max_size > 0 && body.len() > self.caps.max_size {
-            return Err(RelayError::Refused(Reply::owned(
+            return Err(RelayError::Incapable(Reply::owned(
                 552,
                 [5, 3, 4],
                 format!(
@@ -562,7 +574,7 @@ impl Session {
                 if replies.len() == sent {
                     let end = (sent + PIPELINE_GROUP).min(commands.len());
                     let group = commands[sent..end].concat();
-                    within(deadline, false, self.stream.write_all(&group)).await?;
+                    self.write_commands(&group, deadline).await?;
                     sent = end;
                 }
                 let reply = match self.reply(deadline, false).await {
@@ -694,43 +706,66 @@ impl Session {
     }
 }
 
+/// The most of one reply line kept, its code included: RFC 5321
+/// (4.5.3.1.5) allows 512 octets a line with its CRLF. Postfix's client
+/// cuts longer ones too (at 2,048) and keeps their code.
+const REPLY_LINE: usize = 510;
+
 /// A reply's bytes parsed; one that cannot be is a lost session, after
 /// the end of data when it answers it (the message may have been taken,
-/// so it is never sent again).
+/// so it is never sent again). What smtp-proto reads (at most 4,096 bytes
+/// of text) is made of it first ([`readable`]).
 fn parse_reply(raw: &[u8], after_dot: bool) -> Result<Reply, RelayError> {
-    let parse = |bytes: &[u8]| {
-        smtp_proto::response::parser::ResponseReceiver::default()
-            .parse(&mut bytes.iter())
-            .map(Reply::from_parsed)
-    };
-    let parsed = parse(raw)
-        .or_else(|e| {
-            // smtp-proto reads 4,096 bytes of a reply at most. A longer
-            // one (many lines of policy text) is read by its last line,
-            // which carries the code (the same as the first line's): a
-            // long 250 to the end of data taken for a lost session told
-            // the client to send the message again.
-            if !matches!(e, smtp_proto::Error::ResponseTooLong) {
-                return Err(e);
-            }
-            let body = raw.get(..raw.len().saturating_sub(1)).unwrap_or_default();
-            match body.iter().rposition(|&b| b == b'\n') {
-                Some(i) if raw.get(..3) == raw.get(i + 1..i + 4) => parse(&raw[i + 1..]),
-                _ => Err(e),
-            }
-        })
-        .map_err(|e| RelayError::Lost {
-            after_dot,
-            why: format!("the upstream's reply cannot be parsed: {e:?}"),
-        });
-    parsed.map(|mut reply| {
-        // smtp-proto keeps each part of an enhanced code in a byte, and a
-        // detail past 255 (Microsoft's `5.7.606`, say) came out `5.7.255`.
-        if reply.esc != [0; 3] {
-            reply.esc = enhanced_code(raw).unwrap_or(reply.esc);
+    let lost = |why: String| RelayError::Lost { after_dot, why };
+    let readable = readable(raw).ok_or_else(|| {
+        lost("the upstream's reply has lines with different codes (RFC 5321 4.2.1)".to_owned())
+    })?;
+    let mut reply = smtp_proto::response::parser::ResponseReceiver::default()
+        .parse(&mut readable.iter())
+        .map(Reply::from_parsed)
+        .map_err(|e| lost(format!("the upstream's reply cannot be parsed: {e:?}")))?;
+    // smtp-proto keeps each part of an enhanced code in a byte, and a
+    // detail past 255 (Microsoft's `5.7.606`, say) came out `5.7.255`.
+    if reply.esc != [0; 3] {
+        reply.esc = enhanced_code(&readable).unwrap_or(reply.esc);
+    }
+    Ok(reply)
+}
+
+/// A complete reply (lines up to one without `-` after its code) made
+/// readable for smtp-proto, which reads 4,096 bytes of a reply at most
+/// and takes its code from the first line: each line cut to
+/// [`REPLY_LINE`] bytes, and as many lines as fit kept from the last
+/// backwards (the last one carries the outcome: a long 250 to the end of
+/// data taken for a lost session told the client to send the message
+/// again). `None` when the lines' codes differ: RFC 5321 (4.2.1) has them
+/// all the same, and a `250-` line over a `550` is no reply to act on
+/// either way.
+fn readable(raw: &[u8]) -> Option<Vec<u8>> {
+    const MOST: usize = smtp_proto::response::parser::MAX_RESPONSE_LENGTH;
+    let lines: Vec<&[u8]> = raw.split_inclusive(|&b| b == b'\n').collect();
+    let code = lines.last()?.get(..3)?;
+    if lines.iter().any(|line| line.get(..3) != Some(code)) {
+        return None;
+    }
+    let mut kept = Vec::new();
+    let mut total = 0;
+    for line in lines.iter().rev() {
+        let line = line.strip_suffix(b"\n").unwrap_or(line);
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let line = line.get(..REPLY_LINE).unwrap_or(line);
+        if total + line.len() + 2 > MOST {
+            break;
         }
-        reply
-    })
+        total += line.len() + 2;
+        kept.push(line);
+    }
+    let mut out = Vec::with_capacity(total);
+    for line in kept.iter().rev() {
+        out.extend_from_slice(line);
+        out.extend_from_slice(b"\r\n");
+    }
+    Some(out)
 }
 
 /// A message's header section: up to its first empty line.
@@ -766,7 +801,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_reply_longer_than_the_parser_takes_is_read_by_its_last_line() {
+    fn a_reply_is_read_by_its_last_line_whatever_its_length() {
         let mut raw = Vec::new();
         for i in 0..100 {
             raw.extend_from_slice(
@@ -789,6 +824,22 @@ mod tests {
         mixed[..3].copy_from_slice(b"550");
         assert!(parse_reply(&mixed, true).is_err());
         assert!(parse_reply(b"xyz-junk\r\n250 ok\r\n", true).is_err());
+        // Nor a short one: smtp-proto took its first line's code, and this
+        // was a 250 for a refusal.
+        assert!(matches!(
+            parse_reply(b"250-2.0.0 Ok\r\n550 5.7.1 Rejected\r\n", true),
+            Err(RelayError::Lost {
+                after_dot: true,
+                ..
+            })
+        ));
+        // One line past what smtp-proto reads is cut, its code kept: it
+        // was a lost session, and the client sent the message again.
+        let long = format!("250 2.0.0 Ok: queued as X {}\r\n", "x".repeat(5_000));
+        let reply = parse_reply(long.as_bytes(), true).expect("taken");
+        assert_eq!((reply.code, reply.esc), (250, [2, 0, 0]));
+        assert!(reply.text.starts_with("Ok: queued as X"), "{}", reply.text);
+        assert!(reply.text.len() < REPLY_LINE, "{}", reply.text.len());
     }
 
     #[test]

@@ -268,10 +268,11 @@ pub fn client_reply(e: &RelayError) -> Reply {
             reply.esc = [4, 4, 2];
         }
     }
-    if reply.code < 400 {
+    if !(400..600).contains(&reply.code) {
         // A positive reply where the relay needed another (250 to DATA,
         // say): the message was not taken, and the client must not read
-        // it as taken.
+        // it as taken. Or a code SMTP has not (650): passed on, it was no
+        // reply the client could read.
         warn!(code = reply.code, text = %reply.text, "the upstream answered out of turn");
         reply = Reply::owned(
             451,
@@ -294,11 +295,12 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_relay_is_never_told_as_a_positive_reply() {
+    fn a_failed_relay_is_told_as_a_refusal_smtp_has() {
         for e in [
             RelayError::Refused(r(250, [2, 0, 0], "Ok")),
             RelayError::Setup(r(220, [0, 0, 0], "again")),
             RelayError::Refused(r(354, [0, 0, 0], "go on")),
+            RelayError::Refused(r(650, [0, 0, 0], "odd")),
         ] {
             let reply = client_reply(&e);
             assert_eq!(reply.code, 451, "{e}");

@@ -293,7 +293,14 @@ impl Session {
             return Ok(());
         }
         let timeout = self.listener.cfg.idle_timeout;
-        let written = tokio::time::timeout(timeout, self.stream.write_all(&self.out)).await;
+        // Flushed: over TLS a write ends once rustls holds the bytes, and
+        // what the socket had no room for would wait there while the
+        // session waits for the client, which waits for these replies.
+        let written = tokio::time::timeout(timeout, async {
+            self.stream.write_all(&self.out).await?;
+            self.stream.flush().await
+        })
+        .await;
         self.out.clear();
         match written {
             Ok(Ok(())) => Ok(()),
@@ -1015,12 +1022,16 @@ impl Session {
             Err(e) => {
                 // A refused session (its greeting, EHLO or AUTH: a wrong
                 // password, say) fails every message alike: an upstream
-                // error, not a message the upstream answered.
-                let answered = matches!(e, super::client::RelayError::Refused(_));
-                rule.count(if answered {
-                    Outcome::Forwarded
-                } else {
-                    Outcome::UpstreamError
+                // error, not a message the upstream answered. A message
+                // the upstream cannot take as it is (past the SIZE it
+                // offers, 8-bit to a 7-bit one) never reached it: refused
+                // as the client sent it.
+                use super::client::RelayError::{Incapable, Refused};
+                let answered = matches!(e, Refused(_) | Incapable(_));
+                rule.count(match e {
+                    Refused(_) => Outcome::Forwarded,
+                    Incapable(_) => Outcome::Invalid,
+                    _ => Outcome::UpstreamError,
                 });
                 if throttled_error(&e) {
                     let pause = pool.config().throttle_pause;

@@ -13,6 +13,10 @@ Prints `PORT <n>` first, then one JSON line per message taken:
                  "354-at-dot" (takes the message, answers its end of
                  data 354: out of step), "421-at-dot" (takes the
                  message, answers its end of data 421),
+                 "mixed-at-dot" (takes the message, answers its end of
+                 data with a 250 line over a 550 one), "long-at-dot"
+                 (takes the message, answers its end of data with a
+                 250 line of 5,000 bytes),
                  "421-close", "slow-reply" (takes the message, answers
                  its end of data 1 s later), "slower-reply" (3 s later),
                  "550-606" (MAIL refused `550 5.7.606`), "550-close"
@@ -112,6 +116,10 @@ class Upstream:
             return "354 out of step"
         if self.mode() == "421-at-dot":
             return "421 4.3.0 Shutting down"
+        if self.mode() == "mixed-at-dot":
+            return "250-2.0.0 Ok\r\n550 5.7.1 Rejected"
+        if self.mode() == "long-at-dot":
+            return f"250 2.0.0 Ok: queued as {qid} " + "x" * 5000
         if self.mode() == "slow-reply":
             await asyncio.sleep(1)
         elif self.mode() == "slower-reply":
