@@ -1,6 +1,8 @@
 //! The admin listener: `/metrics` (Prometheus text), `/healthz` (the
 //! process is up), `/readyz` (503 while draining), `/status` (JSON). Meant
-//! for loopback or a private interface; it has no authentication.
+//! for loopback or a private interface; it has no authentication. On
+//! loopback, what it tells (`/status`, `/metrics`, `/buckets`) it answers
+//! only to requests that name a loopback host (DNS rebinding).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -27,9 +29,11 @@ pub async fn serve(
     metrics: PrometheusHandle,
     show_keys: bool,
 ) {
+    let mut on_loopback = false;
     if let Ok(addr) = listener.local_addr() {
         info!(%addr, "admin listening");
-        if !addr.ip().is_loopback() {
+        on_loopback = addr.ip().is_loopback();
+        if !on_loopback {
             warn!(
                 %addr,
                 "the admin listener is not on loopback and has no authentication: \
@@ -63,7 +67,16 @@ pub async fn serve(
         let walk = walk.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req: Request<Incoming>| {
-                let reply = answer(&req, &server, &metrics);
+                let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
+                let reply = if on_loopback && !probe && !loopback_host(&req) {
+                    Reply::Now(text(
+                        StatusCode::MISDIRECTED_REQUEST,
+                        "text/plain",
+                        "the admin listener answers loopback names only (localhost, 127.0.0.1, [::1])\n",
+                    ))
+                } else {
+                    answer(&req, &server, &metrics)
+                };
                 let (server, walk) = (server.clone(), walk.clone());
                 async move {
                     Ok::<_, Infallible>(match reply {
@@ -95,6 +108,35 @@ pub async fn serve(
             drop(place);
         });
     }
+}
+
+/// Whether the request names a loopback host (`localhost`, a name under
+/// it, a loopback address; any port), or none. A listener on loopback
+/// answers only those: a web page whose name an attacker's DNS turns to
+/// 127.0.0.1 (DNS rebinding) reaches the port from the user's browser,
+/// but names its own host, and must not read `/status` or `/metrics` or
+/// probe keys through `/buckets`. (`/healthz` and `/readyz` tell nothing
+/// and answer any name: a health checker's Host is its own business.)
+fn loopback_host(req: &Request<Incoming>) -> bool {
+    let named = match req.headers().get(http::header::HOST) {
+        Some(host) => host
+            .to_str()
+            .ok()
+            .and_then(|h| h.parse::<http::uri::Authority>().ok()),
+        None => req.uri().authority().cloned(),
+    };
+    let Some(authority) = named else {
+        // No name at all (HTTP/1.0): nothing a browser sends.
+        return req.headers().get(http::header::HOST).is_none();
+    };
+    let host = authority.host().trim_end_matches('.').to_ascii_lowercase();
+    if host == "localhost" || host.ends_with(".localhost") {
+        return true;
+    }
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Admin connections open at once.

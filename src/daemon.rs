@@ -160,7 +160,9 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
 
     let mut watchdog_usec = 0;
     if sd_notify::watchdog_enabled(false, &mut watchdog_usec) && watchdog_usec > 0 {
-        let period = Duration::from_micros(watchdog_usec / 2);
+        // (Not zero, which `interval` refuses: WATCHDOG_USEC=1 comes from
+        // the environment.)
+        let period = Duration::from_micros(watchdog_usec / 2).max(Duration::from_millis(1));
         let handle = handle.clone();
         background.push(supervise("watchdog", move || {
             let handle = handle.clone();
@@ -184,6 +186,14 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     let stopping = handle.clone();
     background.push(tokio::spawn(async move {
         while hangup.recv().await.is_some() {
+            // Once stopping, the config stays: systemd was told how long
+            // the drain may take from it (a reload could lengthen the
+            // drain past that and be killed in the middle), and RELOADING
+            // after STOPPING is out of order.
+            if handle.stopping() {
+                warn!("SIGHUP during shutdown: ignored, the drain keeps its config");
+                continue;
+            }
             // Each reload on its own task: a panic in one is logged and
             // counted, and the next SIGHUP still works.
             let (path, handle) = (path.clone(), handle.clone());

@@ -355,6 +355,37 @@ async fn status_masks_keys_unless_told() {
     waiting.abort();
 }
 
+/// The admin listener on loopback answers only requests that name a
+/// loopback host: a web page whose name an attacker's DNS turns to
+/// 127.0.0.1 (DNS rebinding) names itself, and must not read `/status`
+/// or probe keys through `/buckets` from the user's browser.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_answers_loopback_names_only() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&base(ds.addr, "", ONE_ROUTE));
+    let c = client();
+    let port = s.admin.unwrap().port();
+    for host in ["evil.example", "evil.example:80", "127.0.0.1.evil.example"] {
+        for path in ["/status", "/buckets/default/k", "/metrics"] {
+            let a = get(&c, &s.admin_url(path), &[("host", host)]).await;
+            assert_eq!(a.status, StatusCode::MISDIRECTED_REQUEST, "{host} {path}");
+        }
+        // Health probes tell nothing, and answer any name.
+        let a = get(&c, &s.admin_url("/healthz"), &[("host", host)]).await;
+        assert_eq!(a.status, StatusCode::OK, "{host}");
+    }
+    for host in [
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        "LOCALHOST.".to_owned(),
+        "[::1]".to_owned(),
+        "127.0.0.2".to_owned(),
+    ] {
+        let a = get(&c, &s.admin_url("/status"), &[("host", &host)]).await;
+        assert_eq!(a.status, StatusCode::OK, "{host}");
+    }
+}
+
 /// Requests sent together on one HTTP/2 connection (streams written in one
 /// go) are admitted in stream order: the downstream sees them in order.
 /// One call in flight at a time (`max_concurrency = 1`, its waits first

@@ -687,6 +687,129 @@ async fn systemd_notifications_come_in_order() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// A SIGHUP once the stop began is ignored: no RELOADING=1 after
+/// STOPPING=1, and the drain keeps the config systemd was told the time
+/// of (a reload that raised drain_timeout then made the drain outlast
+/// EXTEND_TIMEOUT_USEC, and systemd killed it in the middle).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_during_the_stop_is_ignored() {
+    let ds = Downstream::start().await;
+    let path = std::env::temp_dir().join(format!("sluice-notify-hup-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let sock = UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let cfg = config(ds.addr, "5/s", 10, "1s").replace(
+        "drain_timeout = \"1s\"",
+        "drain_timeout = \"1s\"\nshutdown_delay = \"2s\"",
+    );
+    let mut sluice = Sluice::start_with_env(&cfg, &[("NOTIFY_SOCKET", path.to_str().unwrap())]);
+    let recv = |sock: &UnixDatagram| {
+        let mut buf = [0u8; 512];
+        let n = sock.recv(&mut buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    assert_eq!(recv(&sock).trim(), "READY=1");
+    sluice.signal("TERM");
+    assert!(recv(&sock).starts_with("STOPPING=1"));
+    // During the shutdown delay: a longer drain, and SIGHUP.
+    std::fs::write(
+        &sluice.config,
+        cfg.replace("drain_timeout = \"1s\"", "drain_timeout = \"1h\""),
+    )
+    .unwrap();
+    sluice.signal("HUP");
+    wait_for_log(&sluice, "SIGHUP during shutdown: ignored").await;
+    let status = tokio::task::spawn_blocking(move || sluice.wait_exit(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    // Nothing after STOPPING=1.
+    sock.set_nonblocking(true).unwrap();
+    let mut buf = [0u8; 512];
+    let after = sock
+        .recv(&mut buf)
+        .map(|n| String::from_utf8_lossy(&buf[..n]).into_owned());
+    assert!(after.is_err(), "{after:?}");
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Once the drain gives up, an HTTP answer still streaming gets the HTTP
+/// grace (the longest `request_timeout` + 1 s), not the 9 minutes an SMTP
+/// relay in flight may take: with any SMTP upstream configured, one
+/// endless answer (a server-sent event stream, say) kept every stop for
+/// `drain_timeout` + 9 minutes, and systemd was told to wait that long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streaming_answer_gets_the_http_grace_not_the_relays() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // A downstream streaming a chunk every 100 ms (for at most 60 s).
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let ds = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut head = [0u8; 4096];
+        let _ = sock.read(&mut head).await;
+        let _ = sock
+            .write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            .await;
+        for _ in 0..600 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if sock.write_all(b"1\r\nx\r\n").await.is_err() {
+                return;
+            }
+        }
+    });
+    let cfg = config(ds, "100/s", 10, "1s").replace(
+        "url = \"http://",
+        "request_timeout = \"1s\"\nurl = \"http://",
+    ) + &format!(
+        r#"
+[[smtp_upstream]]
+name = "relay"
+url = "smtp://127.0.0.1:{}"
+tls = "none"
+
+[[smtp]]
+name = "mail"
+listen = ["127.0.0.1:0"]
+upstream = "relay"
+key = "global"
+rate = "5/s"
+capacity = 10
+"#,
+        support::closed_port()
+    );
+    let sluice = Sluice::start(&cfg);
+    let mut stream = tokio::net::TcpStream::connect(sluice.addr).await.unwrap();
+    stream
+        .write_all(b"GET /events HTTP/1.1\r\nHost: t\r\nX-Client: s\r\n\r\n")
+        .await
+        .unwrap();
+    // Streaming: the head and a first chunk.
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !got.windows(5).any(|w| w == b"\r\nx\r\n") {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            String::from_utf8_lossy(&got)
+        );
+        let mut buf = [0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed: {:?}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    let t = Instant::now();
+    sluice.signal("TERM");
+    // drain_timeout (1 s), then request_timeout + 1 s: about 3 s.
+    exits_cleanly(sluice, Duration::from_secs(20)).await;
+    assert!(t.elapsed() >= Duration::from_secs(2), "{:?}", t.elapsed());
+    drop(stream);
+}
+
 /// A second SIGTERM (or SIGINT) during the drain ends it at once, with a
 /// failure status: an operator's second Ctrl-C is not ignored for the
 /// whole drain.

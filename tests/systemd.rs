@@ -52,6 +52,7 @@ fn unit_has_the_operational_directives() {
         "LimitNOFILE=",
         "LimitNICE=-10",
         "RestartPreventExitStatus=2",
+        "StartLimitIntervalSec=0",
         "DynamicUser=yes",
     ] {
         assert!(

@@ -150,14 +150,24 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Shared {
-    /// How long calls and relays in flight get once the drain gives up:
-    /// the longest `request_timeout`, or what a relay under way may still
-    /// take, and a second.
+    /// How long HTTP calls in flight get once the drain gives up: the
+    /// longest `request_timeout`, and a second.
+    fn http_grace(&self) -> Duration {
+        self.app(0).longest_request_timeout() + Duration::from_secs(1)
+    }
+
+    /// How long relays in flight get once the drain gives up: what a
+    /// relay under way may still take, and a second (none without an
+    /// SMTP upstream).
+    fn smtp_grace(&self) -> Duration {
+        self.smtp.longest_relay() + Duration::from_secs(1)
+    }
+
+    /// The longer of the two: each front end gets its own, so that a
+    /// streaming HTTP answer is not kept for the 9 minutes a relay may
+    /// take.
     fn in_flight_grace(&self) -> Duration {
-        self.app(0)
-            .longest_request_timeout()
-            .max(self.smtp.longest_relay())
-            + Duration::from_secs(1)
+        self.http_grace().max(self.smtp_grace())
     }
 
     /// The routing table of worker `i` (the first for callers that are not
@@ -236,6 +246,11 @@ impl Handle {
     /// everything is still served until the drain starts.
     pub fn announce_stop(&self) {
         self.0.stopping.store(true, Ordering::Release);
+    }
+
+    /// Whether a stop was announced.
+    pub fn stopping(&self) -> bool {
+        self.0.stopping.load(Ordering::Acquire)
     }
 
     /// Swap in a new config. Queued requests keep their place and their

@@ -338,13 +338,13 @@ impl Server {
             if refused > 0 {
                 warn!(refused, "drain timeout passed: answering the rest 503");
             }
-            // Calls and relays in flight finish (no relay starts now).
-            let grace = self.shared.in_flight_grace();
-            let all = async {
-                workers.wait().await;
-                smtp_sessions.wait().await;
-            };
-            if tokio::time::timeout(grace, all).await.is_err() {
+            // Calls and relays in flight finish (no relay starts now),
+            // each front end within its own grace.
+            let (http, smtp) = tokio::join!(
+                tokio::time::timeout(self.shared.http_grace(), workers.wait()),
+                tokio::time::timeout(self.shared.smtp_grace(), smtp_sessions.wait()),
+            );
+            if http.is_err() || smtp.is_err() {
                 warn!("connections still open after the in-flight grace period; closing");
             }
         }
