@@ -228,19 +228,7 @@ fn valid_hostname(name: &str) -> bool {
 impl Validator {
     /// A secret file's contents: readable, not by everyone.
     pub(super) fn secret_file(&mut self, path: &str, field: &str, file: &str) -> Option<String> {
-        use std::os::unix::fs::PermissionsExt;
-        let meta = match std::fs::metadata(file) {
-            Ok(m) => m,
-            Err(e) => {
-                self.problem(path, format!("{field} '{file}': cannot read: {e}"));
-                return None;
-            }
-        };
-        if meta.permissions().mode() & 0o004 != 0 {
-            self.problem(
-                path,
-                format!("{field} '{file}': is readable by everyone; chmod o-r it"),
-            );
+        if !self.kept_secret(path, field, file) {
             return None;
         }
         match std::fs::read_to_string(file) {
@@ -248,6 +236,26 @@ impl Validator {
             Err(e) => {
                 self.problem(path, format!("{field} '{file}': cannot read: {e}"));
                 None
+            }
+        }
+    }
+
+    /// Whether `file`, which holds a secret, is not readable by everyone
+    /// (a problem when it is, or when it cannot be read).
+    pub(super) fn kept_secret(&mut self, path: &str, field: &str, file: &str) -> bool {
+        use std::os::unix::fs::PermissionsExt;
+        match std::fs::metadata(file) {
+            Ok(meta) if meta.permissions().mode() & 0o004 != 0 => {
+                self.problem(
+                    path,
+                    format!("{field} '{file}': is readable by everyone; chmod o-r it"),
+                );
+                false
+            }
+            Ok(_) => true,
+            Err(e) => {
+                self.problem(path, format!("{field} '{file}': cannot read: {e}"));
+                false
             }
         }
     }
@@ -674,6 +682,10 @@ impl Validator {
     ) -> Option<Arc<rustls::ServerConfig>> {
         use rustls::pki_types::PrivateKeyDer;
         use rustls::pki_types::pem::PemObject;
+        // The private key is a secret like a password file.
+        if !self.kept_secret(path, "tls_key", key) {
+            return None;
+        }
         let certs = match CertificateDer::pem_file_iter(cert)
             .and_then(|i| i.collect::<Result<Vec<_>, _>>())
         {

@@ -1080,6 +1080,30 @@ rate = "5/s"
 capacity = 10
 "#;
 
+/// An SMTP listener's TLS private key readable by everyone is refused,
+/// as password files are.
+#[test]
+fn a_tls_key_readable_by_everyone_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let key = std::env::temp_dir().join(format!("sluice-tls-key-{}", std::process::id()));
+    std::fs::write(&key, "not even a key").unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let text = format!(
+        "{SMTP}tls_cert = \"/nonexistent.pem\"\ntls_key = \"{}\"\n",
+        key.display()
+    );
+    assert_problem(&text, "is readable by everyone; chmod o-r it");
+    // Kept to its owner, it is read (and here fails as what it is).
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let found = problems(&text);
+    let _ = std::fs::remove_file(&key);
+    assert!(
+        !found.iter().any(|p| p.contains("readable by everyone")),
+        "{found:?}"
+    );
+    assert!(found.iter().any(|p| p.contains("tls_cert")), "{found:?}");
+}
+
 #[test]
 fn listeners_that_overlap_are_invalid() {
     // The SMTP example alone is valid.
