@@ -46,7 +46,8 @@ capacity = 10
 "#;
 
 /// Route limits cannot be bypassed with paths the upstream normalizes
-/// back: they match the /admin route (capacity 0: refused); paths that
+/// back (or routes without their `;` parameters, as servlet containers
+/// do): they match the /admin route (capacity 0: refused); paths that
 /// cannot be normalized safely get 400; the upstream gets the normal path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unnormalized_paths_cannot_bypass_a_route() {
@@ -80,6 +81,9 @@ capacity = 10
         "/%61dmin/y",
         "//admin/y",
         "/./admin/y",
+        // Parameters, which servlet containers drop before they route.
+        "/admin;x/y",
+        "/;x/admin/y",
     ] {
         let a = get(&c, &s.url(p), &[]).await;
         assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS, "{p}: {:?}", a.body);
@@ -353,6 +357,47 @@ async fn status_masks_keys_unless_told() {
     assert_eq!(doc["fingerprint"], shown.as_str(), "{doc}");
     assert_eq!(doc["waiting"], 1, "{doc}");
     waiting.abort();
+}
+
+/// A key header (or cost header) the client names in `Connection` is a
+/// header for this hop, which the upstream never gets: the request is
+/// filed as one without it (here `on_missing_key = "ip"`: by its
+/// address). Keyed by it, every request with a fresh value got a fresh
+/// bucket, past the route's limit, and the upstream saw no key at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_header_named_in_connection_is_no_key() {
+    use std::io::{Read, Write};
+    let ds = Downstream::start().await;
+    let routes = default_route("header:X-Api-Key", "1/m", 0) + "on_missing_key = \"ip\"\n";
+    let s = Sluice::start(&base(ds.addr, "", &routes));
+    let status = |request: String| {
+        let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        sock.write_all(request.as_bytes()).unwrap();
+        let mut got = Vec::new();
+        let _ = sock.read_to_end(&mut got);
+        String::from_utf8_lossy(&got)
+            .get(9..12)
+            .unwrap_or("")
+            .to_owned()
+    };
+    let statuses: Vec<String> = (0..3)
+        .map(|i| {
+            status(format!(
+                "GET /k/{i} HTTP/1.1\r\nHost: t\r\nX-Api-Key: fresh-{i}\r\nConnection: close, x-api-key\r\n\r\n"
+            ))
+        })
+        .collect();
+    // One departure for the address; the others find its slot taken.
+    assert_eq!(statuses, ["200", "429", "429"]);
+    // Keyed by its header when it is not named.
+    let named = status(
+        "GET /k/named HTTP/1.1\r\nHost: t\r\nX-Api-Key: real\r\nConnection: close\r\n\r\n"
+            .to_owned(),
+    );
+    assert_eq!(named, "200");
+    assert_eq!(ds.seen().len(), 2);
 }
 
 /// The admin listener on loopback answers only requests that name a

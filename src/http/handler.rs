@@ -321,7 +321,7 @@ impl Handler {
                 return Err(problem(StatusCode::BAD_REQUEST, &e.to_string(), None));
             }
         };
-        let Some(index) = app.route(&path, &req) else {
+        let Some(index) = app.route(&path::without_parameters(&path), &req) else {
             self.shared.count_unrouted();
             return Err(problem(
                 StatusCode::NOT_FOUND,

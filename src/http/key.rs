@@ -71,7 +71,9 @@ pub fn extract(
             KeyPart::Global => {}
             KeyPart::Header(name) => {
                 let joined;
-                let value = if name == http::header::COOKIE {
+                let value = if hop_by_hop(headers, name) {
+                    None
+                } else if name == http::header::COOKIE {
                     joined = super::headers::joined_cookie(headers);
                     joined.as_ref()
                 } else {
@@ -104,12 +106,29 @@ pub(crate) fn one_value<'a>(
     headers: &'a HeaderMap,
     name: &http::HeaderName,
 ) -> Result<Option<&'a http::HeaderValue>, String> {
+    if hop_by_hop(headers, name) {
+        return Ok(None);
+    }
     let mut values = headers.get_all(name).iter();
     let first = values.next();
     match values.next() {
         Some(_) => Err(format!("the {name} header must appear once")),
         None => Ok(first),
     }
+}
+
+/// Whether `Connection` names `name`: a header for this hop only, which
+/// the departure removes ([`super::headers`]), so it is neither key nor
+/// cost: the request is filed as if it had none. (Keyed by it, a client
+/// naming its key header there got a fresh bucket per request, keyed by
+/// a value the upstream never saw.)
+fn hop_by_hop(headers: &HeaderMap, name: &http::HeaderName) -> bool {
+    headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
 }
 
 /// The key for the displayed form `text` (as `/status` shows it: header

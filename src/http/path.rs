@@ -16,7 +16,8 @@
 //! 4. `.` and `..` segments are removed (5.2.4).
 //!
 //! A path that does not start with `/` (`*` for `OPTIONS *`) is left as it
-//! is.
+//! is. Routes then match it without its segments' `;` parameters
+//! ([`without_parameters`]), as servlet containers read it.
 
 use std::borrow::Cow;
 
@@ -141,6 +142,30 @@ pub fn normalize(path: &str) -> Result<Cow<'_, str>, PathError> {
     Ok(Cow::Owned(normal))
 }
 
+/// The path routes match: the normalized `path` with each segment's `;`
+/// parameters removed, as servlet containers (Tomcat, Jetty) read it
+/// before they route: `/admin;x/secret` is their `/admin/secret`, and must
+/// take the route of `/admin/`, not a looser one. A segment that was all
+/// parameters goes (`/;x/admin` is `/admin`). The upstream still gets the
+/// path as it came. Borrowed when there is no `;` (the common case).
+pub fn without_parameters(path: &str) -> Cow<'_, str> {
+    if !path.starts_with('/') || !path.contains(';') {
+        return Cow::Borrowed(path);
+    }
+    let mut out = String::with_capacity(path.len());
+    let segments: Vec<&str> = path[1..].split('/').collect();
+    let last = segments.len() - 1;
+    for (n, segment) in segments.iter().enumerate() {
+        let bare = segment.split_once(';').map_or(*segment, |(bare, _)| bare);
+        if bare.is_empty() && n != last {
+            continue;
+        }
+        out.push('/');
+        out.push_str(bare);
+    }
+    Cow::Owned(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,6 +199,22 @@ mod tests {
         // segment, are just text.
         for p in ["/a;b/c", "/a/..b;c", "/a/b..;"] {
             assert_eq!(n(p).as_deref(), Ok(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn routes_match_paths_without_their_parameters() {
+        for (p, bare) in [
+            ("/admin;x/secret", "/admin/secret"),
+            ("/admin;x=1;y/", "/admin/"),
+            ("/;x/admin", "/admin"),
+            ("/shop/cart;jsessionid=AB", "/shop/cart"),
+            ("/a/;x", "/a/"),
+        ] {
+            assert_eq!(without_parameters(p), bare, "{p}");
+        }
+        for p in ["/admin/secret", "*", "/"] {
+            assert!(matches!(without_parameters(p), Cow::Borrowed(x) if x == p));
         }
     }
 
