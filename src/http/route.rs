@@ -104,6 +104,14 @@ fn cost_of(cost: &Cost, headers: &HeaderMap) -> Result<u32, String> {
 /// UTF-8 in it (which [`sound_host`] lets through, as nginx does) is
 /// matched like any other, not left for a route without a host.
 fn host_matches(pattern: &str, host: &[u8]) -> bool {
+    // An IPv6 address (kept in its canonical form) matches however the
+    // request spells it (`[0:0:0:0:0:0:0:1]` is `[::1]`).
+    if let Ok(ip) = pattern.parse::<std::net::Ipv6Addr>() {
+        return std::str::from_utf8(host)
+            .ok()
+            .and_then(|h| h.parse::<std::net::Ipv6Addr>().ok())
+            == Some(ip);
+    }
     let pattern = pattern.as_bytes();
     match pattern.strip_prefix(b"*") {
         Some(suffix) => {
@@ -390,5 +398,17 @@ mod tests {
         assert!(!m("api.example.com", "x.api.example.com"));
         // Raw UTF-8 (sound, as nginx takes it) is under the wildcard too.
         assert!(m("*.shop.example", "ü.shop.example"));
+    }
+
+    /// An IPv6 host route takes the address however it is spelt (a
+    /// longer spelling took a looser route to the same upstream).
+    #[test]
+    fn an_ipv6_host_matches_every_spelling() {
+        let m = |pattern: &str, host: &str| host_matches(pattern, host.as_bytes());
+        for spelt in ["::1", "0:0:0:0:0:0:0:1", "::0001", "0::1"] {
+            assert!(m("::1", spelt), "{spelt}");
+        }
+        assert!(!m("::1", "::2"));
+        assert!(!m("::1", "localhost"));
     }
 }
