@@ -371,6 +371,50 @@ fn a_client_that_half_closes_after_a_pipelined_quit_gets_its_replies() {
     up.assert_taken(2);
 }
 
+/// A client that gave up waiting for its held message's reply says QUIT
+/// late (2.5 s after its message here) and closes at once: it will send
+/// the message again, so it is withdrawn, not relayed. (Its close came
+/// within 2 s of its last bytes, a QUIT, which passed for a pipelined
+/// QUIT and a half-close: the message was relayed, and sent twice.)
+#[test]
+fn a_client_that_gives_up_with_a_late_quit_is_withdrawn() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"0.2/s\"\ncapacity = 10",
+    ));
+    let (addr, admin) = (sluice.smtp.unwrap(), sluice.admin.unwrap());
+    let mut first = Raw::connect(addr);
+    start_message(&mut first, "first");
+    assert!(first.cmd(".").starts_with("250"));
+    // Held until the next slot, 5 s after the first.
+    let mut gave_up = Raw::connect(addr);
+    start_message(&mut gave_up, "gave up");
+    gave_up.send(".\r\n");
+    wait_queued(admin, 1);
+    let sent = Instant::now();
+    std::thread::sleep(Duration::from_millis(2_500));
+    gave_up.send("QUIT\r\n");
+    gave_up.shut_write();
+    let cancelled = r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 1"#;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !metrics(&sluice).contains(cancelled) {
+        assert!(
+            Instant::now() < deadline,
+            "the client that gave up was not withdrawn"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        sent.elapsed() < Duration::from_secs(4),
+        "withdrawn only at its slot"
+    );
+    // Past its slot: nothing but the first was relayed.
+    std::thread::sleep(Duration::from_millis(3_000));
+    up.assert_taken(1);
+}
+
 #[test]
 fn a_throttling_upstream_pauses_releases_and_the_client_gets_its_reply() {
     let up = SmtpUpstream::start(UpstreamOpts::default());

@@ -169,4 +169,9 @@ impl InBuf {
     pub fn end_after_data(&self) -> Option<Duration> {
         Some(self.end?.saturating_duration_since(self.last?))
     }
+
+    /// When the last bytes came.
+    pub fn last_data(&self) -> Option<Instant> {
+        self.last
+    }
 }

@@ -903,7 +903,7 @@ impl Session {
             self.flush().await?;
             let waited = tokio::select! {
                 w = hold.wait() => w,
-                () = watch(&mut self.inbuf, &mut self.stream) => {
+                () = watch(&mut self.inbuf, &mut self.stream, data_end) => {
                     // The dropped hold withdraws the message, counted as
                     // cancelled; its slot goes to the next in line.
                     drop(hold);
@@ -938,7 +938,7 @@ impl Session {
                 rule.count(Outcome::Expired);
                 return Ok(reply::PAUSED_TOO_LONG);
             },
-            () = watch(&mut self.inbuf, &mut self.stream) => {
+            () = watch(&mut self.inbuf, &mut self.stream, data_end) => {
                 rule.count(Outcome::Cancelled);
                 return Err(End::Gone);
             }
@@ -966,7 +966,7 @@ impl Session {
         let closing = admission.closing();
         let relayed = tokio::select! {
             r = &mut relay => Some(r),
-            () = watch(&mut self.inbuf, &mut self.stream) => None,
+            () = watch(&mut self.inbuf, &mut self.stream, data_end) => None,
             // The drain gives up while the relay waits for a connection
             // (every one of `max_connections` busy) or sends the envelope:
             // it is dropped, as one not started. One past its end of data
@@ -1189,9 +1189,11 @@ fn decode(text: &str) -> Option<Vec<u8>> {
 /// sending side (a TCP half-close, which RFC 2920 clients may do) has not
 /// gone: it reads its answers, and is answered. Told apart from a client
 /// that sent QUIT and later went away (which must not have its message
-/// relayed: it would send it again) by its close coming with its QUIT,
-/// within [`HALF_CLOSE_WITH_QUIT`] of its last bytes.
-async fn watch(inbuf: &mut InBuf, stream: &mut Stream) {
+/// relayed: it would send it again) by its QUIT coming with its message
+/// (within [`HALF_CLOSE_WITH_QUIT`] of `data_end`, the end of its data)
+/// and its close with its QUIT (within as long of its last bytes): a
+/// client that gave up waiting says QUIT later, and closes at once.
+async fn watch(inbuf: &mut InBuf, stream: &mut Stream, data_end: Instant) {
     loop {
         if inbuf.len() >= MAX_AHEAD {
             std::future::pending::<()>().await;
@@ -1199,6 +1201,9 @@ async fn watch(inbuf: &mut InBuf, stream: &mut Stream) {
         match inbuf.fill(stream).await {
             Ok(0)
                 if ends_with_quit(inbuf.unread())
+                    && inbuf.last_data().is_some_and(|t| {
+                        t.saturating_duration_since(data_end) < HALF_CLOSE_WITH_QUIT
+                    })
                     && inbuf
                         .end_after_data()
                         .is_some_and(|d| d < HALF_CLOSE_WITH_QUIT) =>
