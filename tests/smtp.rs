@@ -969,6 +969,52 @@ fn a_client_outside_allow_from_without_auth_is_refused_at_the_greeting() {
     assert_eq!(rest, "", "closed after QUIT");
 }
 
+/// A reload applies to connections kept open: one greeted while
+/// `auth_file` let anyone in (here from outside `allow_from`) is not an
+/// open relay once a reload drops it (its MAIL was 250: relayed without
+/// AUTH); and AUTH PLAIN with an authorization identity other than the
+/// user (asking to act as someone else) fails (RFC 4616 2).
+#[test]
+fn a_reload_that_drops_auth_closes_the_relay_to_open_connections() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let users = TempFile::new("secret", "app:s3cret\n");
+    let listener =
+        "key = \"global\"\nrate = \"50/s\"\ncapacity = 10\nallow_from = [\"10.0.0.0/8\"]";
+    let with_auth = config(
+        up.port,
+        "tls = \"none\"",
+        &format!("{listener}\nauth_file = \"{}\"", users.display()),
+    );
+    let sluice = Sluice::start(&with_auth);
+    let addr = sluice.smtp.unwrap();
+    let plain = |authzid: &str| {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(format!("{authzid}\0app\0s3cret"))
+    };
+    let mut proxy = Raw::connect(addr);
+    assert!(proxy.cmd("EHLO raw.test").starts_with("250"));
+    let reply = proxy.cmd(&format!("AUTH PLAIN {}", plain("other")));
+    assert!(reply.starts_with("535"), "{reply}");
+    let reply = proxy.cmd(&format!("AUTH PLAIN {}", plain("app")));
+    assert!(reply.starts_with("235"), "{reply}");
+    let mut kept = Raw::connect(addr);
+    assert!(kept.cmd("EHLO raw.test").starts_with("250"));
+    std::fs::write(&sluice.config, config(up.port, "tls = \"none\"", listener)).unwrap();
+    sluice.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sluice.log().iter().any(|l| l.contains("config reloaded")) {
+        assert!(
+            Instant::now() < deadline,
+            "not reloaded: {:?}",
+            sluice.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let reply = kept.cmd("MAIL FROM:<a@example.com>");
+    assert!(reply.starts_with("554 5.7.1"), "{reply}");
+    up.assert_taken(0);
+}
+
 #[test]
 fn check_accepts_the_shipped_smtp_example_shape_and_names_problems() {
     let ok = support::write_config(&config(

@@ -562,15 +562,7 @@ impl Session {
         }
         // Until this MAIL opens its transaction.
         self.excused = self.listener.cfg.max_recipients.saturating_add(1);
-        // Each transaction uses the listener's policy as it is now (a
-        // reload applies to kept-open connections too).
-        match self.front.listener(&self.listener.cfg.name) {
-            Some(l) => self.listener = l,
-            None => {
-                self.say(&reply::SHUTTING_DOWN);
-                return Err(End::Closed);
-            }
-        }
+        self.refresh_listener()?;
         let listener = self.listener.clone();
         let cfg = &listener.cfg;
         if cfg.require_tls && !self.stream.is_tls() {
@@ -578,6 +570,12 @@ impl Session {
         }
         if cfg.auth.is_some() && self.user.is_none() {
             return self.error(&reply::AUTH_REQUIRED);
+        }
+        // Who may relay without AUTH, as the listener says now: greeted
+        // when `auth_file` let anyone in, or from an address a reload took
+        // out of `allow_from`, a connection kept open was an open relay.
+        if cfg.auth.is_none() && !cfg.allow_from.iter().any(|n| n.contains(&self.peer.ip())) {
+            return self.error(&reply::RELAY_DENIED);
         }
         let known = MAIL_BODY_7BIT | MAIL_BODY_8BITMIME | MAIL_SMTPUTF8;
         let extra = from.flags & !known != 0
@@ -1079,7 +1077,23 @@ impl Session {
         Ok(())
     }
 
+    /// Take the listener's policy as it is now: each transaction and each
+    /// AUTH uses it (a reload applies to kept-open connections too).
+    fn refresh_listener(&mut self) -> Result<(), End> {
+        match self.front.listener(&self.listener.cfg.name) {
+            Some(l) => {
+                self.listener = l;
+                Ok(())
+            }
+            None => {
+                self.say(&reply::SHUTTING_DOWN);
+                Err(End::Closed)
+            }
+        }
+    }
+
     async fn auth(&mut self, mechanism: u64, initial: String) -> Result<(), End> {
+        self.refresh_listener()?;
         let Some(credentials) = self.listener.cfg.auth.clone() else {
             return self.error(&reply::NOT_IMPLEMENTED);
         };
@@ -1105,12 +1119,16 @@ impl Session {
                 let Some(token) = token else {
                     return Ok(());
                 };
-                // authzid NUL authcid NUL password (RFC 4616)
+                // authzid NUL authcid NUL password (RFC 4616). An authzid
+                // other than the user asks to act as someone else, which
+                // sluice grants nobody: it fails (RFC 4616 2).
                 let mut parts = token.split(|&b| b == 0);
                 match (parts.next(), parts.next(), parts.next(), parts.next()) {
-                    (Some(_), Some(user), Some(password), None) => {
-                        (user.to_vec(), password.to_vec())
-                    }
+                    (Some(authzid), Some(user), Some(password), None) => (
+                        user.to_vec(),
+                        password.to_vec(),
+                        authzid.is_empty() || authzid == user,
+                    ),
                     _ => return self.error(&reply::AUTH_BAD_BASE64),
                 }
             }
@@ -1125,13 +1143,13 @@ impl Session {
                 let Some(password) = self.challenge("UGFzc3dvcmQ6").await? else {
                     return Ok(());
                 };
-                (user, password)
+                (user, password, true)
             }
             _ => return self.error(&reply::AUTH_MECHANISM),
         };
-        let (user, password) = pair;
+        let (user, password, as_self) = pair;
         let user = String::from_utf8_lossy(&user).into_owned();
-        if credentials.check(&user, &password) {
+        if credentials.check(&user, &password) && as_self {
             info!(peer = %self.peer, %user, "authenticated");
             self.user = Some(user);
             self.say(&reply::AUTH_OK);
@@ -1228,12 +1246,15 @@ fn ends_with_quit(input: &[u8]) -> bool {
 
 /// Whether an address the parser gave can go into an upstream command
 /// as it is: no control characters, and a domain (after the last `@`)
-/// that is a name: letters, digits, hyphens, dots, or UTF-8. The parser
+/// that is a name: letters, digits, hyphens, dots, or UTF-8 (and no byte
+/// that was not UTF-8). The parser
 /// accepts a quoted domain and drops its quotes, so
 /// `u@"x.com> NOTIFY=NEVER"` would otherwise reach the upstream as extra
 /// parameters of the command. (It refuses address literals itself.)
 fn sound_address(address: &str) -> bool {
-    if address.chars().any(char::is_control) {
+    // U+FFFD: the parser's stand-in for bytes that are not UTF-8, which
+    // RFC 6531 does not allow (relayed, the address would be another).
+    if address.chars().any(|c| c.is_control() || c == '\u{FFFD}') {
         return false;
     }
     let Some((_, domain)) = address.rsplit_once('@') else {
@@ -1284,6 +1305,7 @@ mod tests {
             "u@[127.0.0.1]",
             "u@x.com\r\nRSET",
             "u@x,y",
+            "\u{FFFD}@example.com",
         ] {
             assert!(!sound_address(bad), "{bad}");
         }
