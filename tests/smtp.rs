@@ -1216,6 +1216,56 @@ fn a_reload_that_lowers_max_connections_counts_the_open_sessions() {
     }
 }
 
+/// One address outside `allow_from` holds at most
+/// `max_connections_per_ip` sessions (Postfix's
+/// `smtpd_client_connection_count_limit`); past it, 421 4.7.0 and closed.
+/// Refused at the greeting (554), such sessions stayed open until their
+/// idle timeout, and one outsider could take every one of the listener's
+/// `max_connections` from the clients allowed to relay.
+#[test]
+fn one_address_outside_allow_from_holds_a_few_connections_at_most() {
+    use std::io::{BufRead, BufReader};
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = Sluice::start(&config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"ip\"\nrate = \"5/s\"\ncapacity = 10\nallow_from = [\"10.0.0.0/8\"]\nmax_connections_per_ip = 2",
+    ));
+    let addr = sluice.smtp.unwrap();
+    // A new connection and its first line.
+    let greeted = || {
+        let stream = std::net::TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        let _ = reader.read_line(&mut line);
+        (reader, line)
+    };
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let (reader, line) = greeted();
+        assert!(line.starts_with("554 "), "{line}");
+        open.push(reader);
+    }
+    let (_, third) = greeted();
+    assert!(third.starts_with("421 4.7.0"), "{third}");
+    drop(open.pop());
+    // Its place comes back once sluice has seen the close.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (reader, line) = greeted();
+        if line.starts_with("554 ") {
+            open.push(reader);
+            break;
+        }
+        assert!(line.starts_with("421 4.7.0"), "{line}");
+        assert!(Instant::now() < deadline, "no place after one closed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// DESIGN 1's late releases for mail: a message whose data comes after its
 /// slot is relayed late, and the next message of the same client, due
 /// 2 s after it, is relayed no sooner than c·T/2 (1 s) after it, not right

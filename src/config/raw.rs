@@ -88,6 +88,8 @@ pub struct RawSmtp {
     pub max_recipients: Option<i64>,
     #[serde(default, deserialize_with = "whole")]
     pub max_connections: Option<i64>,
+    #[serde(default, deserialize_with = "whole")]
+    pub max_connections_per_ip: Option<i64>,
     #[serde(default, deserialize_with = "duration")]
     pub idle_timeout: Option<String>,
     pub hostname: Option<String>,

@@ -40,6 +40,8 @@ const MAX_MESSAGE_SIZE: u64 = 1 << 30;
 const DEFAULT_MAX_RECIPIENTS: usize = 100;
 const MAX_RECIPIENTS: usize = 100_000;
 const DEFAULT_LISTENER_CONNECTIONS: usize = 1_000;
+/// Postfix's `smtpd_client_connection_count_limit` (50).
+const DEFAULT_CONNECTIONS_PER_IP: usize = 50;
 /// RFC 5321 section 4.5.3.2.7: a server waits at least 5 minutes for the
 /// next command.
 const DEFAULT_SMTP_IDLE: Duration = Duration::from_secs(300);
@@ -180,6 +182,9 @@ pub struct SmtpListener {
     pub max_message_size: usize,
     pub max_recipients: usize,
     pub max_connections: usize,
+    /// Sessions open at once from one client address outside
+    /// `allow_from` (to every SMTP listener together).
+    pub max_connections_per_ip: usize,
     /// How long a client may stay silent, or take over one command line;
     /// a message's text must then come at 500 bytes/s on average.
     pub idle_timeout: Duration,
@@ -533,6 +538,16 @@ impl Validator {
             .map_or(DEFAULT_LISTENER_CONNECTIONS, |n| {
                 self.bounded(&format!("{path}: max_connections"), n, 1, MAX_CONNECTIONS)
             });
+        let max_connections_per_ip =
+            raw.max_connections_per_ip
+                .map_or(DEFAULT_CONNECTIONS_PER_IP, |n| {
+                    self.bounded(
+                        &format!("{path}: max_connections_per_ip"),
+                        n,
+                        1,
+                        MAX_CONNECTIONS,
+                    )
+                });
         let idle_timeout = self.duration(
             &format!("{path}: idle_timeout"),
             raw.idle_timeout.as_deref(),
@@ -594,6 +609,7 @@ impl Validator {
             max_message_size: max_message_size?,
             max_recipients,
             max_connections,
+            max_connections_per_ip,
             idle_timeout: idle_timeout?,
             hostname: hostname?,
             tls: tls?,

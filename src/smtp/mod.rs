@@ -23,7 +23,8 @@ mod pool;
 pub mod reply;
 mod session;
 
-use std::net::SocketAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -35,7 +36,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::admission::{Admission, Policy, Protocol, Rule, RuleSpec, StageBudget};
 use crate::config::{Config, MAX_HOLD, SmtpListener};
@@ -85,6 +86,8 @@ pub struct Front {
     /// `max_connections` per listener, kept across reloads.
     slots: Mutex<Concurrency>,
     sessions: Arc<AtomicUsize>,
+    /// Sessions open by client address (`max_connections_per_ip`).
+    per_ip: Arc<PerIp>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -93,6 +96,45 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Counts a session while it lives.
 struct Open(Arc<AtomicUsize>);
+
+/// Sessions open by client address (outside `allow_from`), so that one
+/// address cannot take every one of a listener's `max_connections`
+/// (Postfix's `smtpd_client_connection_count_limit`): an outsider refused
+/// at the greeting kept its slot until its idle timeout, and a few hundred
+/// such connections shut out the clients allowed to relay; with
+/// `auth_file`, each guessed passwords in parallel. An address leaves the
+/// map with its last session.
+#[derive(Debug, Default)]
+struct PerIp(Mutex<HashMap<IpAddr, usize>>);
+
+impl PerIp {
+    /// A place for one more session from `ip`, if it has fewer than
+    /// `most` open.
+    fn enter(self: &Arc<Self>, ip: IpAddr, most: usize) -> Option<PerIpPlace> {
+        let mut open = lock(&self.0);
+        let n = open.entry(ip).or_insert(0);
+        if *n >= most {
+            return None;
+        }
+        *n += 1;
+        Some(PerIpPlace(self.clone(), ip))
+    }
+}
+
+/// One session's place in [`PerIp`], given back when dropped.
+struct PerIpPlace(Arc<PerIp>, IpAddr);
+
+impl Drop for PerIpPlace {
+    fn drop(&mut self) {
+        let mut open = lock(&(self.0).0);
+        if let Some(n) = open.get_mut(&self.1) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.remove(&self.1);
+            }
+        }
+    }
+}
 
 impl Drop for Open {
     fn drop(&mut self) {
@@ -136,6 +178,7 @@ impl Front {
             addrs,
             slots: Mutex::new(Concurrency::default()),
             sessions: Arc::new(AtomicUsize::new(0)),
+            per_ip: Arc::default(),
         };
         let pools = front
             .prepare(config)
@@ -350,19 +393,32 @@ impl Front {
             let (Some(l), Some(slots)) = (self.listener(&name), self.slots(&name)) else {
                 continue;
             };
+            // At max_connections, or at max_connections_per_ip for this
+            // address: said so, and closed (RFC 5321 3.1). The clients
+            // `allow_from` trusts are not counted by address (Postfix
+            // exempts `$mynetworks` alike): an application's many
+            // sessions from one host are what the relay is for.
+            let hostname = &l.cfg.hostname;
+            let trusted = l.cfg.allow_from.iter().any(|n| n.contains(&peer.ip()));
+            let place = if trusted {
+                None
+            } else {
+                match self.per_ip.enter(peer.ip(), l.cfg.max_connections_per_ip) {
+                    Some(place) => Some(place),
+                    None => {
+                        debug!(%peer, listener = %name, "too many connections from this address");
+                        let text = format!(
+                            "421 4.7.0 {hostname} Too many connections from your address, try again later\r\n"
+                        );
+                        sessions.spawn(refuse(tcp, text));
+                        continue;
+                    }
+                }
+            };
             let Some(permit) = slots.try_take() else {
-                // At max_connections: said so, and closed (RFC 5321 3.1).
-                let hostname = l.cfg.hostname.clone();
-                sessions.spawn(async move {
-                    let mut tcp = tcp;
-                    let text =
-                        format!("421 4.3.2 {hostname} Too many connections, try again later\r\n");
-                    let _ = tokio::time::timeout(
-                        Duration::from_secs(1),
-                        tcp.write_all(text.as_bytes()),
-                    )
-                    .await;
-                });
+                let text =
+                    format!("421 4.3.2 {hostname} Too many connections, try again later\r\n");
+                sessions.spawn(refuse(tcp, text));
                 continue;
             };
             self.sessions.fetch_add(1, Ordering::Relaxed);
@@ -371,10 +427,17 @@ impl Front {
             sessions.spawn(async move {
                 session::serve(front, l, tcp, peer, stop).await;
                 drop(permit);
+                drop(place);
                 drop(open);
             });
         }
     }
+}
+
+/// Say `text` (a 421) to a connection not taken, within a second, and
+/// close it.
+async fn refuse(mut tcp: tokio::net::TcpStream, text: String) {
+    let _ = tokio::time::timeout(Duration::from_secs(1), tcp.write_all(text.as_bytes())).await;
 }
 
 /// Whether `config` names the listeners of `running`, each with the same
