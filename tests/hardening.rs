@@ -359,6 +359,22 @@ async fn status_masks_keys_unless_told() {
     waiting.abort();
 }
 
+/// The status code of the answer to `request`, sent as it is on a
+/// connection of its own, read to the connection's end.
+fn raw_status(addr: std::net::SocketAddr, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut sock = std::net::TcpStream::connect(addr).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    sock.write_all(request.as_bytes()).unwrap();
+    let mut got = Vec::new();
+    let _ = sock.read_to_end(&mut got);
+    String::from_utf8_lossy(&got)
+        .get(9..12)
+        .unwrap_or("")
+        .to_owned()
+}
+
 /// A key header (or cost header) the client names in `Connection` is a
 /// header for this hop, which the upstream never gets: the request is
 /// filed as one without it (here `on_missing_key = "ip"`: by its
@@ -366,22 +382,10 @@ async fn status_masks_keys_unless_told() {
 /// bucket, past the route's limit, and the upstream saw no key at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_header_named_in_connection_is_no_key() {
-    use std::io::{Read, Write};
     let ds = Downstream::start().await;
     let routes = default_route("header:X-Api-Key", "1/m", 0) + "on_missing_key = \"ip\"\n";
     let s = Sluice::start(&base(ds.addr, "", &routes));
-    let status = |request: String| {
-        let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
-        sock.set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        sock.write_all(request.as_bytes()).unwrap();
-        let mut got = Vec::new();
-        let _ = sock.read_to_end(&mut got);
-        String::from_utf8_lossy(&got)
-            .get(9..12)
-            .unwrap_or("")
-            .to_owned()
-    };
+    let status = |request: String| raw_status(s.addr, &request);
     let statuses: Vec<String> = (0..3)
         .map(|i| {
             status(format!(
@@ -757,7 +761,6 @@ capacity = 10
 /// 9112 3.2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_route_cannot_be_skipped_by_a_trailing_dot_userinfo_or_a_bad_port() {
-    use std::io::{Read, Write};
     let ds = Downstream::start().await;
     let routes = r#"
 [[route]]
@@ -784,16 +787,7 @@ rate = "1000/s"
 capacity = 10
 "#;
     let s = Sluice::start(&base(ds.addr, "", routes));
-    let status = |request: &str| {
-        let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
-        sock.set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        sock.write_all(request.as_bytes()).unwrap();
-        let mut got = Vec::new();
-        let _ = sock.read_to_end(&mut got);
-        let text = String::from_utf8_lossy(&got).into_owned();
-        text.get(9..12).unwrap_or("").to_owned()
-    };
+    let status = |request: &str| raw_status(s.addr, request);
     // The strict route's one departure, then refusals (capacity 0).
     let first = status("GET /a HTTP/1.1\r\nHost: api.example\r\nConnection: close\r\n\r\n");
     assert_eq!(first, "200");

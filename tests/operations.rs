@@ -644,40 +644,49 @@ async fn metrics_count_what_was_sent() {
     );
 }
 
+/// A fake NOTIFY_SOCKET (its path, to give sluice, and the socket), read
+/// with a 10 s timeout.
+fn notify_socket(name: &str) -> (std::path::PathBuf, UnixDatagram) {
+    let path = std::env::temp_dir().join(format!("sluice-{name}-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let sock = UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    (path, sock)
+}
+
+/// The next notification sluice sent.
+fn notification(sock: &UnixDatagram) -> String {
+    let mut buf = [0u8; 512];
+    let n = sock.recv(&mut buf).expect("a notification");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
 /// Under a fake NOTIFY_SOCKET: READY=1, then RELOADING=1 (with
 /// MONOTONIC_USEC) and READY=1 around a reload, then STOPPING=1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn systemd_notifications_come_in_order() {
     let ds = Downstream::start().await;
-    let path = std::env::temp_dir().join(format!("sluice-notify-{}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let sock = UnixDatagram::bind(&path).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
+    let (path, sock) = notify_socket("notify");
     let sluice = Sluice::start_with_env(
         &config(ds.addr, "5/s", 10, "1s"),
         &[("NOTIFY_SOCKET", path.to_str().unwrap())],
     );
-    let recv = |sock: &UnixDatagram| {
-        let mut buf = [0u8; 512];
-        let n = sock.recv(&mut buf).expect("a notification");
-        String::from_utf8_lossy(&buf[..n]).into_owned()
-    };
-    assert_eq!(recv(&sock).trim(), "READY=1");
+    assert_eq!(notification(&sock).trim(), "READY=1");
     // The reload raises drain_timeout past what 32 bits of microseconds
     // hold (71 minutes).
     std::fs::write(&sluice.config, config(ds.addr, "5/s", 10, "2h")).unwrap();
     sluice.signal("HUP");
-    let reloading = recv(&sock);
+    let reloading = notification(&sock);
     assert!(reloading.starts_with("RELOADING=1"), "{reloading:?}");
     assert!(reloading.contains("MONOTONIC_USEC="), "{reloading:?}");
-    assert_eq!(recv(&sock).trim(), "READY=1");
+    assert_eq!(notification(&sock).trim(), "READY=1");
     sluice.signal("TERM");
     // With STOPPING=1, the time the drain may take, so that systemd does
     // not stop it short: drain_timeout 2 h, then request_timeout 30 s + 1 s
     // for calls in flight, and 5 s of margin. (Nothing is queued: the
     // drain itself ends at once.)
-    let stopping = recv(&sock);
+    let stopping = notification(&sock);
     assert_eq!(
         stopping.trim(),
         "STOPPING=1\nEXTEND_TIMEOUT_USEC=7236000000",
@@ -694,24 +703,15 @@ async fn systemd_notifications_come_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_during_the_stop_is_ignored() {
     let ds = Downstream::start().await;
-    let path = std::env::temp_dir().join(format!("sluice-notify-hup-{}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let sock = UnixDatagram::bind(&path).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
+    let (path, sock) = notify_socket("notify-hup");
     let cfg = config(ds.addr, "5/s", 10, "1s").replace(
         "drain_timeout = \"1s\"",
         "drain_timeout = \"1s\"\nshutdown_delay = \"2s\"",
     );
     let mut sluice = Sluice::start_with_env(&cfg, &[("NOTIFY_SOCKET", path.to_str().unwrap())]);
-    let recv = |sock: &UnixDatagram| {
-        let mut buf = [0u8; 512];
-        let n = sock.recv(&mut buf).expect("a notification");
-        String::from_utf8_lossy(&buf[..n]).into_owned()
-    };
-    assert_eq!(recv(&sock).trim(), "READY=1");
+    assert_eq!(notification(&sock).trim(), "READY=1");
     sluice.signal("TERM");
-    assert!(recv(&sock).starts_with("STOPPING=1"));
+    assert!(notification(&sock).starts_with("STOPPING=1"));
     // During the shutdown delay: a longer drain, and SIGHUP.
     std::fs::write(
         &sluice.config,

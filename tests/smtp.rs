@@ -322,18 +322,40 @@ fn a_client_that_hangs_up_while_held_sends_nothing_and_its_slot_goes_to_the_next
 /// message was withdrawn and the client, with no reply, sent it again.
 /// A client whose close comes seconds after its QUIT has gone: its
 /// message is withdrawn, as is one that closes both ways at once.
-#[test]
-fn a_client_that_half_closes_after_a_pipelined_quit_gets_its_replies() {
-    let up = SmtpUpstream::start(UpstreamOpts::default());
+/// A relay at 0.2/s (key global) whose first message has gone at once:
+/// the next waits 5 s for its slot.
+fn first_slot_taken(up: &SmtpUpstream) -> Sluice {
     let sluice = Sluice::start(&config(
         up.port,
         "tls = \"none\"",
         "key = \"global\"\nrate = \"0.2/s\"\ncapacity = 10",
     ));
-    let (addr, admin) = (sluice.smtp.unwrap(), sluice.admin.unwrap());
-    let mut first = Raw::connect(addr);
+    let mut first = Raw::connect(sluice.smtp.unwrap());
     start_message(&mut first, "first");
     assert!(first.cmd(".").starts_with("250"));
+    sluice
+}
+
+/// The one message held (behind [`first_slot_taken`]) is withdrawn,
+/// counted as cancelled, within 4 s of `sent`: before its slot.
+fn withdrawn_before_its_slot(sluice: &Sluice, sent: Instant, who: &str) {
+    let cancelled = r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 1"#;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !metrics(sluice).contains(cancelled) {
+        assert!(Instant::now() < deadline, "{who} was not withdrawn");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        sent.elapsed() < Duration::from_secs(4),
+        "{who} was withdrawn only at its slot"
+    );
+}
+
+#[test]
+fn a_client_that_half_closes_after_a_pipelined_quit_gets_its_replies() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let sluice = first_slot_taken(&up);
+    let (addr, admin) = (sluice.smtp.unwrap(), sluice.admin.unwrap());
     let mut held = Raw::connect(addr);
     start_message(&mut held, "held");
     held.send(".\r\nQUIT\r\n");
@@ -354,19 +376,7 @@ fn a_client_that_half_closes_after_a_pipelined_quit_gets_its_replies() {
     let sent = Instant::now();
     std::thread::sleep(Duration::from_millis(2_500));
     late.shut_write();
-    let cancelled = r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 1"#;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !metrics(&sluice).contains(cancelled) {
-        assert!(
-            Instant::now() < deadline,
-            "the late closer was not withdrawn"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(
-        sent.elapsed() < Duration::from_secs(4),
-        "withdrawn only at its slot"
-    );
+    withdrawn_before_its_slot(&sluice, sent, "the late closer");
     std::thread::sleep(Duration::from_millis(1_000));
     up.assert_taken(2);
 }
@@ -379,15 +389,8 @@ fn a_client_that_half_closes_after_a_pipelined_quit_gets_its_replies() {
 #[test]
 fn a_client_that_gives_up_with_a_late_quit_is_withdrawn() {
     let up = SmtpUpstream::start(UpstreamOpts::default());
-    let sluice = Sluice::start(&config(
-        up.port,
-        "tls = \"none\"",
-        "key = \"global\"\nrate = \"0.2/s\"\ncapacity = 10",
-    ));
+    let sluice = first_slot_taken(&up);
     let (addr, admin) = (sluice.smtp.unwrap(), sluice.admin.unwrap());
-    let mut first = Raw::connect(addr);
-    start_message(&mut first, "first");
-    assert!(first.cmd(".").starts_with("250"));
     // Held until the next slot, 5 s after the first.
     let mut gave_up = Raw::connect(addr);
     start_message(&mut gave_up, "gave up");
@@ -397,19 +400,7 @@ fn a_client_that_gives_up_with_a_late_quit_is_withdrawn() {
     std::thread::sleep(Duration::from_millis(2_500));
     gave_up.send("QUIT\r\n");
     gave_up.shut_write();
-    let cancelled = r#"sluice_requests_total{route="mail",protocol="smtp",outcome="cancelled"} 1"#;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !metrics(&sluice).contains(cancelled) {
-        assert!(
-            Instant::now() < deadline,
-            "the client that gave up was not withdrawn"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(
-        sent.elapsed() < Duration::from_secs(4),
-        "withdrawn only at its slot"
-    );
+    withdrawn_before_its_slot(&sluice, sent, "the client that gave up");
     // Past its slot: nothing but the first was relayed.
     std::thread::sleep(Duration::from_millis(3_000));
     up.assert_taken(1);
