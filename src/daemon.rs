@@ -286,9 +286,14 @@ fn reload(path: &std::path::Path, handle: &Handle) {
         states.push(now);
     }
     notify(&states);
-    let result = Config::load(path)
-        .map_err(|e| e.to_string())
-        .and_then(|c| handle.reload(&c).map_err(|e| e.to_string()));
+    let result = Config::load(path).map_err(|e| e.to_string()).and_then(|c| {
+        // A stop that began while the file was read keeps its config (see
+        // the SIGHUP loop).
+        if handle.stopping() {
+            return Err("the stop began meanwhile".to_owned());
+        }
+        handle.reload(&c).map_err(|e| e.to_string())
+    });
     match result {
         Ok(()) => {
             metrics::counter!(m::CONFIG_RELOADS_TOTAL, "result" => "ok").increment(1);
@@ -301,5 +306,8 @@ fn reload(path: &std::path::Path, handle: &Handle) {
             }
         }
     }
-    notify(&[NotifyState::Ready]);
+    // Not after STOPPING=1.
+    if !handle.stopping() {
+        notify(&[NotifyState::Ready]);
+    }
 }

@@ -316,12 +316,6 @@ fn a_client_that_hangs_up_while_held_sends_nothing_and_its_slot_goes_to_the_next
     );
 }
 
-/// A client that pipelines QUIT after its message's end and then closes
-/// its sending side (a half-close) is still reading: its held message is
-/// relayed and it gets its 250 and 221. Taken for a client gone, the
-/// message was withdrawn and the client, with no reply, sent it again.
-/// A client whose close comes seconds after its QUIT has gone: its
-/// message is withdrawn, as is one that closes both ways at once.
 /// A relay at 0.2/s (key global) whose first message has gone at once:
 /// the next waits 5 s for its slot.
 fn first_slot_taken(up: &SmtpUpstream) -> Sluice {
@@ -351,6 +345,12 @@ fn withdrawn_before_its_slot(sluice: &Sluice, sent: Instant, who: &str) {
     );
 }
 
+/// A client that pipelines QUIT after its message's end and then closes
+/// its sending side (a half-close) is still reading: its held message is
+/// relayed and it gets its 250 and 221. Taken for a client gone, the
+/// message was withdrawn and the client, with no reply, sent it again.
+/// A client whose close comes seconds after its QUIT has gone: its
+/// message is withdrawn.
 #[test]
 fn a_client_that_half_closes_after_a_pipelined_quit_gets_its_replies() {
     let up = SmtpUpstream::start(UpstreamOpts::default());
@@ -964,7 +964,8 @@ fn a_client_outside_allow_from_without_auth_is_refused_at_the_greeting() {
 /// `auth_file` let anyone in (here from outside `allow_from`) is not an
 /// open relay once a reload drops it (its MAIL was 250: relayed without
 /// AUTH); and AUTH PLAIN with an authorization identity other than the
-/// user (asking to act as someone else) fails (RFC 4616 2).
+/// user (asking to act as someone else) fails (RFC 4616 2); a session
+/// whose user a reload removed authenticates again.
 #[test]
 fn a_reload_that_drops_auth_closes_the_relay_to_open_connections() {
     let up = SmtpUpstream::start(UpstreamOpts::default());
@@ -990,17 +991,40 @@ fn a_reload_that_drops_auth_closes_the_relay_to_open_connections() {
     assert!(reply.starts_with("235"), "{reply}");
     let mut kept = Raw::connect(addr);
     assert!(kept.cmd("EHLO raw.test").starts_with("250"));
-    std::fs::write(&sluice.config, config(up.port, "tls = \"none\"", listener)).unwrap();
-    sluice.signal("HUP");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !sluice.log().iter().any(|l| l.contains("config reloaded")) {
-        assert!(
-            Instant::now() < deadline,
-            "not reloaded: {:?}",
-            sluice.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let reload = |toml: String, n: usize| {
+        std::fs::write(&sluice.config, toml).unwrap();
+        sluice.signal("HUP");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let reloads = || {
+            sluice
+                .log()
+                .iter()
+                .filter(|l| l.contains("config reloaded"))
+                .count()
+        };
+        while reloads() < n {
+            assert!(
+                Instant::now() < deadline,
+                "not reloaded: {:?}",
+                sluice.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // The user taken out of auth_file: its session authenticates again.
+    let others = TempFile::new("secret", "other:pw2\n");
+    reload(
+        config(
+            up.port,
+            "tls = \"none\"",
+            &format!("{listener}\nauth_file = \"{}\"", others.display()),
+        ),
+        1,
+    );
+    let reply = proxy.cmd("MAIL FROM:<a@example.com>");
+    assert!(reply.starts_with("530"), "{reply}");
+    // auth_file dropped: the connection greeted meanwhile is no relay.
+    reload(config(up.port, "tls = \"none\"", listener), 2);
     let reply = kept.cmd("MAIL FROM:<a@example.com>");
     assert!(reply.starts_with("554 5.7.1"), "{reply}");
     up.assert_taken(0);

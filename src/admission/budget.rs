@@ -128,6 +128,28 @@ impl Room {
         true
     }
 
+    /// Hold at least `least` bytes and as many as `most` as the budget
+    /// has room for, taken at once: the total now held, or `None` (nothing
+    /// more taken) when not even `least` fits.
+    pub fn grow_within(&mut self, least: usize, most: usize) -> Option<usize> {
+        if least <= self.bytes {
+            return Some(self.bytes);
+        }
+        let max = self.budget.max_total.load(Ordering::Relaxed);
+        let (min_more, max_more) = (least - self.bytes, most.max(least) - self.bytes);
+        let mut taken = 0;
+        self.budget
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                let free = max.checked_sub(used)?;
+                taken = max_more.min(free);
+                (taken >= min_more).then_some(used + taken)
+            })
+            .ok()?;
+        self.bytes += taken;
+        Some(self.bytes)
+    }
+
     /// Hold exactly `total` bytes, past the budget's total if need be:
     /// for bytes already read, which are held whatever the budget says
     /// and must be counted as they are. `false` when the budget is over

@@ -2058,6 +2058,13 @@ fn route_host(raw: &str) -> Result<String, String> {
 fn normal_path(p: &str, tail: &str) -> Option<String> {
     let whole = format!("{p}{tail}");
     match crate::http::path::normalize(&whole) {
+        // Routes match the path without its `;` parameters.
+        Ok(n) if n.contains(';') => Some(format!(
+            "'{}', without its ';' parameters",
+            crate::http::path::without_parameters(&n)
+                .strip_suffix(tail)
+                .unwrap_or(&n)
+        )),
         Ok(n) if n == whole => None,
         Ok(n) => Some(format!("'{}'", n.strip_suffix(tail).unwrap_or(&n))),
         Err(e) => Some(format!("refused: {e}")),

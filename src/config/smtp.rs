@@ -93,6 +93,11 @@ impl Credentials {
         self.0.len()
     }
 
+    /// Whether `user` is one of them.
+    pub fn knows(&self, user: &str) -> bool {
+        self.0.contains_key(user)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -246,11 +251,21 @@ impl Validator {
     }
 
     /// Whether `file`, which holds a secret, is not readable by everyone
-    /// (a problem when it is, or when it cannot be read).
+    /// (a problem when it is, or when it cannot be read). A file whose
+    /// mode lets everyone read it inside a directory that not everyone
+    /// may enter is kept (certbot's older `archive/`: keys 0644 in a 0700
+    /// directory).
     pub(super) fn kept_secret(&mut self, path: &str, field: &str, file: &str) -> bool {
         use std::os::unix::fs::PermissionsExt;
+        let everyone_enters = |file: &str| {
+            std::fs::canonicalize(file).is_ok_and(|real| {
+                real.ancestors().skip(1).all(|dir| {
+                    std::fs::metadata(dir).is_ok_and(|m| m.permissions().mode() & 0o001 != 0)
+                })
+            })
+        };
         match std::fs::metadata(file) {
-            Ok(meta) if meta.permissions().mode() & 0o004 != 0 => {
+            Ok(meta) if meta.permissions().mode() & 0o004 != 0 && everyone_enters(file) => {
                 self.problem(
                     path,
                     format!("{field} '{file}': is readable by everyone; chmod o-r it"),

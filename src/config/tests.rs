@@ -286,6 +286,11 @@ fn a_route_match_that_could_never_match_is_refused() {
     // "/." takes "/.env" and "/.git/config": a prefix, not a path.
     assert!(Config::from_toml(&with("path_prefix = \"/.\"")).is_ok());
     assert_problem(&with("path = \"/.\""), "match.path '/.' would never match");
+    // Routes match a path without its ';' parameters.
+    assert_problem(
+        &with("path_prefix = \"/api;v=2/\""),
+        "match.path_prefix '/api;v=2/' would never match: requests are matched by their normalized path ('/api/', without its ';' parameters)",
+    );
 }
 
 #[test]
@@ -1102,6 +1107,23 @@ fn a_tls_key_readable_by_everyone_is_refused() {
         "{found:?}"
     );
     assert!(found.iter().any(|p| p.contains("tls_cert")), "{found:?}");
+    // Readable by everyone, in a directory only its owner may enter
+    // (certbot's older archive/): kept.
+    let dir = std::env::temp_dir().join(format!("sluice-tls-dir-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let inner = dir.join("privkey.pem");
+    std::fs::write(&inner, "not even a key").unwrap();
+    std::fs::set_permissions(&inner, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let found = problems(&format!(
+        "{SMTP}tls_cert = \"/nonexistent.pem\"\ntls_key = \"{}\"\n",
+        inner.display()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        !found.iter().any(|p| p.contains("readable by everyone")),
+        "{found:?}"
+    );
 }
 
 #[test]

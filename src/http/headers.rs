@@ -217,7 +217,16 @@ pub fn accepts_trailers(headers: &HeaderMap) -> bool {
 /// front added (a client naming them would take the chain of addresses
 /// that proxy vouched for from the upstream).
 fn strip_connection_named(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
+    let named: Vec<HeaderName> = connection_named(headers).collect();
+    for name in named {
+        headers.remove(name);
+    }
+}
+
+/// The headers `Connection` names that the departure removes (see
+/// [`strip_connection_named`] for those it keeps).
+fn connection_named(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
+    headers
         .get_all(CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
@@ -233,10 +242,12 @@ fn strip_connection_named(headers: &mut HeaderMap) {
             ]
             .contains(name)
         })
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
+}
+
+/// Whether the departure removes `name` as a header `Connection` names:
+/// one the upstream never gets.
+pub(crate) fn removed_as_hop_by_hop(headers: &HeaderMap, name: &HeaderName) -> bool {
+    connection_named(headers).any(|named| named == name)
 }
 
 /// The protocol token of `Via` for a message of `version` (RFC 9110 7.6.3).

@@ -117,18 +117,13 @@ pub(crate) fn one_value<'a>(
     }
 }
 
-/// Whether `Connection` names `name`: a header for this hop only, which
-/// the departure removes ([`super::headers`]), so it is neither key nor
-/// cost: the request is filed as if it had none. (Keyed by it, a client
-/// naming its key header there got a fresh bucket per request, keyed by
-/// a value the upstream never saw.)
+/// Whether `Connection` names `name` and the departure removes it
+/// ([`super::headers::removed_as_hop_by_hop`]): a header the upstream
+/// never gets is neither key nor cost, and the request is filed as if it
+/// had none. (Keyed by it, a client naming its key header there got a
+/// fresh bucket per request, keyed by a value the upstream never saw.)
 fn hop_by_hop(headers: &HeaderMap, name: &http::HeaderName) -> bool {
-    headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
+    super::headers::removed_as_hop_by_hop(headers, name)
 }
 
 /// The key for the displayed form `text` (as `/status` shows it: header

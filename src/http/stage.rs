@@ -198,21 +198,24 @@ async fn read(
 
 /// Append `part` to `data`, the buffer's growth taken from `room` before
 /// it is made: doubled (few copies) when the budget has room for that,
-/// else to the exact size, so that a body that fits in the budget is not
-/// refused for the way its buffer grows (doubled, a 72 kB body's buffer
-/// would take 128 kB). `false` when the budget has no room for it.
+/// else to all the budget has left, so that a body that fits in the
+/// budget is not refused for the way its buffer grows (doubled, a 72 kB
+/// body's buffer would take 128 kB), nor copied whole for each part that
+/// follows (grown to its exact size each time, a body sent a byte at a
+/// time was copied once per byte). `false` when the budget has no room
+/// for it.
 fn append(data: &mut BytesMut, part: &[u8], room: &mut Room) -> bool {
     let len = data.len().saturating_add(part.len());
     if len > data.capacity() {
         let doubled = data.capacity().saturating_mul(2).max(len);
-        if room.grow_to(doubled) {
-            data.reserve(doubled - data.len());
-        } else if room.grow_to(len) {
-            let mut exact = BytesMut::with_capacity(len);
-            exact.extend_from_slice(data);
-            *data = exact;
-        } else {
-            return false;
+        match room.grow_within(len, doubled) {
+            Some(total) if total >= doubled => data.reserve(doubled - data.len()),
+            Some(total) => {
+                let mut grown = BytesMut::with_capacity(total);
+                grown.extend_from_slice(data);
+                *data = grown;
+            }
+            None => return false,
         }
     }
     data.extend_from_slice(part);
@@ -346,9 +349,10 @@ mod tests {
 
     /// A body that fits in the budget is staged whatever its buffer's
     /// growth: nine 8 kB parts in a 100 kB budget (doubling alone would
-    /// have wanted 128 kB for the ninth); then the budget is kept.
+    /// have wanted 128 kB for the ninth), and the parts after them go into
+    /// the room taken, not into a copy each; then the budget is kept.
     #[test]
-    fn a_buffer_grows_exactly_when_doubling_would_not_fit() {
+    fn a_buffer_takes_what_the_budget_has_left_when_doubling_would_not_fit() {
         let budget = Arc::new(StageBudget::new(1 << 20, 100_000));
         let mut room = budget.room();
         let mut data = BytesMut::new();
@@ -357,9 +361,16 @@ mod tests {
             assert_eq!(data.len(), i * 8_000);
             assert!(room.bytes() >= data.capacity());
         }
-        assert_eq!(budget.used(), 72_000);
+        // The ninth took what was left, for the parts after it.
+        assert_eq!(budget.used(), 100_000);
+        assert_eq!(data.capacity(), 100_000);
+        let before = data.as_ptr();
+        for _ in 0..1_000 {
+            assert!(append(&mut data, b"x", &mut room));
+        }
+        assert_eq!(data.as_ptr(), before, "grown, copied again");
         assert!(!append(&mut data, &[b'x'; 30_000], &mut room));
-        assert!(budget.used() <= 100_000);
+        assert_eq!(budget.used(), 100_000);
     }
 
     #[test]

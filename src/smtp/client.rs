@@ -718,7 +718,10 @@ const REPLY_LINE: usize = 510;
 fn parse_reply(raw: &[u8], after_dot: bool) -> Result<Reply, RelayError> {
     let lost = |why: String| RelayError::Lost { after_dot, why };
     let readable = readable(raw).ok_or_else(|| {
-        lost("the upstream's reply has lines with different codes (RFC 5321 4.2.1)".to_owned())
+        lost(
+            "the upstream's reply has lines with different codes, or none (RFC 5321 4.2.1)"
+                .to_owned(),
+        )
     })?;
     let mut reply = smtp_proto::response::parser::ResponseReceiver::default()
         .parse(&mut readable.iter())

@@ -97,8 +97,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Counts a session while it lives.
 struct Open(Arc<AtomicUsize>);
 
-/// Sessions open by client address (outside `allow_from`), so that one
-/// address cannot take every one of a listener's `max_connections`
+/// Sessions open by client address (outside `allow_from`; IPv6 by /64),
+/// so that one address cannot take every one of a listener's
+/// `max_connections`
 /// (Postfix's `smtpd_client_connection_count_limit`): an outsider refused
 /// at the greeting kept its slot until its idle timeout, and a few hundred
 /// such connections shut out the clients allowed to relay; with
@@ -111,6 +112,14 @@ impl PerIp {
     /// A place for one more session from `ip`, if it has fewer than
     /// `most` open.
     fn enter(self: &Arc<Self>, ip: IpAddr, most: usize) -> Option<PerIpPlace> {
+        // An IPv6 client by its /64: one host (or one customer's network)
+        // has a whole /64 to pick addresses from.
+        let ip = match ip {
+            IpAddr::V6(v6) => IpAddr::V6(std::net::Ipv6Addr::from_bits(
+                v6.to_bits() & !u128::from(u64::MAX),
+            )),
+            v4 => v4,
+        };
         let mut open = lock(&self.0);
         let n = open.entry(ip).or_insert(0);
         if *n >= most {
@@ -459,7 +468,21 @@ fn same_listeners(running: &[(String, Vec<SocketAddr>)], config: &[SmtpListener]
 
 #[cfg(test)]
 mod tests {
-    use super::same_listeners;
+    use super::{PerIp, same_listeners};
+    use std::sync::Arc;
+
+    #[test]
+    fn an_ipv6_client_is_counted_by_its_64() {
+        let open = Arc::new(PerIp::default());
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        let first = open.enter(ip("2001:db8:1:2::1"), 1);
+        assert!(first.is_some());
+        assert!(open.enter(ip("2001:db8:1:2:ffff::9"), 1).is_none());
+        assert!(open.enter(ip("2001:db8:1:3::1"), 1).is_some());
+        assert!(open.enter(ip("192.0.2.1"), 1).is_some());
+        drop(first);
+        assert!(open.enter(ip("2001:db8:1:2::7"), 1).is_some());
+    }
     use crate::config::Config;
     use std::net::SocketAddr;
 

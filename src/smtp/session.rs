@@ -568,6 +568,13 @@ impl Session {
         if cfg.require_tls && !self.stream.is_tls() {
             return self.error(&reply::TLS_REQUIRED);
         }
+        // A user a reload took out of `auth_file` authenticates again
+        // (and fails).
+        if let (Some(users), Some(user)) = (&cfg.auth, &self.user)
+            && !users.knows(user)
+        {
+            self.user = None;
+        }
         if cfg.auth.is_some() && self.user.is_none() {
             return self.error(&reply::AUTH_REQUIRED);
         }
