@@ -508,6 +508,26 @@ fn an_upstream_that_goes_away_gives_a_4xx_never_a_250() {
     );
 }
 
+/// A message larger than the SIZE the upstream offers is refused as the
+/// upstream would (552 5.3.4) without being sent, and counts as invalid,
+/// not forwarded (the upstream never saw it).
+#[test]
+fn a_message_past_the_upstreams_size_is_invalid_not_forwarded() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    up.set_mode("size-1000");
+    let sluice = Sluice::start(&plain(up.port));
+    let r = smtp::send(sluice.smtp.unwrap(), &["--size", "2000"]);
+    assert_eq!(code(&r[0]["data"]), Some(552), "{r:?}");
+    assert!(text(&r[0]["data"]).starts_with("5.3.4"), "{r:?}");
+    let m = metrics(&sluice);
+    assert!(
+        m.contains(r#"sluice_requests_total{route="mail",protocol="smtp",outcome="invalid"} 1"#),
+        "{m}"
+    );
+    assert!(!m.contains(r#"outcome="forwarded"} 1"#), "{m}");
+    up.assert_taken(0);
+}
+
 /// A 250 to the end of data on one line longer than smtp-proto reads
 /// (4,096 bytes) is a 250: the line is cut and its code kept, as Postfix
 /// does. (Taken for a lost session, it told the client 451, and the

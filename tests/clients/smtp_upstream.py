@@ -23,7 +23,8 @@ Prints `PORT <n>` first, then one JSON line per message taken:
                  (MAIL refused `550 5.7.1`, then the connection closed
                  without answering the rest of a pipelined group),
                  "no-ehlo" (EHLO answered 502: HELO only), "plain-ehlo"
-                 (EHLO offers neither 8BITMIME nor SMTPUTF8)
+                 (EHLO offers neither 8BITMIME nor SMTPUTF8), "size-1000"
+                 (EHLO offers SIZE 1000)
 """
 import argparse
 import asyncio
@@ -57,6 +58,9 @@ class Upstream:
         if self.mode() == "plain-ehlo":
             responses = [r for r in responses
                          if r[4:] not in ("8BITMIME", "SMTPUTF8")]
+        if self.mode() == "size-1000":
+            responses = ["250-SIZE 1000" if r[4:].startswith("SIZE") else r
+                         for r in responses]
         session.host_name = hostname
         responses.insert(1, "250-PIPELINING")
         responses.insert(1, "250-ENHANCEDSTATUSCODES")
