@@ -205,6 +205,13 @@ pub struct SmtpListener {
     pub allow_from: Vec<IpNet>,
 }
 
+impl SmtpListener {
+    /// Whether `ip` may relay without AUTH (`allow_from`).
+    pub fn allows(&self, ip: std::net::IpAddr) -> bool {
+        self.allow_from.iter().any(|n| n.contains(&ip))
+    }
+}
+
 /// The machine's name, for greetings and EHLO.
 fn system_hostname() -> String {
     nix::unistd::gethostname()

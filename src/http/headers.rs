@@ -226,28 +226,40 @@ fn strip_connection_named(headers: &mut HeaderMap) {
 /// The headers `Connection` names that the departure removes (see
 /// [`strip_connection_named`] for those it keeps).
 fn connection_named(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
+    connection_tokens(headers)
+        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
+        .filter(|name| !kept_when_named(name))
+}
+
+/// The tokens of every `Connection` header.
+fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &str> {
     headers
         .get_all(CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .filter(|name| {
-            ![
-                CONTENT_LENGTH,
-                http::header::HOST,
-                X_FORWARDED_FOR,
-                X_FORWARDED_PROTO,
-                X_FORWARDED_HOST,
-            ]
-            .contains(name)
-        })
+        .map(str::trim)
+}
+
+/// Headers a client may name in `Connection` that still reach the
+/// upstream.
+fn kept_when_named(name: &HeaderName) -> bool {
+    [
+        CONTENT_LENGTH,
+        http::header::HOST,
+        X_FORWARDED_FOR,
+        X_FORWARDED_PROTO,
+        X_FORWARDED_HOST,
+    ]
+    .contains(name)
 }
 
 /// Whether the departure removes `name` as a header `Connection` names:
-/// one the upstream never gets.
+/// one the upstream never gets. (On the admission path: the tokens are
+/// compared as text, no header name is made.)
 pub(crate) fn removed_as_hop_by_hop(headers: &HeaderMap, name: &HeaderName) -> bool {
-    connection_named(headers).any(|named| named == name)
+    !kept_when_named(name)
+        && connection_tokens(headers).any(|token| token.eq_ignore_ascii_case(name.as_str()))
 }
 
 /// The protocol token of `Via` for a message of `version` (RFC 9110 7.6.3).

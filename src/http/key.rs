@@ -10,6 +10,7 @@ use http::HeaderMap;
 use http::header::HeaderName;
 use ipnet::IpNet;
 
+use super::headers::removed_as_hop_by_hop;
 use crate::admission::{Key, compose};
 use crate::config::{KeyPart, KeySpec, OnMissingKey};
 
@@ -71,13 +72,13 @@ pub fn extract(
             KeyPart::Global => {}
             KeyPart::Header(name) => {
                 let joined;
-                let value = if hop_by_hop(headers, name) {
+                let value = if name != http::header::COOKIE {
+                    one_value(headers, name)?
+                } else if removed_as_hop_by_hop(headers, name) {
                     None
-                } else if name == http::header::COOKIE {
+                } else {
                     joined = super::headers::joined_cookie(headers);
                     joined.as_ref()
-                } else {
-                    one_value(headers, name)?
                 };
                 match value {
                     Some(v) if v.len() > MAX_KEY_LEN => {
@@ -106,7 +107,10 @@ pub(crate) fn one_value<'a>(
     headers: &'a HeaderMap,
     name: &http::HeaderName,
 ) -> Result<Option<&'a http::HeaderValue>, String> {
-    if hop_by_hop(headers, name) {
+    // A header the departure removes (the client named it in
+    // `Connection`) is neither key nor cost: the upstream never gets it.
+    // (Keyed by it, a client got a fresh bucket per request.)
+    if removed_as_hop_by_hop(headers, name) {
         return Ok(None);
     }
     let mut values = headers.get_all(name).iter();
@@ -115,15 +119,6 @@ pub(crate) fn one_value<'a>(
         Some(_) => Err(format!("the {name} header must appear once")),
         None => Ok(first),
     }
-}
-
-/// Whether `Connection` names `name` and the departure removes it
-/// ([`super::headers::removed_as_hop_by_hop`]): a header the upstream
-/// never gets is neither key nor cost, and the request is filed as if it
-/// had none. (Keyed by it, a client naming its key header there got a
-/// fresh bucket per request, keyed by a value the upstream never saw.)
-fn hop_by_hop(headers: &HeaderMap, name: &http::HeaderName) -> bool {
-    super::headers::removed_as_hop_by_hop(headers, name)
 }
 
 /// The key for the displayed form `text` (as `/status` shows it: header

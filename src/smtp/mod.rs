@@ -408,7 +408,7 @@ impl Front {
             // exempts `$mynetworks` alike): an application's many
             // sessions from one host are what the relay is for.
             let hostname = &l.cfg.hostname;
-            let trusted = l.cfg.allow_from.iter().any(|n| n.contains(&peer.ip()));
+            let trusted = l.cfg.allows(peer.ip());
             let place = if trusted {
                 None
             } else {

@@ -218,7 +218,7 @@ pub(super) async fn serve(
     };
     let listener = s.listener.clone();
     let cfg = &listener.cfg;
-    let allowed = cfg.allow_from.iter().any(|n| n.contains(&peer.ip()));
+    let allowed = cfg.allows(peer.ip());
     if !allowed && cfg.auth.is_none() {
         debug!(%peer, listener = %cfg.name, "relay access denied");
         s.say(&Reply::owned(
@@ -581,7 +581,7 @@ impl Session {
         // Who may relay without AUTH, as the listener says now: greeted
         // when `auth_file` let anyone in, or from an address a reload took
         // out of `allow_from`, a connection kept open was an open relay.
-        if cfg.auth.is_none() && !cfg.allow_from.iter().any(|n| n.contains(&self.peer.ip())) {
+        if cfg.auth.is_none() && !cfg.allows(self.peer.ip()) {
             return self.error(&reply::RELAY_DENIED);
         }
         let known = MAIL_BODY_7BIT | MAIL_BODY_8BITMIME | MAIL_SMTPUTF8;
