@@ -248,9 +248,9 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
             info!("shutdown_delay passed: draining");
         }
     };
-    let serving = server.run(shutdown);
+    let running = server.start().await?;
     notify(&[NotifyState::Ready]);
-    serving.await;
+    running.run(shutdown).await;
     for task in background {
         task.abort();
     }

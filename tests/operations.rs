@@ -958,3 +958,82 @@ async fn the_systemd_watchdog_is_pinged_while_sluice_runs() {
         );
     }
 }
+
+/// A worker that cannot start is an error at start, never a warning after
+/// READY=1 with fewer workers serving. Eight workers under open-file
+/// limits from 16 to 60 (each worker's runtime takes descriptors, so some
+/// limits leave one without): every start either says READY=1 with no
+/// word of a worker in its log, or exits 1 without READY=1; and some limit
+/// does stop a worker (the test would prove nothing otherwise).
+#[test]
+fn a_worker_that_cannot_start_stops_the_start() {
+    let toml = config("127.0.0.1:9".parse().unwrap(), "5/s", 10, "1s")
+        .replace("[server]\n", "[server]\nworkers = 8\n");
+    let config = support::write_config(&toml);
+    let (mut refused, mut ready) = (0, 0);
+    for n in (16..=60).step_by(4) {
+        let (path, sock) = notify_socket(&format!("workers-{n}"));
+        sock.set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        let log = support::temp_path("workers.log");
+        let child = std::process::Command::new("/bin/sh")
+            .args([
+                "-c",
+                &format!("ulimit -n {n}; exec \"$0\" \"$@\""),
+                env!("CARGO_BIN_EXE_sluice"),
+                "--log-level",
+                "info",
+                "run",
+                "--config",
+            ])
+            .arg(&*config)
+            .env_remove("RUST_LOG")
+            .env("NOTIFY_SOCKET", &path)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut child = support::KillOnDrop::new(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut buf = [0u8; 512];
+        let outcome = loop {
+            if let Ok(k) = sock.recv(&mut buf) {
+                assert_eq!(String::from_utf8_lossy(&buf[..k]).trim(), "READY=1");
+                break None;
+            }
+            if let Some(status) = child.child().try_wait().unwrap() {
+                break Some(status);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "limit {n}: neither READY nor exit"
+            );
+        };
+        let text = std::fs::read_to_string(&log).unwrap();
+        match outcome {
+            None => {
+                ready += 1;
+                assert!(
+                    !text.contains("worker thread") && !text.contains("worker runtime"),
+                    "limit {n}: READY=1 with a worker down:\n{text}"
+                );
+                let status = std::process::Command::new("kill")
+                    .args(["-TERM", &child.child().id().to_string()])
+                    .status()
+                    .unwrap();
+                assert!(status.success());
+                assert!(child.child().wait().unwrap().success(), "{text}");
+            }
+            Some(status) => {
+                assert_eq!(status.code(), Some(1), "limit {n}:\n{text}");
+                if text.contains("cannot start worker thread") {
+                    refused += 1;
+                }
+            }
+        }
+        let _ = std::fs::remove_file(&log);
+        let _ = std::fs::remove_file(&path);
+    }
+    assert!(refused > 0, "no limit stopped a worker ({ready} started)");
+}

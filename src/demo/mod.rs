@@ -168,7 +168,7 @@ pub async fn run_with(
     let proxy = *server.local_addrs().first().ok_or(DemoError::NoAddress)?;
     let handle = server.handle();
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
-    let server_task = tokio::spawn(server.run(async {
+    let server_task = tokio::spawn(server.start().await?.run(async {
         let _ = shutdown_rx.await;
     }));
 

@@ -46,7 +46,7 @@ use crate::config::Config;
 use crate::metrics::{self as m, Outcome};
 pub use in_flight::{Concurrency, InFlight};
 use route::App;
-pub use serve::{Server, listener};
+pub use serve::{Running, Server, listener};
 
 /// Errors starting or reloading the server.
 #[derive(Debug, thiserror::Error)]

@@ -272,11 +272,11 @@ impl Server {
         Handle(self.shared.clone())
     }
 
-    /// Serve until `shutdown` resolves, then drain: stop accepting, let
-    /// queued requests depart at their pace until every connection has
-    /// closed or the drain timeout passes, answer the rest 503, and give
-    /// in-flight upstream calls a last grace period.
-    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
+    /// Start the workers: each one's runtime built and its listeners
+    /// registered before this returns, so that a worker that cannot start
+    /// (a thread limit, a runtime's descriptors) is an error at start, not
+    /// a warning after the service said it is ready with fewer workers.
+    pub async fn start(self) -> Result<Running, ServeError> {
         for addr in &self.addrs {
             info!(%addr, workers = self.listeners.len(), "proxy listening");
         }
@@ -284,6 +284,8 @@ impl Server {
         let workers = TaskTracker::new();
         // Each worker gets its share of max_connections.
         let share = self.max_connections.div_ceil(self.listeners.len().max(1));
+        let mut started = Vec::with_capacity(self.listeners.len());
+        let mut failed = None;
         for (i, listeners) in self.listeners.into_iter().enumerate() {
             let worker = Worker {
                 handler: Arc::new(Handler {
@@ -302,26 +304,72 @@ impl Server {
                 stop: stop.clone(),
             };
             let token = workers.token();
+            let (ready, up) = tokio::sync::oneshot::channel();
             let spawned = std::thread::Builder::new()
                 .name(format!("sluice-worker-{i}"))
                 .spawn(move || {
-                    worker.run(listeners);
+                    worker.run(listeners, ready);
                     drop(token);
                 });
-            if let Err(e) = spawned {
-                warn!(worker = i, error = %e, "cannot start a worker thread");
+            match spawned {
+                Ok(_) => started.push((i, up)),
+                Err(e) => {
+                    failed = Some(ServeError::Worker(i, e));
+                    break;
+                }
+            }
+        }
+        for (i, up) in started {
+            let up = up.await.unwrap_or_else(|_| {
+                Err(std::io::Error::other("the thread ended before it served"))
+            });
+            if let Err(e) = up {
+                failed.get_or_insert(ServeError::Worker(i, e));
             }
         }
         workers.close();
+        if let Some(e) = failed {
+            // The workers that did start end at once (nothing was accepted
+            // for them to finish).
+            stop.cancel();
+            workers.wait().await;
+            return Err(e);
+        }
+        Ok(Running {
+            shared: self.shared,
+            stop,
+            workers,
+        })
+    }
+}
+
+/// The workers serving, as [`Server::start`] left them.
+pub struct Running {
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+    workers: TaskTracker,
+}
+
+impl Running {
+    /// Serve until `shutdown` resolves, then drain: stop accepting, let
+    /// queued requests depart at their pace until every connection has
+    /// closed or the drain timeout passes, answer the rest 503, and give
+    /// in-flight upstream calls a last grace period.
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
+        let Running {
+            shared,
+            stop,
+            workers,
+        } = self;
         let smtp_sessions = TaskTracker::new();
-        self.shared.smtp.run(&stop, &smtp_sessions);
+        shared.smtp.run(&stop, &smtp_sessions);
         smtp_sessions.close();
-        let summaries = tokio::spawn(log_refusals(Handle(self.shared.clone())));
+        let summaries = tokio::spawn(log_refusals(Handle(shared.clone())));
 
         shutdown.await;
-        self.shared.draining.store(true, Ordering::Release);
-        let timeout = *lock(&self.shared.drain_timeout);
-        let queued = self.shared.admission.stats().1;
+        shared.draining.store(true, Ordering::Release);
+        let timeout = *lock(&shared.drain_timeout);
+        let queued = shared.admission.stats().1;
         info!(
             queued,
             ?timeout,
@@ -333,26 +381,29 @@ impl Server {
             smtp_sessions.wait().await;
         };
         if tokio::time::timeout(timeout, all).await.is_err() {
-            self.shared.tunnels.close();
-            let refused = self.shared.admission.close_waiting();
+            shared.tunnels.close();
+            let refused = shared.admission.close_waiting();
             if refused > 0 {
                 warn!(refused, "drain timeout passed: answering the rest 503");
             }
             // Calls and relays in flight finish (no relay starts now),
             // each front end within its own grace.
             let (http, smtp) = tokio::join!(
-                tokio::time::timeout(self.shared.http_grace(), workers.wait()),
-                tokio::time::timeout(self.shared.smtp_grace(), smtp_sessions.wait()),
+                tokio::time::timeout(shared.http_grace(), workers.wait()),
+                tokio::time::timeout(shared.smtp_grace(), smtp_sessions.wait()),
             );
             if http.is_err() || smtp.is_err() {
                 warn!("connections still open after the in-flight grace period; closing");
             }
         }
-        self.shared.tunnels.close();
+        shared.tunnels.close();
         summaries.abort();
         info!("drained");
     }
 }
+
+/// A worker's word that it serves, or why it cannot.
+type Ready = tokio::sync::oneshot::Sender<std::io::Result<()>>;
 
 /// What one worker thread needs.
 struct Worker {
@@ -365,29 +416,36 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(self, listeners: Vec<std::net::TcpListener>) {
-        let runtime = match tokio::runtime::Builder::new_current_thread()
+    /// Serve on this thread; `ready` hears whether the runtime and the
+    /// listeners are up.
+    fn run(self, listeners: Vec<std::net::TcpListener>, ready: Ready) {
+        match tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
         {
-            Ok(rt) => rt,
+            Ok(runtime) => runtime.block_on(self.serve(listeners, ready)),
             Err(e) => {
-                warn!(error = %e, "cannot start a worker runtime");
+                let _ = ready.send(Err(e));
+            }
+        }
+    }
+
+    async fn serve(self, listeners: Vec<std::net::TcpListener>, ready: Ready) {
+        let registered: std::io::Result<Vec<TcpListener>> =
+            listeners.into_iter().map(TcpListener::from_std).collect();
+        let listeners = match registered {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = ready.send(Err(e));
                 return;
             }
         };
-        runtime.block_on(self.serve(listeners));
-    }
-
-    async fn serve(self, listeners: Vec<std::net::TcpListener>) {
+        let _ = ready.send(Ok(()));
         let connections = TaskTracker::new();
         let me = Arc::new(self);
         let mut loops = vec![tokio::spawn(crate::memory::return_cache_when_idle())];
-        for listener in listeners {
-            match TcpListener::from_std(listener) {
-                Ok(l) => loops.push(tokio::spawn(me.clone().accept_loop(l, connections.clone()))),
-                Err(e) => warn!(error = %e, "cannot register a listener"),
-            }
+        for l in listeners {
+            loops.push(tokio::spawn(me.clone().accept_loop(l, connections.clone())));
         }
         me.stop.cancelled().await;
         me.conns.shut_down();
