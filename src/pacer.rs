@@ -402,13 +402,12 @@ impl<K: Hash + Eq + Send + 'static> Shaper<K> {
     }
 
     /// Resolve at `at` (on the shaper's clock), released by the pacer
-    /// thread with the same precision as queued departures.
-    pub async fn sleep_until(&self, at: Nanos) {
+    /// thread with the same precision as queued departures: `true`, or
+    /// `false` at once when the pacer thread has ended (nothing would
+    /// release it; the caller must not take that for the time come).
+    pub async fn sleep_until(&self, at: Nanos) -> bool {
         let (tx, rx) = oneshot::channel();
-        if self.inner.inbox.send(Msg::Timer(at, tx)).is_ok() {
-            // An error means the shaper stopped: return, the caller decides.
-            let _ = rx.await;
-        }
+        self.inner.inbox.send(Msg::Timer(at, tx)).is_ok() && rx.await.is_ok()
     }
 
     /// Decide an arrival now. A refusal is answered at once; a request that
@@ -811,10 +810,21 @@ mod tests {
         let Ok(Admitted::Wait(waiting)) = shaper.admit(route, 1, 1) else {
             panic!("the second of the hour did not wait");
         };
+        // A timer an hour away (a cluster hold, a relay's start).
+        let hour = 3_600_000_000_000;
+        let timer = tokio::spawn({
+            let shaper = shaper.clone();
+            async move { shaper.sleep_until(shaper.now() + hour).await }
+        });
+        tokio::task::yield_now().await;
         let _ = shaper.inner.inbox.send(Msg::Stop);
         let told =
             tokio::time::timeout(std::time::Duration::from_secs(10), waiting.departed()).await;
         assert!(matches!(told, Ok(Err(_))), "the waiter was not told");
+        // The timer says it was not released, rather than that its time
+        // came (which let a held request depart at once).
+        let timer = tokio::time::timeout(std::time::Duration::from_secs(10), timer).await;
+        assert!(matches!(timer, Ok(Ok(false))), "{timer:?}");
         // One that queues after the thread's end is told at once too.
         while !shaper.ended() {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
@@ -824,6 +834,12 @@ mod tests {
         };
         let told = tokio::time::timeout(std::time::Duration::from_secs(10), later.departed()).await;
         assert!(matches!(told, Ok(Err(_))), "the later waiter was not told");
+        let later = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            shaper.sleep_until(shaper.now() + hour),
+        )
+        .await;
+        assert_eq!(later, Ok(false), "a later timer");
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while shaper.answers().await {
             assert!(std::time::Instant::now() < deadline, "still answering");

@@ -334,7 +334,9 @@ impl SharedHold {
                 let (shaper, closing) = (shaper.clone(), closing.clone());
                 Box::pin(async move {
                     tokio::select! {
-                        () = shaper.sleep_until(at) => true,
+                        // (false when the pacer thread ended: nothing
+                        // departs then, as local waiters do not.)
+                        released = shaper.sleep_until(at) => released,
                         () = closing.cancelled() => false,
                     }
                 })
@@ -1017,14 +1019,14 @@ impl Admission {
         // `latest`) spaces nothing after it.
         let start = taken.at();
         let mut taken = GiveBack(&self.relays, Some(taken));
-        if start > now {
-            self.shaper.sleep_until(start).await;
+        // (A pacer thread that ended releases nothing: no start.)
+        if start > now && !self.shaper.sleep_until(start).await {
+            return false;
         }
         while let Some(until) = self.shaper.paused_until(rule.upstream_id) {
-            if until > latest {
+            if until > latest || !self.shaper.sleep_until(until).await {
                 return false;
             }
-            self.shaper.sleep_until(until).await;
         }
         taken.1 = None;
         true
