@@ -329,7 +329,7 @@ proptest! {
         headers.insert("x-client", v);
         let spec = KeySpec(vec![KeyPart::Header(http::HeaderName::from_static("x-client")), KeyPart::Ip]);
         let peer = "127.0.0.1".parse().unwrap();
-        match sluice::http::key::extract(&spec, OnMissingKey::Reject, &headers, peer, &[]) {
+        match sluice::http::key::extract(&spec, OnMissingKey::Reject, &headers, None, peer, &[]) {
             Ok(key) => {
                 // What /status shows reads back as the same key.
                 let back = sluice::http::key::from_display(&spec, &key.display());

@@ -444,6 +444,39 @@ async fn bytes_after_a_close_do_not_reset_the_answer_before_it() {
     .await;
 }
 
+/// A `header:Host` key is the host the request is for, as routing and the
+/// upstream take it: an absolute-form target's authority, not the Host
+/// header beside it (with that, a client set a fresh Host per request and
+/// got a fresh bucket each time). Pure policing (capacity 0) at 1/h: the
+/// second request for a.example is refused whatever its Host says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_key_is_the_targets_authority_not_a_host_header_beside_it() {
+    let ds = Downstream::start().await;
+    let toml = config(ds.addr)
+        .replace("header:X-Client", "header:Host")
+        .replace(
+            "rate = \"1000/s\"\ncapacity = 100",
+            "rate = \"1/h\"\ncapacity = 0",
+        );
+    assert!(toml.contains("capacity = 0"));
+    let sluice = Sluice::start(&toml);
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        let mut statuses = Vec::new();
+        for host in ["r1", "r2", "r3"] {
+            let c = &mut connect(addr);
+            send(
+                c,
+                format!("GET http://a.example/k HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes(),
+            );
+            statuses.push(read_answer(c, false).status);
+        }
+        assert_eq!(statuses, [200, 429, 429]);
+    })
+    .await
+    .unwrap();
+}
+
 /// Host as RFC 9112 3.2 has it: an HTTP/1.1 request without a Host, or
 /// with two, gets 400; an absolute-form target's authority comes before
 /// Host; an HTTP/1.0 request without one reaches the upstream with the

@@ -339,6 +339,7 @@ impl Handler {
             &route.key,
             route.on_missing_key,
             headers,
+            req.uri().authority(),
             peer.ip(),
             &app.trusted_proxies,
         );

@@ -62,6 +62,7 @@ pub fn extract(
     spec: &KeySpec,
     on_missing: OnMissingKey,
     headers: &HeaderMap,
+    authority: Option<&http::uri::Authority>,
     peer: IpAddr,
     trusted: &[IpNet],
 ) -> Result<Key, String> {
@@ -70,6 +71,15 @@ pub fn extract(
             KeyPart::Ip => out.ip(peer),
             KeyPart::Forwarded => out.ip(forwarded_client(headers, peer, trusted)),
             KeyPart::Global => {}
+            // The host the request is for, as routing and the upstream
+            // take it: HTTP/2's `:authority` or an absolute-form target
+            // before `Host` (RFC 9112 3.2.2). Keyed by the `Host` header
+            // beside them, a client chose a fresh bucket per request.
+            KeyPart::Header(name) if name == http::header::HOST && authority.is_some() => {
+                if let Some(a) = authority {
+                    out.text(a.as_str().as_bytes());
+                }
+            }
             KeyPart::Header(name) => {
                 let joined;
                 let value = if name != http::header::COOKIE {
@@ -172,6 +182,7 @@ mod tests {
             &spec(&[header("x-client")]),
             OnMissingKey::Reject,
             &h,
+            None,
             PEER,
             &[],
         )
@@ -179,12 +190,41 @@ mod tests {
         assert_eq!(k.display(), "alice");
     }
 
+    /// A Host key is the host the request is for: the target's
+    /// authority (HTTP/2's `:authority`, an absolute-form target) before a
+    /// `Host` header beside it, which the client may set to anything.
+    #[test]
+    fn a_host_key_is_the_targets_authority() {
+        let s = spec(&[header("host")]);
+        let mut h = HeaderMap::new();
+        h.insert("host", HeaderValue::from_static("r1"));
+        let authority = http::uri::Authority::from_static("api.example:8080");
+        let k = extract(&s, OnMissingKey::Reject, &h, Some(&authority), PEER, &[]).unwrap();
+        assert_eq!(k.display(), "api.example:8080");
+        h.insert("host", HeaderValue::from_static("r2"));
+        let again = extract(&s, OnMissingKey::Reject, &h, Some(&authority), PEER, &[]).unwrap();
+        assert_eq!(again, k);
+        // Without one (an origin-form target), the Host header.
+        let k = extract(&s, OnMissingKey::Reject, &h, None, PEER, &[]).unwrap();
+        assert_eq!(k.display(), "r2");
+        // HTTP/2 without a Host header: the authority, not a refusal.
+        let k = extract(
+            &s,
+            OnMissingKey::Reject,
+            &HeaderMap::new(),
+            Some(&authority),
+            PEER,
+            &[],
+        );
+        assert_eq!(k.unwrap().display(), "api.example:8080");
+    }
+
     #[test]
     fn missing_header_is_refused_or_falls_back_to_ip() {
         let s = spec(&[header("x-client")]);
         let h = HeaderMap::new();
-        assert!(extract(&s, OnMissingKey::Reject, &h, PEER, &[]).is_err());
-        let k = extract(&s, OnMissingKey::Ip, &h, PEER, &[]).unwrap();
+        assert!(extract(&s, OnMissingKey::Reject, &h, None, PEER, &[]).is_err());
+        let k = extract(&s, OnMissingKey::Ip, &h, None, PEER, &[]).unwrap();
         assert_eq!(k.display(), "127.0.0.1");
     }
 
@@ -200,6 +240,7 @@ mod tests {
                 &spec(&[header("x-client")]),
                 OnMissingKey::Ip,
                 &h,
+                None,
                 PEER,
                 &[]
             )
@@ -251,7 +292,7 @@ mod tests {
         let mut h = HeaderMap::new();
         h.append("x-api-key", HeaderValue::from_static("random-1"));
         h.append("x-api-key", HeaderValue::from_static("real"));
-        let e = extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap_err();
+        let e = extract(&s, OnMissingKey::Reject, &h, None, PEER, &[]).unwrap_err();
         assert_eq!(e, "the x-api-key header must appear once");
     }
 
@@ -262,7 +303,7 @@ mod tests {
         let mut h = HeaderMap::new();
         h.append("cookie", HeaderValue::from_static("a=1"));
         h.append("cookie", HeaderValue::from_static("sid=x"));
-        let k = extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap();
+        let k = extract(&s, OnMissingKey::Reject, &h, None, PEER, &[]).unwrap();
         assert_eq!(k.display(), "a=1; sid=x");
     }
 
@@ -271,10 +312,13 @@ mod tests {
         let s = spec(&[header("x-tenant"), KeyPart::Ip]);
         let mut h = HeaderMap::new();
         h.insert("x-tenant", HeaderValue::from_static("acme"));
-        let k = extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap();
+        let k = extract(&s, OnMissingKey::Reject, &h, None, PEER, &[]).unwrap();
         assert_eq!(k.display(), "acme|127.0.0.1");
         assert_eq!(from_display(&s, "acme|127.0.0.1"), Some(k.clone()));
         h.insert("x-tenant", HeaderValue::from_static("other"));
-        assert_ne!(extract(&s, OnMissingKey::Reject, &h, PEER, &[]).unwrap(), k);
+        assert_ne!(
+            extract(&s, OnMissingKey::Reject, &h, None, PEER, &[]).unwrap(),
+            k
+        );
     }
 }
