@@ -1164,3 +1164,37 @@ async fn a_place_given_back_forgets_the_remembered_refusal() {
         assert_eq!(s.metric(remembered).await, before);
     }
 }
+
+/// RateLimit headers are not sent in cluster mode (README): the schedule is
+/// the store's, and this instance's own view told every client its whole
+/// budget was left, on the 429s too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_ratelimit_headers_in_cluster_mode() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    let cfg = one_instance(
+        ds.addr,
+        &redis.url(),
+        "rate = \"1/h\"\ncapacity = 0\nratelimit_headers = true",
+    );
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let mut statuses = Vec::new();
+    for _ in 0..2 {
+        let a = get(&c, &s.url("/r"), &[("x-client", "k")]).await;
+        statuses.push(a.status);
+        for name in ["ratelimit", "ratelimit-policy"] {
+            assert!(
+                a.headers.get(name).is_none(),
+                "{name} on a {}: {:?}",
+                a.status,
+                a.headers
+            );
+        }
+    }
+    assert_eq!(
+        statuses,
+        [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS],
+        "the route must answer both ways"
+    );
+}

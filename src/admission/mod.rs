@@ -1187,6 +1187,14 @@ impl Admission {
         result
     }
 
+    /// Whether the schedule is this instance's own (no `[cluster]`): only
+    /// then does [`Admission::view`] tell what a client has left. In
+    /// cluster mode the store keeps the schedule, and the local view shows
+    /// every client its whole budget.
+    pub fn schedule_is_local(&self) -> bool {
+        self.cluster.is_none()
+    }
+
     /// Whether a failed start-up check must stop sluice (with
     /// `on_failure = "reject"` nothing could be served anyway).
     pub fn backend_required(&self) -> bool {

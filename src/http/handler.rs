@@ -947,8 +947,14 @@ impl Handler {
         Ok(slot)
     }
 
+    /// The RateLimit fields, from this instance's schedule; none in
+    /// cluster mode, where this instance does not hold the schedule (they
+    /// told every client its whole budget was left, 429s included).
     fn ratelimit(&self, route: &Route, key: &Key, response: &mut Response<ProxyBody>) {
         let admission = &self.shared.admission;
+        if !admission.schedule_is_local() {
+            return;
+        }
         let view = admission.view(&route.rule, key);
         add_ratelimit_headers(route, view, admission.now(), response.headers_mut());
     }
