@@ -919,3 +919,55 @@ async fn a_repeated_length_from_an_http2_client_reaches_the_upstream_once() {
         .unwrap();
     assert_eq!(head.matches("content-length").count(), 1, "{head}");
 }
+
+/// HTTP/2 "rapid reset" (CVE-2023-44487) past h2's own bound: a client
+/// that resets its streams right after making them (each an admission and
+/// a withdrawal here) has its connection closed (GOAWAY) once more than
+/// 100 of them, and more than half its requests, were such resets. Here
+/// six rounds of 20 queued requests, each round reset together once
+/// queued: 120 resets of 121 requests. Without the bound the connection
+/// stays open for as many as the client cares to send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_resets_its_streams_as_it_makes_them_is_sent_away() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&base(
+        ds.addr,
+        "",
+        &default_route("header:X-Client", "1/h", 1000),
+    ));
+    let (mut h2, driver) = h2_connect(s.addr).await;
+    let req = |i: usize| {
+        http::Request::builder()
+            .uri(format!("http://{}/r/{i}", s.addr))
+            .header("x-client", "k")
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap()
+    };
+    let first = h2.send_request(req(0)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    for round in 0..6 {
+        let waiting: Vec<_> = (0..20)
+            .map(|i| tokio::spawn(h2.send_request(req(round * 20 + i + 1))))
+            .collect();
+        s.wait_queued(20).await;
+        // Dropping a response future resets its stream (RST_STREAM CANCEL).
+        for w in &waiting {
+            w.abort();
+        }
+        s.wait_queued(0).await;
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(10), driver).await;
+    assert!(
+        ended.is_ok(),
+        "the connection is still open after 120 resets of 121 requests"
+    );
+    assert!(
+        s.log()
+            .iter()
+            .any(|l| l.contains("reset most of its requests")),
+        "{:?}",
+        s.log()
+    );
+    // Only the first request reached the downstream.
+    assert_eq!(ds.seen().len(), 1);
+}

@@ -58,6 +58,10 @@ pub struct ConnState {
     pub close: Close,
     /// Its place in the worker's registry.
     id: u64,
+    /// Requests made on hyper's path, and those of them their client
+    /// gave up right after (see [`Unanswered`]).
+    streams: AtomicU32,
+    resets: AtomicU32,
 }
 
 /// Why a connection is asked to close.
@@ -69,6 +73,9 @@ pub enum Reason {
     Evicted,
     /// It stayed idle past its timeout.
     Idle,
+    /// Its client reset most of its requests right after making them
+    /// (HTTP/2 "rapid reset", CVE-2023-44487): see [`Unanswered`].
+    Resets,
 }
 
 /// A connection's request to close: set once, seen by its task.
@@ -86,6 +93,7 @@ impl Close {
             Reason::Shutdown => 1,
             Reason::Evicted => 2,
             Reason::Idle => 3,
+            Reason::Resets => 4,
         };
         let set = self
             .reason
@@ -103,7 +111,8 @@ impl Close {
             0 => None,
             1 => Some(Reason::Shutdown),
             2 => Some(Reason::Evicted),
-            _ => Some(Reason::Idle),
+            3 => Some(Reason::Idle),
+            _ => Some(Reason::Resets),
         }
     }
 
@@ -255,6 +264,8 @@ impl Conns {
             progress_at: AtomicU64::new(0),
             close: Close::default(),
             id,
+            streams: AtomicU32::new(0),
+            resets: AtomicU32::new(0),
         });
         if registry.stopping {
             state.close.signal(Reason::Shutdown);
@@ -403,6 +414,60 @@ impl Conns {
     }
 }
 
+/// A request whose client gives it up within this long of making it
+/// (before its answer) counts as a premature reset (Envoy's
+/// `premature_reset_min_stream_lifetime_seconds`).
+const PREMATURE: Duration = Duration::from_secs(1);
+
+/// Premature resets a connection is allowed before more than half of its
+/// requests being such closes it (Envoy counts from 500 streams; a burst
+/// of 100 already costs each one an admission and a withdrawal).
+const RESETS_ALLOWED: u32 = 100;
+
+/// A request on hyper's path until its answer is made. Dropped before
+/// (its client reset the HTTP/2 stream, or left) within [`PREMATURE`] of
+/// its start, it counts as a premature reset of its connection; past
+/// [`RESETS_ALLOWED`] of them, and more than half of the connection's
+/// requests, the connection is asked to close ([`Reason::Resets`]: GOAWAY).
+/// h2 bounds only resets of streams not yet accepted; hyper accepts each
+/// at once, and each costs routing, an admission and its withdrawal, so
+/// a client resetting every stream it opens could run that at line rate
+/// on one connection.
+pub struct Unanswered {
+    state: Arc<ConnState>,
+    since: Instant,
+    answered: bool,
+}
+
+impl Unanswered {
+    pub fn new(state: &Arc<ConnState>) -> Unanswered {
+        state.streams.fetch_add(1, Ordering::Relaxed);
+        Unanswered {
+            state: state.clone(),
+            since: Instant::now(),
+            answered: false,
+        }
+    }
+
+    /// Its answer is made: not a reset.
+    pub fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if self.answered || self.since.elapsed() >= PREMATURE {
+            return;
+        }
+        let resets = self.state.resets.fetch_add(1, Ordering::Relaxed) + 1;
+        let streams = self.state.streams.load(Ordering::Relaxed);
+        if resets > RESETS_ALLOWED && u64::from(resets) * 2 > u64::from(streams) {
+            self.state.close.signal(Reason::Resets);
+        }
+    }
+}
+
 /// Marks a request in flight until dropped.
 pub struct RequestGuard {
     conns: Arc<Conns>,
@@ -479,6 +544,36 @@ pub type OwnedPermit = OwnedSemaphorePermit;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Premature resets close the connection only past RESETS_ALLOWED and
+    /// more than half of its requests; answered requests are not resets.
+    #[test]
+    fn resets_close_a_connection_past_the_bound_and_half_its_requests() {
+        let conns = Conns::new(
+            10,
+            Duration::from_secs(1),
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+        );
+        let reset =
+            |state: &Arc<ConnState>, n: u32| (0..n).for_each(|_| drop(Unanswered::new(state)));
+        let answer = |state: &Arc<ConnState>, n: u32| {
+            (0..n).for_each(|_| Unanswered::new(state).answered());
+        };
+        let a = conns.opened();
+        reset(&a, RESETS_ALLOWED);
+        assert_eq!(a.close.reason(), None, "at the bound");
+        reset(&a, 1);
+        assert_eq!(a.close.reason(), Some(Reason::Resets));
+        // Half its requests answered: a client cancelling many calls among
+        // as many served ones keeps its connection.
+        let b = conns.opened();
+        answer(&b, 2 * RESETS_ALLOWED);
+        reset(&b, 2 * RESETS_ALLOWED);
+        assert_eq!(b.close.reason(), None, "half of them");
+        reset(&b, 1);
+        assert_eq!(b.close.reason(), Some(Reason::Resets));
+    }
 
     #[tokio::test]
     async fn at_the_limit_the_oldest_idle_connection_is_evicted() {

@@ -36,7 +36,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use super::Concurrency;
-use super::conn::{ConnState, Conns, Guarded, OwnedPermit, Reason};
+use super::conn::{ConnState, Conns, Guarded, OwnedPermit, Reason, Unanswered};
 use super::h1::{self, RequestBody, Rewind};
 use super::handler::Handler;
 use super::route::App;
@@ -534,9 +534,11 @@ impl Worker {
             // connection streaming an answer is neither idle nor evicted.
             let service = service_fn(move |req: Request<Incoming>| {
                 let guard = conns.request(&st);
+                let unanswered = Unanswered::new(&st);
                 handler
                     .handle(req.map(RequestBody::from), peer)
                     .map(move |response| {
+                        unanswered.answered();
                         Ok::<_, Infallible>(response.map(|body| Guarded::new(body, guard)))
                     })
             });
@@ -565,8 +567,15 @@ impl Worker {
                         break;
                     }
                     why = state.close.wait(), if !closing => {
-                        if why == Reason::Evicted {
-                            debug!(%peer, "idle connection closed for a new one");
+                        match why {
+                            Reason::Evicted => {
+                                debug!(%peer, "idle connection closed for a new one");
+                            }
+                            Reason::Resets => warn!(
+                                %peer,
+                                "client reset most of its requests as it made them: connection closed (GOAWAY)"
+                            ),
+                            Reason::Shutdown | Reason::Idle => {}
                         }
                         conn.as_mut().graceful_shutdown();
                         closing = true;
