@@ -53,7 +53,7 @@ use super::headers::{
     strip_forwarded, strip_hop_by_hop, upgrade_to,
 };
 use super::in_flight::{CallSlot, InFlight};
-use super::response::{ProxyBody, problem};
+use super::response::{ProxyBody, deadline_passed, problem};
 use super::stage::Begun;
 use super::stall::Stalls;
 use crate::config::{self, HostMode, OnThrottle, UpstreamProtocol};
@@ -517,7 +517,14 @@ impl Upstream {
                 debug!(upstream = %self.name, "upstream timed out");
                 let detail = "the upstream did not answer in time";
                 (
-                    problem(StatusCode::GATEWAY_TIMEOUT, detail, None),
+                    // (A gRPC call waits as long as its own deadline
+                    // says: at most GRPC_LONGEST, past which the deadline
+                    // has not passed, sluice gave up.)
+                    if deadline.is_some_and(|d| d <= Instant::now()) {
+                        deadline_passed(detail)
+                    } else {
+                        problem(StatusCode::GATEWAY_TIMEOUT, detail, None)
+                    },
                     Outcome::UpstreamError,
                     None,
                     None,

@@ -1,9 +1,15 @@
-//! gRPC calls (`content-type: application/grpc...`): shaped like any
-//! request, but what sluice answers itself speaks gRPC. A refusal is HTTP
-//! 200 with `grpc-status` in a trailers-only response (one HEADERS frame
-//! that ends the stream), a `grpc-message` saying when to retry, and that
-//! time in `grpc-retry-pushback-ms` (the gRPC retry design's server
-//! pushback). Status codes follow the gRPC HTTP mapping.
+//! gRPC calls (`content-type: application/grpc`, `application/grpc+proto`
+//! ...; not gRPC-Web, which is answered as HTTP): shaped like any request,
+//! but what sluice answers itself speaks gRPC. A refusal is HTTP 200 with
+//! `grpc-status` in a trailers-only response (one HEADERS frame that ends
+//! the stream), a `grpc-message` saying when to retry, and that time in
+//! `grpc-retry-pushback-ms` (the gRPC retry design's server pushback).
+//! The codes are what each answer means, as a gRPC server would say it:
+//! RESOURCE_EXHAUSTED for a rate or size refusal (429, 413, as Envoy's
+//! rate limit filter can), UNAVAILABLE for what another try may get past
+//! (502, 503, and a 504 of sluice's or the upstream's timeouts),
+//! DEADLINE_EXCEEDED only for the call's own deadline, INVALID_ARGUMENT
+//! for a 400 and UNIMPLEMENTED for no route (404).
 
 use std::time::{Duration, Instant};
 
@@ -26,12 +32,21 @@ const UNAVAILABLE: u8 = 14;
 /// outside printable ASCII, and '%').
 const MESSAGE: &AsciiSet = &CONTROLS.add(b'%');
 
-/// Whether a request is a gRPC call.
+/// Whether a request is a gRPC call: `application/grpc`, alone or with a
+/// `+format` or parameters; not `application/grpc-web` (its clients read
+/// HTTP answers, and a refusal's content type would have told them gRPC).
 pub fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/grpc"))
+        .and_then(|v| {
+            v.get(.."application/grpc".len())
+                .map(|head| (head, &v[head.len()..]))
+        })
+        .is_some_and(|(head, rest)| {
+            head.eq_ignore_ascii_case("application/grpc")
+                && (rest.is_empty() || rest.starts_with(['+', ';']))
+        })
 }
 
 /// The call's `grpc-timeout` (an integer of at most 8 digits and a unit:
@@ -91,7 +106,8 @@ pub fn answer(mut response: Response<ProxyBody>) -> Response<ProxyBody> {
     };
     let code = match response.status() {
         StatusCode::TOO_MANY_REQUESTS | StatusCode::PAYLOAD_TOO_LARGE => RESOURCE_EXHAUSTED,
-        StatusCode::GATEWAY_TIMEOUT => DEADLINE_EXCEEDED,
+        StatusCode::GATEWAY_TIMEOUT if local.deadline => DEADLINE_EXCEEDED,
+        StatusCode::GATEWAY_TIMEOUT => UNAVAILABLE,
         StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE => UNAVAILABLE,
         StatusCode::BAD_REQUEST => INVALID_ARGUMENT,
         StatusCode::NOT_FOUND => UNIMPLEMENTED,
@@ -131,6 +147,51 @@ fn refusal(code: u8, detail: &str, retry_after: Option<Duration>) -> Response<Pr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_is_application_grpc_with_a_format_or_parameters_not_grpc_web() {
+        let is = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(CONTENT_TYPE, HeaderValue::from_static(v));
+            is_grpc(&h)
+        };
+        for yes in [
+            "application/grpc",
+            "application/grpc+proto",
+            "application/grpc;charset=utf-8",
+            "Application/GRPC",
+        ] {
+            assert!(is(yes), "{yes}");
+        }
+        for no in [
+            "application/grpc-web",
+            "application/grpc-web+proto",
+            "application/grpc-web-text",
+            "application/grpcx",
+            "application/json",
+            "application/grp",
+        ] {
+            assert!(!is(no), "{no}");
+        }
+        assert!(!is_grpc(&HeaderMap::new()));
+    }
+
+    /// A 504 is DEADLINE_EXCEEDED only for the call's own deadline;
+    /// sluice's and the upstream's timeouts are UNAVAILABLE.
+    #[test]
+    fn only_the_calls_own_deadline_is_deadline_exceeded() {
+        use super::super::response::{deadline_passed, problem};
+        let code = |r: Response<ProxyBody>| answer(r).headers()["grpc-status"].clone();
+        assert_eq!(code(deadline_passed("late")), "4");
+        assert_eq!(
+            code(problem(StatusCode::GATEWAY_TIMEOUT, "slow", None)),
+            "14"
+        );
+        assert_eq!(
+            code(problem(StatusCode::TOO_MANY_REQUESTS, "full", None)),
+            "8"
+        );
+    }
 
     #[test]
     fn a_call_that_waited_tells_the_upstream_what_is_left() {

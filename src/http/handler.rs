@@ -42,7 +42,7 @@ use super::headers::{Packed, add_ratelimit_headers, pack, upgrade_to};
 use super::in_flight::{CallSlot, InFlight};
 use super::key;
 use super::path;
-use super::response::{ProxyBody, full, problem};
+use super::response::{ProxyBody, deadline_passed, full, problem};
 use super::route::{App, Route, sound_host};
 use super::stage::{Begun, Refused, STARVED_RETRY, StageError, Staged, linger, stage};
 use super::tunnel::Slot;
@@ -520,7 +520,7 @@ impl Handler {
                     {
                         route.rule.count(Outcome::Expired);
                         let detail = "the call's deadline (grpc-timeout) passed while it waited";
-                        break 'answer problem(StatusCode::GATEWAY_TIMEOUT, detail, None);
+                        break 'answer deadline_passed(detail);
                     }
                     parts
                 };
@@ -912,21 +912,21 @@ impl Handler {
         let left = call
             .and_then(|(arrival, t)| arrival.checked_add(t))
             .map(|d| d.saturating_duration_since(Instant::now()));
-        let (limit, why) = match left {
-            Some(d) if d < upstream.request_timeout() => (
-                d,
-                "the call's deadline (grpc-timeout) passed while it waited for an upstream slot (max_concurrency)",
-            ),
-            _ => (
-                upstream.request_timeout(),
-                "no upstream slot (max_concurrency) became free in time",
-            ),
+        const DEADLINE: &str = "the call's deadline (grpc-timeout) passed while it waited for an upstream slot (max_concurrency)";
+        let (limit, own_deadline) = match left {
+            Some(d) if d < upstream.request_timeout() => (d, true),
+            _ => (upstream.request_timeout(), false),
         };
         let (blank, ()) = Request::new(()).into_parts();
         let packed = pack(std::mem::replace(head, blank));
         let slot = tokio::select! {
             slot = cap.take() => Ok(slot),
-            () = tokio::time::sleep(limit) => Err(problem(StatusCode::GATEWAY_TIMEOUT, why, None)),
+            () = tokio::time::sleep(limit) => Err(if own_deadline {
+                deadline_passed(DEADLINE)
+            } else {
+                let why = "no upstream slot (max_concurrency) became free in time";
+                problem(StatusCode::GATEWAY_TIMEOUT, why, None)
+            }),
             () = admission.closing().cancelled() => Err(problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "sluice is shutting down; this request was not forwarded",
@@ -941,8 +941,7 @@ impl Handler {
         if let Some((arrival, t)) = call
             && grpc::spend(&mut head.headers, arrival, t).is_err()
         {
-            let detail = "the call's deadline (grpc-timeout) passed while it waited for an upstream slot (max_concurrency)";
-            return Err(problem(StatusCode::GATEWAY_TIMEOUT, detail, None));
+            return Err(deadline_passed(DEADLINE));
         }
         Ok(slot)
     }

@@ -60,6 +60,9 @@ pub struct Problem {
 pub struct Local {
     pub detail: Arc<str>,
     pub retry_after: Option<Duration>,
+    /// A 504 for the client's own deadline (`grpc-timeout`), not one of
+    /// sluice's or the upstream's timeouts.
+    pub deadline: bool,
 }
 
 impl Problem {
@@ -92,9 +95,21 @@ impl Problem {
         response.extensions_mut().insert(Local {
             detail: self.detail.clone(),
             retry_after,
+            deadline: false,
         });
         response
     }
+}
+
+/// A 504 for a call whose own deadline (`grpc-timeout`) passed: gRPC's
+/// DEADLINE_EXCEEDED, where sluice's and the upstream's timeouts are
+/// UNAVAILABLE (which a client's retry policy may retry).
+pub fn deadline_passed(detail: &str) -> Response<ProxyBody> {
+    let mut response = problem(StatusCode::GATEWAY_TIMEOUT, detail, None);
+    if let Some(local) = response.extensions_mut().get_mut::<Local>() {
+        local.deadline = true;
+    }
+    response
 }
 
 /// A problem+json response rendered on the spot (rare answers).
