@@ -1203,6 +1203,21 @@ fn under_a_cap_retry_after_is_the_time_until_the_queue_accepts() {
 }
 
 #[test]
+fn with_nothing_waiting_a_busy_cap_gives_its_next_slot_as_retry_after() {
+    // b = 0 under R = 10/s: client 1 takes the cap's slot at 0; client 2,
+    // new, and client 1 again at 10 ms (its own T = 1 ms has passed) are
+    // refused only for the cap. The queue (none) accepts them at the
+    // cap's next slot, 100 ms: retry_after 90 ms, and a retry then
+    // passes. (It said 1 ns, Retry-After 1, and a client retrying every
+    // second of a long pause was refused each time.)
+    let mut sim = Sim::with(policy("1000/s", 0), ROOMY, Some(rate("10/s")));
+    assert!(matches!(sim.arrive(1, 1, 0).1, Admission::Depart));
+    assert_eq!(full_retry_after(&sim.arrive(2, 1, 10 * MS).1), 90 * MS);
+    assert_eq!(full_retry_after(&sim.arrive(1, 1, 10 * MS).1), 90 * MS);
+    assert!(matches!(sim.arrive(2, 1, 100 * MS).1, Admission::Depart));
+}
+
+#[test]
 fn a_ticket_from_before_memory_was_released_never_matches_a_new_request() {
     // Regression: releasing an emptied shard's arenas restarted entry
     // generations, so an old ticket cancelled a new request in its place.

@@ -373,7 +373,12 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         }
         // It has to wait: capacity, then max_wait, then the global bound.
         if waiting_cost + u64::from(cost) > u64::from(policy.capacity) {
-            let at = client.map_or(now, |c| self.accepts_at(c, ask));
+            // (Nothing waiting, a new client: it could not go only for
+            // the cap's slot or pause, whose end is when it may.)
+            let at = match client {
+                Some(c) => self.accepts_at(c, ask),
+                None => cap.map_or(now, |c| c.next),
+            };
             return Decision::Reject(Rejection::Full {
                 retry_after: at.saturating_sub(now).max(1),
             });
@@ -415,7 +420,12 @@ impl<K: Hash + Eq, P> Shard<K, P> {
         let capacity = u64::from(ask.policy.capacity);
         let cost = u64::from(ask.cost);
         if client.waiting == 0 {
-            return idle_earliest(client.tat, client.due, ask.policy.tolerance(), 0);
+            // Nothing waiting: when it may go at once, its own schedule
+            // and the cap's next slot (a pause's end) both allowing (b = 0,
+            // or a cost the queue can never hold, refused only for the
+            // cap: its next slot, not 1 s).
+            let idle = idle_earliest(client.tat, client.due, ask.policy.tolerance(), 0);
+            return ask.cap.map_or(idle, |c| idle.max(c.next));
         }
         // When the units ahead of `done` units, `span` of the client's own
         // schedule, have left: on its own grid, and (with a cap) on the
