@@ -572,11 +572,12 @@ async fn a_stalled_instance_catches_up_shared_departures_at_twice_the_rate() {
     let seen = ds.seen();
     assert_eq!(seen.len(), 6);
     let times: Vec<Instant> = seen[1..].iter().map(|r| r.at).collect();
-    // 100 ms apart less the downstream's own jitter; in one burst they
-    // come within a millisecond or two.
+    // 100 ms apart less the downstream's own jitter (over 30 ms once,
+    // beside a CI run's tests); in one burst they come within a
+    // millisecond or two.
     let gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
     assert!(
-        gaps.iter().all(|g| *g >= Duration::from_millis(70)),
+        gaps.iter().all(|g| *g >= Duration::from_millis(50)),
         "{gaps:?}"
     );
     // Each shared release is in the release-lag histogram, the stall's

@@ -262,7 +262,9 @@ struct SharedHold {
     client: (RouteId, Key),
     half: Nanos,
     spacing: Arc<Spacing<(RouteId, Key)>>,
-    spaced: Option<Nanos>,
+    /// The later release spacing gave it, kept until it departs (given
+    /// back if it leaves before: it spaces nothing after it then).
+    spaced: Option<spacing::Taken<(RouteId, Key)>>,
     shaper: Shaper<Key>,
     cluster: Arc<Cluster>,
     reservation: Option<Reservation>,
@@ -351,17 +353,21 @@ impl SharedHold {
                 self.woken = None;
                 continue;
             }
-            if self.spaced == Some(self.at) {
+            if self.spaced.as_ref().is_some_and(|t| t.at() == self.at) {
                 return Poll::Ready(true);
+            }
+            // (One taken before a pause moved `at` is taken again.)
+            if let Some(old) = self.spaced.take() {
+                self.spacing.give_back(old);
             }
             let now = self.shaper.now();
             let release = self
                 .spacing
                 .release(&self.client, now, self.slot, self.half);
-            if release <= now {
+            if release.at() <= now {
                 return Poll::Ready(true);
             }
-            self.at = release;
+            self.at = release.at();
             self.spaced = Some(release);
             self.woken = None;
         }
@@ -399,8 +405,14 @@ impl Hold {
                     shaper,
                     cluster,
                     reservation,
+                    spacing,
+                    spaced,
                     ..
                 } = *s;
+                // A later release it never made spaces nothing after it.
+                if let Some(taken) = spaced {
+                    spacing.give_back(taken);
+                }
                 // (The give-back first: once the place shows as free here,
                 // no refusal of the client is remembered.)
                 if let Some(r) = reservation {

@@ -87,13 +87,15 @@ impl<C: Hash + Eq + Clone> Spacing<C> {
     /// whose slot was `slot` may be released: `half` (its c·T/2) after the
     /// client's previous release, or as far after it as `slot` is from
     /// that release's slot, if less (overdue releases may be taken in any
-    /// order). Taken: the client's next release is spaced from it.
-    pub fn release(&self, client: &C, now: Nanos, slot: Nanos, half: Nanos) -> Nanos {
+    /// order). Taken: the client's next release is spaced from it, unless
+    /// it is given back ([`Spacing::give_back`]: the request left before).
+    pub fn release(&self, client: &C, now: Nanos, slot: Nanos, half: Nanos) -> Taken<C> {
         let lines = [(client, Some(slot), half)];
         let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let at = guard.earliest(&lines, now);
-        guard.take(&lines, at, now, None);
-        at
+        let mut before = Vec::with_capacity(1);
+        let seq = guard.take(&lines, at, now, Some(&mut before));
+        Taken { at, seq, before }
     }
 
     /// Whether a release of `client` now could be held back (its latest
@@ -227,11 +229,14 @@ mod tests {
         let a = client("a");
         // Five requests due 200 ms apart, all fired at once at 1 s.
         let times: Vec<Nanos> = (0..5)
-            .map(|i| s.release(&a, 1_000 * MS, i * 200 * MS, 100 * MS))
+            .map(|i| s.release(&a, 1_000 * MS, i * 200 * MS, 100 * MS).at())
             .collect();
         assert_eq!(times, [1_000, 1_100, 1_200, 1_300, 1_400].map(|t| t * MS));
         // Another client is not held back by the first.
-        assert_eq!(s.release(&client("b"), 1_000 * MS, 0, 100 * MS), 1_000 * MS);
+        assert_eq!(
+            s.release(&client("b"), 1_000 * MS, 0, 100 * MS).at(),
+            1_000 * MS
+        );
     }
 
     #[test]
@@ -240,7 +245,7 @@ mod tests {
         let a = client("a");
         for i in 0..10 {
             let due = i * 200 * MS;
-            assert_eq!(s.release(&a, due, due, 100 * MS), due);
+            assert_eq!(s.release(&a, due, due, 100 * MS).at(), due);
         }
     }
 
@@ -251,14 +256,36 @@ mod tests {
         // A burst: three slots at the same instant, their work started
         // late (at 500 ms): none is held back by the others.
         for _ in 0..3 {
-            assert_eq!(s.release(&a, 500 * MS, 0, 100 * MS), 500 * MS);
+            assert_eq!(s.release(&a, 500 * MS, 0, 100 * MS).at(), 500 * MS);
         }
         // Two slots 30 ms apart, both overdue: 30 ms apart, not 100.
-        assert_eq!(s.release(&a, 900 * MS, 800 * MS, 100 * MS), 900 * MS);
-        assert_eq!(s.release(&a, 900 * MS, 830 * MS, 100 * MS), 930 * MS);
+        assert_eq!(s.release(&a, 900 * MS, 800 * MS, 100 * MS).at(), 900 * MS);
+        assert_eq!(s.release(&a, 900 * MS, 830 * MS, 100 * MS).at(), 930 * MS);
         // Overdue slots taken out of order are spaced all the same.
-        assert_eq!(s.release(&a, 2_000 * MS, 1_400 * MS, 100 * MS), 2_000 * MS);
-        assert_eq!(s.release(&a, 2_000 * MS, 1_200 * MS, 100 * MS), 2_100 * MS);
+        assert_eq!(
+            s.release(&a, 2_000 * MS, 1_400 * MS, 100 * MS).at(),
+            2_000 * MS
+        );
+        assert_eq!(
+            s.release(&a, 2_000 * MS, 1_200 * MS, 100 * MS).at(),
+            2_100 * MS
+        );
+    }
+
+    /// A release given back (its held request left before it) spaces
+    /// nothing after it: the next one is spaced from the release before.
+    #[test]
+    fn a_release_given_back_holds_nothing_back() {
+        let s = Spacing::default();
+        let a = client("a");
+        assert_eq!(s.release(&a, 1_000 * MS, 0, 100 * MS).at(), 1_000 * MS);
+        let gone = s.release(&a, 1_000 * MS, 200 * MS, 100 * MS);
+        assert_eq!(gone.at(), 1_100 * MS);
+        s.give_back(gone);
+        assert_eq!(
+            s.release(&a, 1_100 * MS, 400 * MS, 100 * MS).at(),
+            1_100 * MS
+        );
     }
 
     #[test]
@@ -289,14 +316,14 @@ mod tests {
         // Live entries (an hour each), then one start floored a day later
         // (a paused upstream): the live ones are kept.
         for i in 0..PRUNE_AT {
-            s.release(&client(&i.to_string()), 0, 0, 3_600_000 * MS);
+            let _ = s.release(&client(&i.to_string()), 0, 0, 3_600_000 * MS);
         }
         let day = 86_400_000 * MS;
         let late = s.take_all(&[(&client("late"), None, MS)], day, 0, Nanos::MAX);
         assert!(late.is_some());
         // Its slot two hours on: held a whole half (an hour) from its last.
         let (hour, two) = (3_600_000 * MS, 7_200_000 * MS);
-        assert_eq!(s.release(&client("0"), MS, two, hour), hour);
+        assert_eq!(s.release(&client("0"), MS, two, hour).at(), hour);
     }
 
     #[test]
@@ -304,7 +331,7 @@ mod tests {
         let s = Spacing::default();
         for i in 0..(3 * PRUNE_AT) {
             let now = (i as Nanos) * MS;
-            s.release(&client(&i.to_string()), now, now, MS);
+            let _ = s.release(&client(&i.to_string()), now, now, MS);
         }
         let held = s.0.lock().unwrap().last.len();
         assert!(held <= PRUNE_AT + 1, "{held} entries kept");
@@ -315,7 +342,7 @@ mod tests {
         let s = Spacing::default();
         // Entries that stay live (an hour of spacing each).
         for i in 0..(PRUNE_AT + 10) {
-            s.release(&client(&i.to_string()), 0, 0, 3_600_000 * MS);
+            let _ = s.release(&client(&i.to_string()), 0, 0, 3_600_000 * MS);
         }
         let (held, next) = {
             let g = s.0.lock().unwrap();
