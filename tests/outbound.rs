@@ -109,6 +109,74 @@ async fn https_calls_share_one_kept_alive_connection() {
     assert_eq!(ds.connections(), 2, "calls with a body did not share one");
 }
 
+/// A reload keeps an upstream's open connections when it leaves the
+/// upstream connecting the same way (its url, protocol and CA), whatever
+/// else changed (a route's rate, the upstream's request_timeout): the call
+/// after it goes on the same TLS connection, as Envoy keeps an unchanged
+/// cluster's. One that changes how it connects (protocol) connects anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_an_unchanged_upstreams_connections() {
+    let ca = TestCa::new();
+    let ds = HttpsDownstream::start(&ca).await;
+    let ca_file = ca.write();
+    let toml = https_config(&ds, &ca_file, "", "").replace("[server]\n", "[server]\nworkers = 1\n");
+    let s = Sluice::start(&toml);
+    let c = client();
+    let call = |i: u32| {
+        let (c, url) = (c.clone(), s.url(&format!("/mail/{i}")));
+        async move {
+            let a = get(&c, &url, &[]).await;
+            assert_eq!(a.status, StatusCode::OK, "call {i}");
+            // Idle after it: what the partner sends late (TLS 1.3 session
+            // tickets) has arrived.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let reload = |toml: String| {
+        std::fs::write(&s.config, toml).unwrap();
+        let before = s
+            .log()
+            .iter()
+            .filter(|l| l.contains("config reloaded"))
+            .count();
+        s.signal("HUP");
+        let s = &s;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while s
+                .log()
+                .iter()
+                .filter(|l| l.contains("config reloaded"))
+                .count()
+                == before
+            {
+                assert!(Instant::now() < deadline, "no reload: {:?}", s.log());
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    call(0).await;
+    assert_eq!(ds.connections(), 1);
+    reload(
+        toml.replace("rate = \"100/s\"", "rate = \"50/s\"")
+            .replace("/v3\"\n", "/v3\"\nrequest_timeout = \"20s\"\n"),
+    )
+    .await;
+    call(1).await;
+    assert_eq!(
+        ds.connections(),
+        1,
+        "the reload dropped the upstream's connection"
+    );
+    reload(toml.replace("/v3\"\n", "/v3\"\nprotocol = \"auto\"\n")).await;
+    call(2).await;
+    assert_eq!(
+        ds.connections(),
+        2,
+        "a changed protocol kept the old connection"
+    );
+}
+
 /// An upstream that answers before it has read a request's body (and
 /// keeps the connection): while a slow client's body is still going up,
 /// that connection is not ready for another request, and the next call

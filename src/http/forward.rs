@@ -225,6 +225,16 @@ pub struct Origin {
     host: Option<HeaderValue>,
 }
 
+/// What an upstream's connections are made to and with (the rest of its
+/// settings apply per call).
+#[derive(PartialEq)]
+struct Connects {
+    /// Scheme and authority.
+    url: http::Uri,
+    protocol: UpstreamProtocol,
+    ca: Option<Vec<rustls::pki_types::CertificateDer<'static>>>,
+}
+
 /// One configured upstream, as one worker sees it.
 pub struct Upstream {
     name: String,
@@ -249,6 +259,9 @@ pub struct Upstream {
     read_timeout: Duration,
     /// This worker's idle connections.
     pool: Arc<Pool>,
+    /// What its connections are made to and with: a reload that leaves
+    /// it the same keeps them (the pool).
+    connects: Connects,
     duration: Arc<m::Histogram>,
     /// `max_concurrency`: a slot per call in flight, held until the
     /// response body has been sent.
@@ -319,9 +332,24 @@ impl Upstream {
             request_timeout: cfg.request_timeout,
             read_timeout: cfg.read_timeout,
             pool: Arc::default(),
+            connects: Connects {
+                url: cfg.url.clone(),
+                protocol: cfg.protocol,
+                ca: cfg.ca.clone(),
+            },
             duration: m::histogram(m::UPSTREAM_DURATION_SECONDS, &[("upstream", &cfg.name)]),
             concurrency,
         })
+    }
+
+    /// Take `old`'s connections (open, idle) when it is this upstream as a
+    /// reload found it: same name, connected to the same place the same
+    /// way (Envoy keeps an unchanged cluster's the same). Its timeouts,
+    /// Host and the rest may have changed: they apply per call.
+    pub fn keep_connections_of(&mut self, old: &Upstream) {
+        if self.name == old.name && self.connects == old.connects {
+            self.pool = old.pool.clone();
+        }
     }
 
     /// `read_timeout`: also how long a tunnel may stay silent both ways.

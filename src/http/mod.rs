@@ -275,12 +275,14 @@ impl Handle {
         }
         let smtp_pools = shared.smtp.prepare(config).map_err(ServeError::Client)?;
         let mut concurrency = lock(&shared.concurrency).clone();
+        let old: Vec<Arc<App>> = shared.apps.iter().map(ArcSwap::load_full).collect();
         let apps = App::build_all(
             &shared.admission,
             config,
             &shared.tls,
             shared.apps.len(),
             &mut concurrency,
+            &old,
         )?;
         lock(&shared.concurrency).commit(concurrency);
         shared.admission.set_limits(limits(config));

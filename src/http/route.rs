@@ -229,12 +229,16 @@ impl App {
     /// Build one table per worker for `config`: admission rules (shared,
     /// reusing engine state for routes that keep their name and upstream),
     /// and for each worker its own routes and upstream pools.
+    /// Each worker's table for `config`; on a reload, `old` holds the
+    /// tables it replaces, whose upstreams' connections go on where the
+    /// reload leaves an upstream the same.
     pub fn build_all(
         admission: &Admission,
         config: &Config,
         tls: &Arc<rustls::ClientConfig>,
         workers: usize,
         concurrency: &mut Concurrency,
+        old: &[Arc<App>],
     ) -> Result<Vec<App>, ServeError> {
         let caps: Vec<Option<Arc<InFlight>>> = config
             .upstreams
@@ -253,6 +257,13 @@ impl App {
                     .collect::<Result<Vec<_>, _>>()
             })
             .collect::<Result<Vec<_>, _>>()?;
+        for (upstreams, old) in pools.iter_mut().zip(old) {
+            for u in upstreams.iter_mut() {
+                if let Some(before) = old.upstreams.iter().find(|o| o.name() == u.name()) {
+                    u.keep_connections_of(before);
+                }
+            }
+        }
         let specs: Vec<RuleSpec<'_>> = config.routes.iter().map(|r| rule_spec(config, r)).collect();
         let rules = admission.rules(&specs);
         let routes: Vec<Route> = config

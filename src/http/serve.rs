@@ -189,7 +189,7 @@ impl Server {
             tls.clone(),
         )?);
         let mut concurrency = Concurrency::default();
-        let apps = App::build_all(&admission, config, &tls, workers, &mut concurrency)?;
+        let apps = App::build_all(&admission, config, &tls, workers, &mut concurrency, &[])?;
 
         let mut listeners: Vec<Vec<std::net::TcpListener>> =
             (0..workers).map(|_| Vec::new()).collect();
