@@ -781,6 +781,37 @@ fn max_clients_refuses_new_clients_with_too_many_clients() {
     assert_eq!(sim.arrive(3, 1, T5).1, Admission::Depart);
 }
 
+/// At `max_clients`, the states other shards hold past their schedule
+/// make room for a new client at once, before any sweep: DESIGN's "a
+/// client whose D has passed holds no memory". (Only the arrival's own
+/// shard was searched: the rest waited for the releaser's sweep, every
+/// 100 ms, and new clients got 503 meanwhile.)
+#[test]
+fn at_max_clients_expired_states_in_other_shards_make_room() {
+    let limits = Limits {
+        max_clients: 2,
+        max_queued: 100,
+    };
+    let e: Engine<u32, u32> = Engine::new(limits, 4);
+    let route = e.add_route(policy("5/s", 5), e.add_upstream(None));
+    // Two keys in shards other than the third's.
+    let third = 1_000;
+    let home = e.shard_for(route, &third);
+    let others: Vec<u32> = (0..1_000)
+        .filter(|k| e.shard_for(route, k) != home)
+        .take(2)
+        .collect();
+    for &k in &others {
+        assert_eq!(e.admit(route, k, 1, 0, || k), Admission::Depart);
+    }
+    assert_eq!(
+        e.admit(route, third, 1, 10 * MS, || third),
+        Admission::Rejected(Rejection::TooManyClients)
+    );
+    // Both states have passed at T (no sweep ran): room for the third.
+    assert_eq!(e.admit(route, third, 1, T5, || third), Admission::Depart);
+}
+
 #[test]
 fn max_queued_refuses_waiting_requests_with_too_many_queued() {
     let limits = Limits {

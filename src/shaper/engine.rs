@@ -500,7 +500,11 @@ impl<K: Hash + Eq, P> Engine<K, P> {
         payload: impl FnOnce() -> P,
     ) -> Admission {
         let hash = self.hash(route, &key);
-        let mut shard = lock(self.shard_of(hash));
+        let index = self.shard_index(hash);
+        if !self.budget.has_client_room() {
+            self.expire_elsewhere(index, now);
+        }
+        let mut shard = lock(&self.shards[index]);
         let cap = match shard.routes.get(route.0 as usize) {
             Some(r) => r.cap.as_ref().map(|c| c.1.clone()),
             None => return Admission::Rejected(Rejection::TooManyClients),
@@ -696,6 +700,31 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             .iter()
             .filter_map(|s| lock(s).next_expiry())
             .min()
+    }
+
+    /// At `max_clients`, before an arrival in shard `but` (which forgets
+    /// its own expired states itself when it needs room): forget those of
+    /// the other shards now, rather than refuse a new client for states
+    /// the releaser's sweep (every 100 ms) has not reached yet. A shard
+    /// busy with another admission is passed over (`try_lock`: this is on
+    /// the admission path, and no lock is held here).
+    fn expire_elsewhere(&self, but: usize, now: Nanos) {
+        for (i, shard) in self.shards.iter().enumerate() {
+            if i == but {
+                continue;
+            }
+            let mut s = match shard.try_lock() {
+                Ok(s) => s,
+                Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => continue,
+            };
+            if s.next_expiry().is_some_and(|t| t <= now) {
+                s.expire(now, &self.budget);
+            }
+            if self.budget.has_client_room() {
+                return;
+            }
+        }
     }
 
     /// Forget idle clients whose schedule has passed, in every shard.
