@@ -112,7 +112,7 @@ pub struct TopArgs {
     #[arg(long, default_value = "127.0.0.1:9090", value_parser = admin_address)]
     pub admin: String,
 
-    /// Time between updates (at least 50ms).
+    /// Time between updates (50ms to 1h).
     #[arg(long, value_parser = parse_interval, default_value = "1s")]
     pub interval: std::time::Duration,
 
@@ -143,12 +143,13 @@ pub struct DemoArgs {
     #[arg(long, value_parser = parse_duration, default_value = "15s")]
     pub duration: std::time::Duration,
 
-    /// Per-client rate r, as in the config ("5/s", "300/m").
-    #[arg(long, value_parser = parse_rate_text, default_value = "5/s")]
+    /// Per-client rate r, as in the config ("5/s", "300/m"); at most
+    /// 1000/s.
+    #[arg(long, value_parser = parse_demo_rate, default_value = "5/s")]
     pub rate: String,
 
-    /// Per-client capacity b: requests that may wait.
-    #[arg(long, default_value_t = 10)]
+    /// Per-client capacity b: requests that may wait; 0 to 1000.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=1000))]
     pub capacity: u32,
 
     /// Where to write the SVG plot.
@@ -195,18 +196,25 @@ fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     Ok(d)
 }
 
-/// `sluice top --interval`: at least 50 ms (tokio's interval refuses zero).
+/// `sluice top --interval`: 50 ms (tokio's interval refuses zero) to 1 h
+/// (a period past what an instant can hold panics).
 fn parse_interval(text: &str) -> Result<std::time::Duration, String> {
     let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
-    if d < std::time::Duration::from_millis(50) {
-        return Err("must be at least 50ms".into());
+    if d < std::time::Duration::from_millis(50) || d > std::time::Duration::from_secs(3600) {
+        return Err("must be from 50ms to 1h".into());
     }
     Ok(d)
 }
 
-/// A rate as the config writes it, checked but kept as text.
-fn parse_rate_text(text: &str) -> Result<String, String> {
-    text.parse::<crate::shaper::Rate>()
-        .map(|_| text.trim().to_string())
-        .map_err(|e| e.to_string())
+/// `sluice demo --rate`: a rate as the config writes it, checked but kept
+/// as text; at most 1000/s (the demo keeps every request it draws: at
+/// 10,000/s for 10 minutes, millions of them).
+fn parse_demo_rate(text: &str) -> Result<String, String> {
+    let rate = text
+        .parse::<crate::shaper::Rate>()
+        .map_err(|e| e.to_string())?;
+    if rate.per_second_f64() > 1000.0 {
+        return Err("must be at most 1000/s".into());
+    }
+    Ok(text.trim().to_string())
 }

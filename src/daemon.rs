@@ -39,7 +39,7 @@ fn notify(states: &[NotifyState<'_>]) {
 /// Raise the soft limit on open files to the hard one: every client
 /// connection and every upstream connection is a descriptor, and a queued
 /// request holds its connection (nginx's `worker_rlimit_nofile`).
-fn raise_open_files() {
+pub(crate) fn raise_open_files() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {

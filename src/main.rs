@@ -1,7 +1,7 @@
 //! The `sluice` binary: parse the command line, load the config, run.
 //! Everything else lives in the library.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser};
@@ -24,12 +24,32 @@ fn init_logging(level: &str, format: LogFormat) {
     }
 }
 
+/// The exit code for output written to stdout: a reader that closed it
+/// early (`| head`) is no failure, and no panic (as `print!` would).
+fn written(result: std::io::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sluice: cannot write to standard output: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Completions { shell } => {
-            clap_complete::generate(shell, &mut Cli::command(), "sluice", &mut std::io::stdout());
-            ExitCode::SUCCESS
+            use clap_complete::Generator;
+            let mut command = Cli::command();
+            command.set_bin_name("sluice");
+            command.build();
+            // (`clap_complete::generate` panics when stdout is closed.)
+            match shell.try_generate(&command, &mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => written(Err(e)),
+            }
         }
         Command::Man => {
             match clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout()) {
@@ -51,7 +71,9 @@ fn main() -> ExitCode {
                         c.smtp_upstreams.len()
                     )
                 };
-                println!(
+                // (The exit code says it; a closed stdout is no error.)
+                let _ = writeln!(
+                    std::io::stdout(),
                     "ok: {}: {} routes, {} upstreams{smtp}",
                     config.display(),
                     c.routes.len(),
@@ -123,8 +145,8 @@ fn migrate(path: Option<std::path::PathBuf>, print_sql: bool, durable: bool) -> 
         });
     if print_sql {
         let durable = pg.map_or(durable, |(pg, _, _)| pg.durable);
-        print!("{}", sluice::cluster::postgres::schema_sql(durable));
-        return ExitCode::SUCCESS;
+        let sql = sluice::cluster::postgres::schema_sql(durable);
+        return written(std::io::stdout().write_all(sql.as_bytes()));
     }
     let Some((pg, timeout, prefix)) = pg else {
         eprintln!("sluice migrate: the config has no [cluster] postgres = \"...\"");
@@ -147,11 +169,15 @@ fn migrate(path: Option<std::path::PathBuf>, print_sql: bool, durable: bool) -> 
     });
     match result {
         Ok(true) => {
-            println!("created the tables and functions in {}", pg.target);
+            let _ = writeln!(
+                std::io::stdout(),
+                "created the tables and functions in {}",
+                pg.target
+            );
             ExitCode::SUCCESS
         }
         Ok(false) => {
-            println!("already in place in {}", pg.target);
+            let _ = writeln!(std::io::stdout(), "already in place in {}", pg.target);
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -64,6 +64,63 @@ fn demo_durations_are_bounded() {
     }
 }
 
+/// The demo's rate and capacity are bounded too (every request is kept,
+/// and each waiting one holds two descriptors), and refused before the
+/// plot's file is made; `top --interval` past an hour is refused (a
+/// period that large panicked in the timer).
+#[test]
+fn demo_rates_capacities_and_top_intervals_are_bounded() {
+    let dir = std::env::temp_dir().join(format!("sluice-demo-bounds-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("plot.svg");
+    for (args, says) in [
+        (&["--rate", "10000/s"][..], "must be at most 1000/s"),
+        (&["--capacity", "1001"][..], "1001"),
+        (&["--capacity", "2000000000"][..], "2000000000"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .arg("demo")
+            .args(args)
+            .arg("--out")
+            .arg(&svg)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!svg.exists(), "{args:?} left a plot file");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["top", "--interval", "300000000000y", "--count", "1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("must be from 50ms to 1h"), "{err}");
+}
+
+/// Output cut short by its reader (`| head`) is no failure and no panic.
+#[test]
+fn a_closed_standard_output_is_no_panic() {
+    use std::process::Stdio;
+    for args in [&["completions", "zsh"][..], &["migrate", "--print-sql"][..]] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Closed before a byte is read.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
 /// A `--log-level` tracing cannot read is refused at the command line
 /// (it used to run at `info` without a word); a directive list is taken.
 #[test]

@@ -1037,6 +1037,14 @@ impl Validator {
         };
         let text = raw.listen.as_deref().unwrap_or(DEFAULT_ADMIN_LISTEN);
         match text.parse::<SocketAddr>() {
+            Ok(listen) if mapped(&listen).is_some() => {
+                let v4 = mapped(&listen).unwrap_or(listen);
+                self.problem(
+                    "admin.listen",
+                    format!("'{text}' is an IPv4 address written as IPv6 (IPv6 listeners take IPv6 only): write {v4}"),
+                );
+                None
+            }
             Ok(listen) => Some(Some(Admin {
                 listen,
                 show_keys: raw.show_keys.unwrap_or(false),
@@ -1172,6 +1180,14 @@ impl Validator {
             match a.parse::<SocketAddr>() {
                 Ok(addr) if out.contains(&addr) => {
                     self.problem(path, format!("'{a}' is listed twice"));
+                    ok = false;
+                }
+                Ok(addr) if mapped(&addr).is_some() => {
+                    let v4 = mapped(&addr).unwrap_or(addr);
+                    self.problem(
+                        path,
+                        format!("'{a}' is an IPv4 address written as IPv6 (IPv6 listeners take IPv6 only): write {v4}"),
+                    );
                     ok = false;
                 }
                 Ok(addr) => out.push(addr),
@@ -1393,7 +1409,11 @@ impl Validator {
             Some("upstream") => Some(HostMode::Upstream),
             Some("client") => Some(HostMode::Client),
             Some(literal) => match http::uri::Authority::try_from(literal) {
-                Ok(a) if !a.as_str().contains('@') && !literal.is_empty() => {
+                Ok(a)
+                    if !a.as_str().contains('@')
+                        && !literal.is_empty()
+                        && !matches!(port_of(&a), Some(Err(_))) =>
+                {
                     http::HeaderValue::from_str(literal)
                         .ok()
                         .map(HostMode::Fixed)
@@ -1496,6 +1516,13 @@ impl Validator {
                 path,
                 format!("url '{text}': scheme '{other}' must be http or https"),
             );
+            ok = false;
+        }
+        // (http::Uri takes any text after the host's colon, and a port
+        // that is no number was then no port: the scheme's own, 80 or
+        // 443, perhaps another service.)
+        if let Some(Err(e)) = port_of(authority) {
+            self.problem(path, format!("url '{text}': {e}"));
             ok = false;
         }
         if authority.host().is_empty() {
@@ -2024,6 +2051,30 @@ mod tests;
 /// A route's `match.host` as requests are compared with it: lower case,
 /// an IPv6 literal without brackets, no root dot; `*.example.com` for any
 /// name under example.com. A port is refused (a request's is ignored).
+/// The IPv4 address an IPv4-mapped IPv6 one (`[::ffff:127.0.0.1]:80`)
+/// stands for: a listener cannot take it (IPv6 sockets are IPv6 only).
+fn mapped(addr: &SocketAddr) -> Option<SocketAddr> {
+    match addr {
+        SocketAddr::V6(v6) => v6
+            .ip()
+            .to_ipv4_mapped()
+            .map(|v4| SocketAddr::from((v4, v6.port()))),
+        SocketAddr::V4(_) => None,
+    }
+}
+
+/// An authority's port, if it gives one: from 1 to 65535, or why not.
+fn port_of(authority: &http::uri::Authority) -> Option<Result<u16, String>> {
+    let text = authority.as_str();
+    let host = authority.host();
+    let after = text.rfind(host).map_or("", |i| &text[i + host.len()..]);
+    let port = after.strip_prefix(':')?;
+    Some(match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(p),
+        _ => Err(format!("'{port}' is not a port (1 to 65535)")),
+    })
+}
+
 fn route_host(raw: &str) -> Result<String, String> {
     let h = raw.trim().to_ascii_lowercase();
     let not = |why: &str| Err(format!("match.host '{raw}' {why}"));

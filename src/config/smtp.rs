@@ -456,25 +456,56 @@ impl Validator {
             return None;
         }
         let default_port = if implicit { 465 } else { 25 };
-        let (host, port) = match authority.parse::<SocketAddr>() {
-            Ok(addr) => (addr.ip().to_string(), addr.port()),
-            Err(_) => match authority.rsplit_once(':') {
-                Some((h, p)) if !h.contains(':') => match p.parse::<u16>() {
-                    Ok(port) if port > 0 => (h.trim_matches(['[', ']']).to_owned(), port),
-                    _ => {
-                        self.problem(path, format!("url '{text}': '{p}' is not a port"));
-                        return None;
-                    }
-                },
-                Some(_) => (authority.trim_matches(['[', ']']).to_owned(), default_port),
-                None => (authority.to_owned(), default_port),
+        // `host`, `host:port`, `[IPv6]` or `[IPv6]:port`.
+        let (host, port) = match authority.strip_prefix('[') {
+            Some(v6) => match v6.split_once(']') {
+                Some((ip, rest))
+                    if ip.parse::<std::net::Ipv6Addr>().is_ok()
+                        && (rest.is_empty() || rest.starts_with(':')) =>
+                {
+                    (ip, rest.strip_prefix(':'))
+                }
+                _ => {
+                    let why = "an IPv6 address goes in brackets, then an optional :port";
+                    self.problem(path, format!("url '{text}': {why}"));
+                    return None;
+                }
+            },
+            None => match authority.split_once(':') {
+                Some(_) if authority.matches(':').count() > 1 => {
+                    let why = "an IPv6 address goes in brackets ([2001:db8::1]:25)";
+                    self.problem(path, format!("url '{text}': {why}"));
+                    return None;
+                }
+                Some((h, p)) => (h, Some(p)),
+                None => (authority, None),
+            },
+        };
+        let port = match port {
+            None => default_port,
+            Some(p) => match p.parse::<u16>() {
+                Ok(port) if port > 0 => port,
+                _ => {
+                    self.problem(
+                        path,
+                        format!("url '{text}': '{p}' is not a port (1 to 65535)"),
+                    );
+                    return None;
+                }
             },
         };
         if host.is_empty() {
             self.problem(path, format!("url '{text}': a host is required"));
             return None;
         }
-        Some((host, port, implicit))
+        if host.parse::<std::net::IpAddr>().is_err() && !valid_hostname(host) {
+            self.problem(
+                path,
+                format!("url '{text}': '{host}' is not a host name or address"),
+            );
+            return None;
+        }
+        Some((host.to_owned(), port, implicit))
     }
 
     pub(super) fn smtp_listener(

@@ -1311,3 +1311,63 @@ fn the_shutdown_delay_may_be_zero_and_is_bounded() {
     );
     assert_problem(&with("soon"), "server.shutdown_delay: 'soon'");
 }
+
+/// A port that is not one (a typo, past 65535, 0) is refused: http::Uri
+/// takes any text after the host's colon, and the connection then went to
+/// the scheme's own port, perhaps another service.
+#[test]
+fn an_upstream_port_that_is_no_port_is_refused() {
+    for bad in ["8o80", "99999", "0", ""] {
+        let text = MINIMAL.replace("127.0.0.1:9000", &format!("backend:{bad}"));
+        assert_problem(&text, &format!("'{bad}' is not a port (1 to 65535)"));
+    }
+    let v6 = MINIMAL.replace("127.0.0.1:9000", "[::1]:70000");
+    assert_problem(&v6, "'70000' is not a port");
+    for good in ["backend:8080", "[::1]:9000", "backend", "[::1]"] {
+        let text = MINIMAL.replace("127.0.0.1:9000", good);
+        assert_eq!(problems(&text), Vec::<String>::new(), "{good}");
+    }
+    let host = MINIMAL.replace("url = ", "host = \"api.example:99999\"\nurl = ");
+    assert_problem(&host, "host 'api.example:99999' must be");
+}
+
+/// An SMTP upstream's URL: a port from 1 to 65535, an IPv6 address in
+/// brackets, a host that is a name or an address.
+#[test]
+fn an_smtp_upstream_url_names_a_host_and_a_port() {
+    let with = |url: &str| SMTP.replace("smtp://127.0.0.1:2526", url);
+    for (bad, says) in [
+        ("smtp://127.0.0.1:0", "'0' is not a port"),
+        ("smtp://relay:0", "'0' is not a port"),
+        ("smtp://relay:2525x", "'2525x' is not a port"),
+        ("smtp://[2001:db8::1]:2525x", "'2525x' is not a port"),
+        ("smtp://[2001:db8::1", "an IPv6 address goes in brackets"),
+        ("smtp://[relay]:25", "an IPv6 address goes in brackets"),
+        ("smtp://2001:db8::1", "an IPv6 address goes in brackets"),
+        ("smtp://relay example.com", "is not a host name or address"),
+        ("smtp://:25", "a host is required"),
+    ] {
+        assert_problem(&with(bad), says);
+    }
+    for (good, host, port) in [
+        ("smtp://relay.example:2525", "relay.example", 2525),
+        ("smtps://relay.example", "relay.example", 465),
+        ("smtp://[2001:db8::1]:587", "2001:db8::1", 587),
+        ("smtp://[2001:db8::1]", "2001:db8::1", 25),
+        ("smtp://192.0.2.1", "192.0.2.1", 25),
+    ] {
+        let c = Config::from_toml(&with(good)).unwrap_or_else(|p| panic!("{good}: {p:?}"));
+        let u = &c.smtp_upstreams[0];
+        assert_eq!((u.host.as_str(), u.port), (host, port), "{good}");
+    }
+}
+
+/// An IPv4-mapped IPv6 listen address cannot be bound (IPv6 listeners are
+/// IPv6 only): refused, naming the IPv4 form.
+#[test]
+fn an_ipv4_mapped_listen_address_is_refused() {
+    let text = format!("[server]\nlisten = [\"[::ffff:127.0.0.1]:8080\"]\n{MINIMAL}");
+    assert_problem(&text, "write 127.0.0.1:8080");
+    let admin = format!("[admin]\nlisten = \"[::ffff:127.0.0.1]:9090\"\n{MINIMAL}");
+    assert_problem(&admin, "write 127.0.0.1:9090");
+}

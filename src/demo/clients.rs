@@ -61,7 +61,10 @@ impl Pattern {
     /// What it does, in a few words ("4/s", "30 at once every 5s").
     pub fn describe(&self) -> String {
         match self.shape {
-            Shape::Even { every, .. } => format!("{}/s evenly", per_second(every)),
+            Shape::Even { every, .. } => format!(
+                "{} evenly",
+                crate::shaper::rate::per_unit(1.0 / every.as_secs_f64())
+            ),
             Shape::Bursts { every, size, .. } => {
                 format!("{size} at once every {}", humantime::format_duration(every))
             }
@@ -83,12 +86,6 @@ impl Pattern {
         }
         times
     }
-}
-
-fn per_second(every: Duration) -> String {
-    let r = 1.0 / every.as_secs_f64();
-    let text = format!("{r:.2}");
-    text.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
 /// The three clients for rate interval `interval` (1/r) and capacity `b`,
@@ -198,6 +195,9 @@ mod tests {
         assert_eq!(p[0].describe(), "4/s evenly");
         assert_eq!(p[1].describe(), "30 at once every 5s");
         assert_eq!(p[2].describe(), "15/s evenly");
+        // Slow rates in their own unit, not rounded to "0/s".
+        let slow = patterns(Duration::from_secs(3600), 10, Duration::from_secs(15));
+        assert_eq!(slow[0].describe(), "19.2/d evenly");
     }
 
     #[test]

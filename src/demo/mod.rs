@@ -109,6 +109,9 @@ fn toml_string(text: &str) -> String {
 /// Run the demo as `sluice demo` does: its own runtime, standard output,
 /// a live chart when that is a terminal.
 pub fn run(args: &DemoArgs) -> Result<Report, DemoError> {
+    // Every waiting request holds two descriptors here (the client's and
+    // sluice's end): a capacity of hundreds passes the usual soft 1,024.
+    crate::daemon::raise_open_files();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
