@@ -114,6 +114,16 @@ pub fn pad(s: &str, width: usize) -> String {
     out
 }
 
+/// `s` in exactly `width` columns: padded, or cut with an ellipsis.
+pub fn fit(s: &str, width: usize) -> String {
+    if s.chars().count() <= width {
+        return pad(s, width);
+    }
+    let mut out: String = s.chars().take(width.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

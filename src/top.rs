@@ -22,12 +22,13 @@ use serde::Deserialize;
 use crate::cli::TopArgs;
 use crate::metrics as m;
 use crate::shaper::rate::per_unit;
-use crate::term::{BOLD, DIM, Frame, GREEN, MAGENTA, RED, Style, YELLOW, bar, pad, spark};
+use crate::term::{BOLD, DIM, Frame, GREEN, MAGENTA, RED, Style, YELLOW, bar, fit, pad, spark};
 
 /// How long one admin request may take.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(2);
-/// Columns of history in the live view.
-const HISTORY: usize = 20;
+/// Columns of history in the live view (each route's line fits 80
+/// columns with two of them).
+const HISTORY: usize = 12;
 /// The shortest time between updates.
 const MIN_INTERVAL: Duration = Duration::from_millis(50);
 /// Deepest queues shown.
@@ -148,7 +149,7 @@ struct Status {
     deepest_queues: Vec<QueueStatus>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct RouteStatus {
     name: String,
     protocol: String,
@@ -482,25 +483,29 @@ impl View {
         s: &Status,
     ) -> io::Result<()> {
         let st = self.style;
-        let mut lines = vec![format!(
-            "{}   clients {}   queued {}   connections {}   smtp sessions {}   release lag p99 {}{}",
-            st.paint(BOLD, "sluice top"),
-            s.clients,
-            s.queued,
-            s.connections,
-            s.smtp_sessions,
-            lag.map_or("-".to_owned(), lag_bound),
-            if s.draining {
-                st.paint(RED, "   DRAINING")
-            } else {
-                String::new()
-            }
-        )];
+        // Every line fits 80 columns (auto-wrap is off: what passes them
+        // is not shown); DRAINING first, where it is seen.
+        let mut lines = vec![
+            format!(
+                "{}{}   release lag p99 {}",
+                st.paint(BOLD, "sluice top"),
+                if s.draining {
+                    st.paint(RED, "   DRAINING")
+                } else {
+                    String::new()
+                },
+                lag.map_or("-".to_owned(), lag_bound),
+            ),
+            format!(
+                "clients {}   queued {}   connections {}   smtp sessions {}",
+                s.clients, s.queued, s.connections, s.smtp_sessions,
+            ),
+        ];
         lines.push(st.paint(
             DIM,
             &format!(
-                "{:<22}{:>9}  {:<HISTORY$} {:>9}  {:<HISTORY$} {:>9}  {:>10}",
-                "route", "rate", "in, 1 col = 1 update", "in/s", "out", "out/s", "refused/s"
+                "{:<16} {:>8}  {:<HISTORY$} {:>7}  {:<HISTORY$} {:>7}  {:>9}",
+                "route", "rate", "in", "in/s", "out", "out/s", "refused/s"
             ),
         ));
         for (r, x) in routes {
@@ -509,10 +514,10 @@ impl View {
                 .get(&(r.name.clone(), r.protocol.clone()))
                 .map_or(&[][..], Vec::as_slice);
             let full = (r.rate_per_second * 3.0).max(1.0);
-            let refused = format!("{:>10.1}", x.refused);
+            let refused = format!("{:>9.1}", x.refused);
             lines.push(format!(
-                "{} {:>9}  {} {:>9.1}  {} {:>9.1}  {}",
-                st.paint(BOLD, &pad(&format!("{} ({})", r.name, r.protocol), 21)),
+                "{} {:>8}  {} {:>7.1}  {} {:>7.1}  {}",
+                st.paint(BOLD, &fit(&format!("{} ({})", r.name, r.protocol), 16)),
                 per_unit(r.rate_per_second),
                 st.paint(
                     YELLOW,
@@ -540,11 +545,11 @@ impl View {
         for q in s.deepest_queues.iter().take(QUEUES) {
             let cap = capacity.get(q.route.as_str()).copied().unwrap_or(0).max(1);
             lines.push(format!(
-                "  {:<20} {:<28} {:>6}  {}  drains in {}",
-                q.route,
-                q.key,
+                "  {} {} {:>6}  {}  drains {}",
+                fit(&q.route, 14),
+                fit(&q.key, 24),
                 q.waiting,
-                st.paint(MAGENTA, &bar(q.waiting as f64, cap as f64, 20)),
+                st.paint(MAGENTA, &bar(q.waiting as f64, cap as f64, 12)),
                 seconds(q.drains_in_ms as f64 / 1e3)
             ));
         }
@@ -647,6 +652,87 @@ mod tests {
         let r = rates(&route, &a, &b);
         assert!((r.input - 10.0).abs() < 0.01, "{r:?}");
         assert!((r.output - 1.0).abs() < 0.01, "{r:?}");
+    }
+
+    /// Auto-wrap is off in the live view: a line past 80 columns loses
+    /// its end on a standard terminal. A busy frame: long names and keys,
+    /// large numbers, draining.
+    #[test]
+    fn every_live_line_fits_80_columns() {
+        let t = Instant::now();
+        let route = RouteStatus {
+            name: "a-route-with-a-long-descriptive-name".into(),
+            protocol: "http".into(),
+            rate_per_second: 1234.5,
+            capacity: 10_000,
+        };
+        let mut a = sample(t, &[(0.001, 0.0), (f64::INFINITY, 0.0)]);
+        let mut b = sample(
+            t + std::time::Duration::from_secs(1),
+            &[(0.001, 10.0), (f64::INFINITY, 1000.0)],
+        );
+        b.status = Status {
+            draining: true,
+            routes: vec![route],
+            upstreams: vec![UpstreamStatus {
+                name: "partner".into(),
+                protocol: "http".into(),
+                paused_for_ms: Some(59_000),
+            }],
+            clients: 1_000_000,
+            queued: 100_000,
+            connections: 65_535,
+            smtp_sessions: 1_000,
+            deepest_queues: vec![QueueStatus {
+                route: "a-route-with-a-long-descriptive-name".into(),
+                key: "#0123456789ab|203.0.113.200|a-tenant-with-a-long-name".into(),
+                waiting: 10_000,
+                drains_in_ms: 86_400_000,
+            }],
+        };
+        let key = |o: &str| {
+            (
+                "a-route-with-a-long-descriptive-name".to_owned(),
+                "http".to_owned(),
+                o.to_owned(),
+            )
+        };
+        a.status.routes = b.status.routes.clone();
+        b.requests.insert(key(ARRIVED), 99_999.0);
+        b.requests.insert(key("forwarded"), 1_234.0);
+        b.requests.insert(key("rejected"), 98_000.0);
+        let mut view = View::new(Style {
+            live: true,
+            color: false,
+        });
+        let mut buf = Vec::new();
+        for _ in 0..HISTORY + 2 {
+            view.show(&mut buf, 1.0, &a, &b).unwrap();
+        }
+        let text = String::from_utf8(buf).unwrap();
+        // Each line as it shows: without the terminal's control codes.
+        let mut shown = String::new();
+        let mut chars = text.chars();
+        while let Some(c) = chars.next() {
+            if c == '\x1b' {
+                // CSI: '[', then parameters, up to a final letter.
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                shown.push(c);
+            }
+        }
+        let mut lines = 0;
+        for line in shown.lines() {
+            let width = line.chars().count();
+            assert!(width <= 80, "{width} columns: {line:?}");
+            lines += 1;
+        }
+        assert!(lines > 5, "{shown}");
+        assert!(shown.contains("DRAINING"), "{shown}");
     }
 
     #[test]
