@@ -112,6 +112,23 @@ pub struct CsvProblem {
     pub message: String,
 }
 
+/// A trace's bytes as text: UTF-8 (ASCII, in practice), or the line where
+/// it stops being that (a bad trace: exit 2), naming UTF-16, which
+/// spreadsheets export as "Unicode text".
+fn text_of(bytes: Vec<u8>) -> Result<String, CsvProblem> {
+    String::from_utf8(bytes).map_err(|e| {
+        let bytes = e.as_bytes();
+        let valid = e.utf8_error().valid_up_to();
+        let line = 1 + bytes[..valid].iter().filter(|&&b| b == b'\n').count();
+        let message = if bytes.starts_with(&[0xFF, 0xFE]) || bytes.starts_with(&[0xFE, 0xFF]) {
+            "the file is UTF-16: save it as CSV in UTF-8 (or plain ASCII)".to_owned()
+        } else {
+            "not UTF-8 text: save it as CSV in UTF-8 (or plain ASCII)".to_owned()
+        };
+        CsvProblem { line, message }
+    })
+}
+
 impl fmt::Display for CsvProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "line {}: {}", self.line, self.message)
@@ -531,9 +548,13 @@ pub fn run(args: &SimulateArgs) -> Result<(), SimulateError> {
             return Err(SimulateError::OverInput { path: out.clone() });
         }
     }
-    let text = fs::read_to_string(&args.arrivals).map_err(|source| SimulateError::Read {
+    let bytes = fs::read(&args.arrivals).map_err(|source| SimulateError::Read {
         path: args.arrivals.clone(),
         source,
+    })?;
+    let text = text_of(bytes).map_err(|problem| SimulateError::Invalid {
+        path: args.arrivals.clone(),
+        problems: vec![problem],
     })?;
     let arrivals = parse_arrivals(&text).map_err(|problems| SimulateError::Invalid {
         path: args.arrivals.clone(),
@@ -605,6 +626,16 @@ pub fn run(args: &SimulateArgs) -> Result<(), SimulateError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trace_that_is_not_utf8_is_a_bad_trace_at_its_line() {
+        let p = text_of(b"time,key\n0,a\n0.5,\xff\n".to_vec()).unwrap_err();
+        assert_eq!(p.line, 3);
+        assert!(p.message.contains("not UTF-8"), "{}", p.message);
+        let p = text_of(vec![0xFF, 0xFE, b't', 0]).unwrap_err();
+        assert!(p.message.contains("UTF-16"), "{}", p.message);
+        assert_eq!(text_of(b"time,key\n".to_vec()).unwrap(), "time,key\n");
+    }
 
     #[test]
     fn seconds_parse_exactly() {
