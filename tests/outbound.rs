@@ -1060,3 +1060,117 @@ capacity = 10
     // another, three or more on one of the two.
     assert!(took < Duration::from_millis(2_500), "took {took:?}");
 }
+
+/// Requests waiting for an upstream's `max_concurrency` slot do not stall
+/// their HTTP/2 connection: what they send is read meanwhile (counted in
+/// `max_staged_bytes`), so their bodies do not hold the connection's
+/// flow-control window (1 MiB), which every request on it shares. Six
+/// 300 KiB uploads wait behind a 5 s call holding the only slot; another
+/// upstream's upload on the same connection is answered at once, and the
+/// waiting ones reach the upstream whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_waiting_for_a_slot_do_not_stall_their_connection() {
+    use http_body_util::{BodyExt, Full};
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstream]]
+name = "capped"
+url = "http://{ds}"
+max_concurrency = 1
+request_timeout = "20s"
+
+[[upstream]]
+name = "free"
+url = "http://{ds}"
+
+[[route]]
+name = "capped"
+match = {{ path_prefix = "/c/" }}
+strip_prefix = "/c"
+upstream = "capped"
+key = "header:X-Client"
+rate = "1000/s"
+capacity = 100
+
+[[route]]
+name = "free"
+match = {{ path_prefix = "/f/" }}
+strip_prefix = "/f"
+upstream = "free"
+key = "header:X-Client"
+rate = "1000/s"
+capacity = 100
+"#,
+        ds = ds.addr
+    ));
+    let (h2, _driver) = h2_connect::<Full<Bytes>>(s.addr).await;
+    let send = |path: String, body: Bytes| {
+        let req = http::Request::post(format!("http://{}{path}", s.addr))
+            .header("x-client", "k")
+            .body(Full::new(body))
+            .unwrap();
+        let mut h2 = h2.clone();
+        tokio::spawn(async move {
+            let answer = h2.send_request(req).await?;
+            let status = answer.status();
+            answer.into_body().collect().await?;
+            Ok::<_, hyper::Error>(status)
+        })
+    };
+    let slow = send("/c/slow".into(), Bytes::new());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline, "the slow call never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    const UPLOAD: usize = 300 * 1024;
+    let uploads: Vec<_> = (0..6)
+        .map(|i| send(format!("/c/up{i}"), Bytes::from(vec![b'u'; UPLOAD])))
+        .collect();
+    // Read while they wait: 1.8 MB staged (unread, they stayed in the
+    // connection's window, which holds 1 MiB).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let staged = s.status().await["staged_bytes"].as_u64().unwrap_or(0);
+        if staged >= 6 * UPLOAD as u64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the waiting uploads were not read: {staged} bytes staged; {}",
+            s.status().await
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let started = Instant::now();
+    let other = send("/f/other".into(), Bytes::from(vec![b'o'; 64 * 1024]));
+    let status = tokio::time::timeout(Duration::from_secs(10), other)
+        .await
+        .expect("the other upstream's upload was stalled")
+        .unwrap()
+        .unwrap();
+    assert_eq!(status, StatusCode::OK);
+    // Long before the slot frees (the slow call takes 5 s).
+    assert!(
+        started.elapsed() < Duration::from_millis(3_500),
+        "answered after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(slow.await.unwrap().unwrap(), StatusCode::OK);
+    for u in uploads {
+        assert_eq!(u.await.unwrap().unwrap(), StatusCode::OK);
+    }
+    let seen = ds.seen();
+    for i in 0..6 {
+        let path = format!("/up{i}");
+        let up = seen.iter().find(|r| r.path == path).expect("forwarded");
+        assert_eq!(up.body_len, UPLOAD, "{path}");
+    }
+}

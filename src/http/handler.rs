@@ -663,15 +663,8 @@ impl Handler {
         if let Some(rest) = rest {
             linger(rest);
         }
-        let outcome = match e {
-            StageError::TooLarge(_) | StageError::Malformed(_) | StageError::TimedOut => {
-                Outcome::Invalid
-            }
-            StageError::Full => Outcome::Overloaded,
-            StageError::Gone => Outcome::Cancelled,
-        };
         if count {
-            route.rule.count(outcome);
+            route.rule.count(stage_outcome(&e));
         }
         match e {
             StageError::TooLarge(max) => problem(
@@ -732,18 +725,21 @@ impl Handler {
         let (_, _, arrival, grpc_timeout) = departed;
         let call = grpc_timeout.map(|t| (arrival, t));
         let replay = body.out().map(|b| (parts.clone(), b));
-        let out = match body {
-            Body::Stream(b) => OutBody::stream(b),
-            Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
-            Body::Begun(first, rest) => OutBody::begun(first, rest),
-        };
-        let mut parts = parts;
-        let permit = match self.in_flight_slot(upstream, &mut parts, call).await {
+        let (mut parts, mut body) = (parts, body);
+        let permit = match self
+            .in_flight_slot(route, upstream, &mut parts, &mut body, call)
+            .await
+        {
             Ok(p) => p,
             Err((response, outcome)) => {
                 route.rule.count(outcome);
                 return response;
             }
+        };
+        let out = match body {
+            Body::Stream(b) => OutBody::stream(b),
+            Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
+            Body::Begun(first, rest) => OutBody::begun(first, rest),
         };
         let deadline = call.and_then(|(arrival, t)| arrival.checked_add(t));
         let (response, outcome, throttle, switched) =
@@ -851,7 +847,10 @@ impl Handler {
             route.rule.count(outcome);
             return kept;
         }
-        let permit = match self.in_flight_slot(upstream, &mut parts, call).await {
+        // (The body to send again is staged: nothing to read.)
+        let mut staged = Body::Stream(RequestBody::Empty);
+        let slot = self.in_flight_slot(route, upstream, &mut parts, &mut staged, call);
+        let permit = match slot.await {
             Ok(p) => p,
             Err((response, outcome)) => {
                 route.rule.count(outcome);
@@ -879,8 +878,10 @@ impl Handler {
     /// told. Refused, the answer and how it counts.
     async fn in_flight_slot(
         &self,
+        route: &Route,
         upstream: &Upstream,
         head: &mut Parts,
+        body: &mut Body,
         call: Option<(Instant, Duration)>,
     ) -> Result<Option<CallSlot>, (Response<ProxyBody>, Outcome)> {
         let Some(cap) = upstream.concurrency() else {
@@ -894,20 +895,26 @@ impl Handler {
             let full = self.shared.overloaded(Overload::Queued);
             return Err((full, Outcome::Overloaded));
         };
-        self.wait_for_slot(cap, upstream, head, call)
+        self.wait_for_slot(route, cap, upstream, head, body, call)
             .await
-            .map_err(|answer| (answer, Outcome::Expired))
     }
 
     /// [`Handler::in_flight_slot`]'s wait for a slot of `cap`, with its
-    /// room in `max_queued` taken.
+    /// room in `max_queued` taken. A body not read yet is read meanwhile
+    /// (up to `max_staged_body`, counted in `max_staged_bytes`), as a
+    /// waiting gRPC call's is ([`Begun`]): unread, it held its HTTP/2
+    /// connection's flow-control window, and a few such uploads waiting
+    /// for a slot stalled every other request on the connection.
     async fn wait_for_slot(
         &self,
+        route: &Route,
         cap: &Arc<InFlight>,
         upstream: &Upstream,
         head: &mut Parts,
+        body: &mut Body,
         call: Option<(Instant, Duration)>,
-    ) -> Result<Option<CallSlot>, Response<ProxyBody>> {
+    ) -> Result<Option<CallSlot>, (Response<ProxyBody>, Outcome)> {
+        let expired = |answer| (answer, Outcome::Expired);
         let admission = &self.shared.admission;
         let left = call
             .and_then(|(arrival, t)| arrival.checked_add(t))
@@ -919,29 +926,69 @@ impl Handler {
         };
         let (blank, ()) = Request::new(()).into_parts();
         let packed = pack(std::mem::replace(head, blank));
-        let slot = tokio::select! {
-            slot = cap.take() => Ok(slot),
-            () = tokio::time::sleep(limit) => Err(if own_deadline {
-                deadline_passed(DEADLINE)
-            } else {
-                let why = "no upstream slot (max_concurrency) became free in time";
-                problem(StatusCode::GATEWAY_TIMEOUT, why, None)
-            }),
-            () = admission.closing().cancelled() => Err(problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "sluice is shutting down; this request was not forwarded",
-                Some(Duration::from_secs(1)),
-            )),
+        // The body to read meanwhile: one not read yet, or the rest of a
+        // gRPC call's begun while it waited.
+        let mut reading = match std::mem::replace(body, Body::Stream(RequestBody::Empty)) {
+            Body::Stream(b) if !b.is_end_stream() => {
+                Some((Box::new(Begun::new(&self.shared.staging)), b))
+            }
+            Body::Begun(first, b) => Some((first, b)),
+            other => {
+                *body = other;
+                None
+            }
         };
+        let staging = &self.shared.staging;
+        let max = staging.max_body();
+        let timer = tokio::time::sleep(limit);
+        tokio::pin!(timer);
+        let slot = loop {
+            let wants = reading
+                .as_mut()
+                .is_some_and(|(first, _)| first.wants(max, staging));
+            let starved = reading.as_ref().is_some_and(|(first, _)| first.starved());
+            tokio::select! {
+                slot = cap.take() => break Ok(slot),
+                () = &mut timer => break Err(expired(if own_deadline {
+                    deadline_passed(DEADLINE)
+                } else {
+                    let why = "no upstream slot (max_concurrency) became free in time";
+                    problem(StatusCode::GATEWAY_TIMEOUT, why, None)
+                })),
+                () = admission.closing().cancelled() => break Err(expired(problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "sluice is shutting down; this request was not forwarded",
+                    Some(Duration::from_secs(1)),
+                ))),
+                read = async {
+                    match reading.as_mut() {
+                        Some((first, rest)) => first.read(rest).await,
+                        None => Ok(()),
+                    }
+                }, if wants => if let Err(error) = read {
+                    let outcome = stage_outcome(&error);
+                    let refused = Refused { error, rest: None };
+                    break Err((self.stage_failed(route, refused, false), outcome));
+                },
+                // Paused for want of budget: tried again.
+                () = tokio::time::sleep(STARVED_RETRY), if starved => {}
+            }
+        };
+        if let Some((first, rest)) = reading {
+            *body = Body::Begun(first, rest);
+        }
         *head = packed.unpack().map_err(|_| {
             let detail = "the request target cannot be forwarded";
-            problem(StatusCode::BAD_REQUEST, detail, None)
+            (
+                problem(StatusCode::BAD_REQUEST, detail, None),
+                Outcome::Invalid,
+            )
         })?;
         let slot = slot?;
         if let Some((arrival, t)) = call
             && grpc::spend(&mut head.headers, arrival, t).is_err()
         {
-            return Err(deadline_passed(DEADLINE));
+            return Err(expired(deadline_passed(DEADLINE)));
         }
         Ok(slot)
     }
@@ -956,6 +1003,17 @@ impl Handler {
         }
         let view = admission.view(&route.rule, key);
         add_ratelimit_headers(route, view, admission.now(), response.headers_mut());
+    }
+}
+
+/// How a body that could not be staged is counted.
+fn stage_outcome(e: &StageError) -> Outcome {
+    match e {
+        StageError::TooLarge(_) | StageError::Malformed(_) | StageError::TimedOut => {
+            Outcome::Invalid
+        }
+        StageError::Full => Outcome::Overloaded,
+        StageError::Gone => Outcome::Cancelled,
     }
 }
 
