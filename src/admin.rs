@@ -72,7 +72,7 @@ pub async fn serve(
                     Reply::Now(text(
                         StatusCode::MISDIRECTED_REQUEST,
                         "text/plain",
-                        "the admin listener answers loopback names only (localhost, 127.0.0.1, [::1])\n",
+                        "the admin listener answers loopback names only (localhost, *.localhost, 127.0.0.0/8, [::1])\n",
                     ))
                 } else {
                     answer(&req, &server, &metrics)

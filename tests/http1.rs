@@ -448,7 +448,8 @@ async fn bytes_after_a_close_do_not_reset_the_answer_before_it() {
 /// upstream take it: an absolute-form target's authority, not the Host
 /// header beside it (with that, a client set a fresh Host per request and
 /// got a fresh bucket each time). Pure policing (capacity 0) at 1/h: the
-/// second request for a.example is refused whatever its Host says.
+/// later requests for a.example are refused whatever their Host says, and
+/// however they spell the host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_key_is_the_targets_authority_not_a_host_header_beside_it() {
     let ds = Downstream::start().await;
@@ -463,15 +464,19 @@ async fn a_host_key_is_the_targets_authority_not_a_host_header_beside_it() {
     let addr = sluice.addr;
     tokio::task::spawn_blocking(move || {
         let mut statuses = Vec::new();
-        for host in ["r1", "r2", "r3"] {
+        // Nor by the spelling of one host: case, a trailing dot, a port.
+        for (authority, host) in [
+            ("a.example", "r1"),
+            ("a.example", "r2"),
+            ("A.Example.", "r3"),
+            ("a.example:8080", "r4"),
+        ] {
             let c = &mut connect(addr);
-            send(
-                c,
-                format!("GET http://a.example/k HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes(),
-            );
+            let head = format!("GET http://{authority}/k HTTP/1.1\r\nHost: {host}\r\n\r\n");
+            send(c, head.as_bytes());
             statuses.push(read_answer(c, false).status);
         }
-        assert_eq!(statuses, [200, 429, 429]);
+        assert_eq!(statuses, [200, 429, 429, 429]);
     })
     .await
     .unwrap();

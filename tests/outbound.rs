@@ -1072,44 +1072,7 @@ capacity = 10
 async fn uploads_waiting_for_a_slot_do_not_stall_their_connection() {
     use http_body_util::{BodyExt, Full};
     let ds = Downstream::start().await;
-    let s = Sluice::start(&format!(
-        r#"
-[server]
-listen = ["127.0.0.1:0"]
-
-[admin]
-listen = "127.0.0.1:0"
-
-[[upstream]]
-name = "capped"
-url = "http://{ds}"
-max_concurrency = 1
-request_timeout = "20s"
-
-[[upstream]]
-name = "free"
-url = "http://{ds}"
-
-[[route]]
-name = "capped"
-match = {{ path_prefix = "/c/" }}
-strip_prefix = "/c"
-upstream = "capped"
-key = "header:X-Client"
-rate = "1000/s"
-capacity = 100
-
-[[route]]
-name = "free"
-match = {{ path_prefix = "/f/" }}
-strip_prefix = "/f"
-upstream = "free"
-key = "header:X-Client"
-rate = "1000/s"
-capacity = 100
-"#,
-        ds = ds.addr
-    ));
+    let s = Sluice::start(&capped_and_free(ds.addr));
     let (h2, _driver) = h2_connect::<Full<Bytes>>(s.addr).await;
     let send = |path: String, body: Bytes| {
         let req = http::Request::post(format!("http://{}{path}", s.addr))
@@ -1173,4 +1136,113 @@ capacity = 100
         let up = seen.iter().find(|r| r.path == path).expect("forwarded");
         assert_eq!(up.body_len, UPLOAD, "{path}");
     }
+}
+
+/// Routes `/c/` to an upstream with `max_concurrency = 1` and `/f/` to one
+/// without, both on `ds` (the prefixes stripped), one key each.
+fn capped_and_free(ds: std::net::SocketAddr) -> String {
+    format!(
+        r#"
+[server]
+listen = ["127.0.0.1:0"]
+
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstream]]
+name = "capped"
+url = "http://{ds}"
+max_concurrency = 1
+request_timeout = "20s"
+
+[[upstream]]
+name = "free"
+url = "http://{ds}"
+
+[[route]]
+name = "capped"
+match = {{ path_prefix = "/c/" }}
+strip_prefix = "/c"
+upstream = "capped"
+key = "header:X-Client"
+rate = "1000/s"
+capacity = 100
+
+[[route]]
+name = "free"
+match = {{ path_prefix = "/f/" }}
+strip_prefix = "/f"
+upstream = "free"
+key = "header:X-Client"
+rate = "1000/s"
+capacity = 100
+"#
+    )
+}
+
+/// Requests waiting for a `max_concurrency` slot keep their turn while
+/// their bodies are read: an upload that came first, still sending while a
+/// GET waits behind it, gets the slot first. (Made again for each part
+/// read, its wait went to the back of the line each time.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_goes_first_to_the_request_that_waited_first() {
+    use http_body_util::{BodyExt, StreamBody, combinators::BoxBody};
+    use hyper::body::Frame;
+    type Streamed = BoxBody<Bytes, std::convert::Infallible>;
+    // A body sent part by part through a channel (none: an empty body).
+    let body = |parts: Option<tokio::sync::mpsc::Receiver<Bytes>>| -> Streamed {
+        match parts {
+            None => http_body_util::Empty::new().boxed(),
+            Some(rx) => StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
+                let part = rx.recv().await?;
+                Some((Ok(Frame::data(part)), rx))
+            }))
+            .boxed(),
+        }
+    };
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&capped_and_free(ds.addr));
+    let (h2, _driver) = h2_connect::<Streamed>(s.addr).await;
+    let send = |path: &str, body: Streamed| {
+        let req = http::Request::post(format!("http://{}{path}", s.addr))
+            .header("x-client", "k")
+            .body(body)
+            .unwrap();
+        let mut h2 = h2.clone();
+        tokio::spawn(async move {
+            let answer = h2.send_request(req).await?;
+            let status = answer.status();
+            answer.into_body().collect().await?;
+            Ok::<_, hyper::Error>(status)
+        })
+    };
+    let slow = send("/c/slow", body(None));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline, "the slow call never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A: its first part, read while it waits for the slot.
+    let (a_parts, rx) = tokio::sync::mpsc::channel(4);
+    let a = send("/c/a", body(Some(rx)));
+    a_parts.send(Bytes::from(vec![b'a'; 10_000])).await.unwrap();
+    while s.status().await["staged_bytes"].as_u64().unwrap_or(0) < 10_000 {
+        assert!(Instant::now() < deadline, "A's first part was not read");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // B waits behind it; A goes on sending meanwhile.
+    let b = send("/c/b", body(None));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..10 {
+        a_parts.send(Bytes::from(vec![b'a'; 10_000])).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    drop(a_parts);
+    for call in [slow, a, b] {
+        assert_eq!(call.await.unwrap().unwrap(), StatusCode::OK);
+    }
+    let paths: Vec<String> = ds.seen().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(paths, ["/slow", "/a", "/b"]);
+    let a = ds.seen().into_iter().find(|r| r.path == "/a").unwrap();
+    assert_eq!(a.body_len, 110_000);
 }

@@ -3,7 +3,8 @@
 //!
 //! In one process it starts a built-in downstream (`downstream`), sluice
 //! itself in front of it (a [`Config`] built from an embedded TOML string,
-//! then [`Server::bind`] and [`Server::run`], exactly as the daemon does),
+//! then [`Server::bind`], [`Server::start`] and [`crate::http::Running::run`], exactly
+//! as the daemon does),
 //! and three clients with different send patterns (`clients`). Once a
 //! second it shows, per client, the input rate, the output rate (arrivals
 //! at the downstream), the queue level and the 429s (`display`). At the

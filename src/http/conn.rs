@@ -60,8 +60,8 @@ pub struct ConnState {
     id: u64,
     /// Requests made on hyper's path, and those of them their client
     /// gave up right after (see [`Unanswered`]).
-    streams: AtomicU32,
-    resets: AtomicU32,
+    streams: AtomicU64,
+    resets: AtomicU64,
 }
 
 /// Why a connection is asked to close.
@@ -264,8 +264,8 @@ impl Conns {
             progress_at: AtomicU64::new(0),
             close: Close::default(),
             id,
-            streams: AtomicU32::new(0),
-            resets: AtomicU32::new(0),
+            streams: AtomicU64::new(0),
+            resets: AtomicU64::new(0),
         });
         if registry.stopping {
             state.close.signal(Reason::Shutdown);
@@ -419,16 +419,18 @@ impl Conns {
 /// `premature_reset_min_stream_lifetime_seconds`).
 const PREMATURE: Duration = Duration::from_secs(1);
 
-/// Premature resets a connection is allowed before more than half of its
-/// requests being such closes it (Envoy counts from 500 streams; a burst
-/// of 100 already costs each one an admission and a withdrawal).
-const RESETS_ALLOWED: u32 = 100;
+/// Premature resets at which a connection is closed when they are half of
+/// its requests or more: Envoy's rule (its `premature_reset_total_stream_count`
+/// of 500, half of them resets). A request held in the queue counts too:
+/// a reset while held costs its admission and its withdrawal all the same.
+const RESETS_CLOSING: u64 = 250;
 
 /// A request on hyper's path until its answer is made. Dropped before
 /// (its client reset the HTTP/2 stream, or left) within [`PREMATURE`] of
-/// its start, it counts as a premature reset of its connection; past
-/// [`RESETS_ALLOWED`] of them, and more than half of the connection's
-/// requests, the connection is asked to close ([`Reason::Resets`]: GOAWAY).
+/// its start, it counts as a premature reset of its connection; at
+/// [`RESETS_CLOSING`] of them, when they are half of the connection's
+/// requests or more, the connection is asked to close ([`Reason::Resets`]:
+/// GOAWAY).
 /// h2 bounds only resets of streams not yet accepted; hyper accepts each
 /// at once, and each costs routing, an admission and its withdrawal, so
 /// a client resetting every stream it opens could run that at line rate
@@ -462,7 +464,7 @@ impl Drop for Unanswered {
         }
         let resets = self.state.resets.fetch_add(1, Ordering::Relaxed) + 1;
         let streams = self.state.streams.load(Ordering::Relaxed);
-        if resets > RESETS_ALLOWED && u64::from(resets) * 2 > u64::from(streams) {
+        if resets >= RESETS_CLOSING && resets.saturating_mul(2) >= streams {
             self.state.close.signal(Reason::Resets);
         }
     }
@@ -545,8 +547,9 @@ pub type OwnedPermit = OwnedSemaphorePermit;
 mod tests {
     use super::*;
 
-    /// Premature resets close the connection only past RESETS_ALLOWED and
-    /// more than half of its requests; answered requests are not resets.
+    /// Premature resets close the connection only from RESETS_CLOSING on,
+    /// and when half of its requests or more; answered requests are not
+    /// resets.
     #[test]
     fn resets_close_a_connection_past_the_bound_and_half_its_requests() {
         let conns = Conns::new(
@@ -556,22 +559,22 @@ mod tests {
             Duration::from_secs(5),
         );
         let reset =
-            |state: &Arc<ConnState>, n: u32| (0..n).for_each(|_| drop(Unanswered::new(state)));
-        let answer = |state: &Arc<ConnState>, n: u32| {
+            |state: &Arc<ConnState>, n: u64| (0..n).for_each(|_| drop(Unanswered::new(state)));
+        let answer = |state: &Arc<ConnState>, n: u64| {
             (0..n).for_each(|_| Unanswered::new(state).answered());
         };
         let a = conns.opened();
-        reset(&a, RESETS_ALLOWED);
-        assert_eq!(a.close.reason(), None, "at the bound");
+        reset(&a, RESETS_CLOSING - 1);
+        assert_eq!(a.close.reason(), None, "below the bound");
         reset(&a, 1);
         assert_eq!(a.close.reason(), Some(Reason::Resets));
-        // Half its requests answered: a client cancelling many calls among
-        // as many served ones keeps its connection.
+        // Fewer than half its requests: a client cancelling many calls
+        // among more served ones keeps its connection.
         let b = conns.opened();
-        answer(&b, 2 * RESETS_ALLOWED);
-        reset(&b, 2 * RESETS_ALLOWED);
-        assert_eq!(b.close.reason(), None, "half of them");
-        reset(&b, 1);
+        answer(&b, 2 * RESETS_CLOSING + 1);
+        reset(&b, 2 * RESETS_CLOSING);
+        assert_eq!(b.close.reason(), None, "under half of them");
+        reset(&b, 2);
         assert_eq!(b.close.reason(), Some(Reason::Resets));
     }
 

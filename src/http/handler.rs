@@ -89,9 +89,18 @@ impl Body {
     }
 }
 
-/// A departed request as forwarding needs it: its key, cost, arrival and
-/// (a gRPC call's) `grpc-timeout`.
-type Departed<'a> = (&'a Key, u32, Instant, Option<Duration>);
+/// A departed request as forwarding needs it: its key, cost, arrival,
+/// (a gRPC call's) `grpc-timeout`, and its client connection's window.
+type Departed<'a> = (&'a Key, u32, Instant, Option<Duration>, Window);
+
+/// Whether the client's connection shares its flow-control window among
+/// its requests (HTTP/2): a body it sends that is not read holds back the
+/// others'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Window {
+    Shared,
+    Own,
+}
 
 /// A wait that is boxed (not the common one).
 type Waits<'a> = Pin<Box<dyn Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a>>;
@@ -339,7 +348,7 @@ impl Handler {
             &route.key,
             route.on_missing_key,
             headers,
-            req.uri().authority(),
+            super::route::request_host(&req),
             peer.ip(),
             &app.trusted_proxies,
         );
@@ -508,11 +517,16 @@ impl Handler {
                 let upstream = &a.app.upstreams[route.upstream];
                 // The head is made in a block of its own: a local would
                 // stay in this future through the call.
-                let parts = {
+                let (parts, window) = {
                     let Ok(mut parts) = a.head.parts() else {
                         route.rule.count(Outcome::Invalid);
                         let detail = "the request target cannot be forwarded";
                         break 'answer problem(StatusCode::BAD_REQUEST, detail, None);
+                    };
+                    // (Before the upstream's version replaces the client's.)
+                    let window = match parts.version {
+                        http::Version::HTTP_2 => Window::Shared,
+                        _ => Window::Own,
                     };
                     upstream.rewrite(&mut parts, a.origin);
                     if let Some(Some(timeout)) = a.grpc
@@ -522,12 +536,12 @@ impl Handler {
                         let detail = "the call's deadline (grpc-timeout) passed while it waited";
                         break 'answer deadline_passed(detail);
                     }
-                    parts
+                    (parts, window)
                 };
                 // Boxed: the forwarding state (upstream connect, TLS, the
                 // call) is large and only exists once the request departs,
                 // so a waiting request holds none of it.
-                let departed = (&a.key, a.cost, a.arrival, a.grpc.flatten());
+                let departed = (&a.key, a.cost, a.arrival, a.grpc.flatten(), window);
                 Box::pin(self.forward(route, upstream, parts, body, departed, a.switch)).await
             };
             let route = &a.app.routes[a.route];
@@ -722,12 +736,20 @@ impl Handler {
         departed: Departed<'_>,
         switch: Option<Box<Switch>>,
     ) -> Response<ProxyBody> {
-        let (_, _, arrival, grpc_timeout) = departed;
+        let (_, _, arrival, grpc_timeout, window) = departed;
         let call = grpc_timeout.map(|t| (arrival, t));
         let replay = body.out().map(|b| (parts.clone(), b));
         let (mut parts, mut body) = (parts, body);
+        // A body is read while it waits for a slot only where, unread, it
+        // would hold back others (HTTP/2's shared window); an HTTP/1.1
+        // one stalls only its own connection, and takes no budget.
+        let mut unread = Body::Stream(RequestBody::Empty);
+        let reads = match window {
+            Window::Shared => &mut body,
+            Window::Own => &mut unread,
+        };
         let permit = match self
-            .in_flight_slot(route, upstream, &mut parts, &mut body, call)
+            .in_flight_slot(route, upstream, &mut parts, reads, call)
             .await
         {
             Ok(p) => p,
@@ -788,7 +810,7 @@ impl Handler {
         upstream: &Upstream,
         (response, outcome, until): (Response<ProxyBody>, Outcome, Instant),
         replay: Option<(Parts, OutBody)>,
-        (key, cost, arrival, grpc_timeout): Departed<'_>,
+        (key, cost, arrival, grpc_timeout, _): Departed<'_>,
     ) -> Response<ProxyBody> {
         let call = grpc_timeout.map(|t| (arrival, t));
         let admission = &self.shared.admission;
@@ -900,7 +922,8 @@ impl Handler {
     }
 
     /// [`Handler::in_flight_slot`]'s wait for a slot of `cap`, with its
-    /// room in `max_queued` taken. A body not read yet is read meanwhile
+    /// room in `max_queued` taken. A body not read yet (an HTTP/2 one: see
+    /// [`Handler::forward`]) is read meanwhile
     /// (up to `max_staged_body`, counted in `max_staged_bytes`), as a
     /// waiting gRPC call's is ([`Begun`]): unread, it held its HTTP/2
     /// connection's flow-control window, and a few such uploads waiting
@@ -942,13 +965,19 @@ impl Handler {
         let max = staging.max_body();
         let timer = tokio::time::sleep(limit);
         tokio::pin!(timer);
+        // Made once: the semaphore's queue is first come, first served, and
+        // a wait made again for each part of the body read went to its
+        // back (and a slot granted meanwhile passed to the next).
+        let take = cap.take();
+        tokio::pin!(take);
         let slot = loop {
             let wants = reading
                 .as_mut()
                 .is_some_and(|(first, _)| first.wants(max, staging));
             let starved = reading.as_ref().is_some_and(|(first, _)| first.starved());
             tokio::select! {
-                slot = cap.take() => break Ok(slot),
+                biased;
+                slot = &mut take => break Ok(slot),
                 () = &mut timer => break Err(expired(if own_deadline {
                     deadline_passed(DEADLINE)
                 } else {

@@ -62,7 +62,7 @@ pub fn extract(
     spec: &KeySpec,
     on_missing: OnMissingKey,
     headers: &HeaderMap,
-    authority: Option<&http::uri::Authority>,
+    host: Option<&[u8]>,
     peer: IpAddr,
     trusted: &[IpNet],
 ) -> Result<Key, String> {
@@ -71,15 +71,22 @@ pub fn extract(
             KeyPart::Ip => out.ip(peer),
             KeyPart::Forwarded => out.ip(forwarded_client(headers, peer, trusted)),
             KeyPart::Global => {}
-            // The host the request is for, as routing and the upstream
-            // take it: HTTP/2's `:authority` or an absolute-form target
-            // before `Host` (RFC 9112 3.2.2). Keyed by the `Host` header
-            // beside them, a client chose a fresh bucket per request.
-            KeyPart::Header(name) if name == http::header::HOST && authority.is_some() => {
-                if let Some(a) = authority {
-                    out.text(a.as_str().as_bytes());
-                }
-            }
+            // The host the request is for, as routing takes it
+            // ([`super::route::request_host`]): HTTP/2's `:authority` or an
+            // absolute-form target before `Host` (RFC 9112 3.2.2), without
+            // its port or a trailing dot, in lower case. Keyed by the
+            // `Host` header beside them, or by the spelling, a client chose
+            // a fresh bucket per request (`API.example`, `api.example.`,
+            // `api.example:080` are one host).
+            KeyPart::Header(name) if name == http::header::HOST => match host {
+                Some(h) if !h.is_empty() => out.text(&h.to_ascii_lowercase()),
+                _ => match on_missing {
+                    OnMissingKey::Ip => out.ip(peer),
+                    OnMissingKey::Reject => {
+                        return Err(format!("the {name} header is required"));
+                    }
+                },
+            },
             KeyPart::Header(name) => {
                 let joined;
                 let value = if name != http::header::COOKIE {
@@ -190,33 +197,34 @@ mod tests {
         assert_eq!(k.display(), "alice");
     }
 
-    /// A Host key is the host the request is for: the target's
-    /// authority (HTTP/2's `:authority`, an absolute-form target) before a
-    /// `Host` header beside it, which the client may set to anything.
+    /// A Host key is the host the request is for, as routing takes it:
+    /// the target's authority (HTTP/2's `:authority`, an absolute-form
+    /// target) before a `Host` header beside it, which the client may set
+    /// to anything; without its port or a trailing dot, in lower case.
     #[test]
-    fn a_host_key_is_the_targets_authority() {
+    fn a_host_key_is_the_host_routing_takes() {
         let s = spec(&[header("host")]);
-        let mut h = HeaderMap::new();
-        h.insert("host", HeaderValue::from_static("r1"));
-        let authority = http::uri::Authority::from_static("api.example:8080");
-        let k = extract(&s, OnMissingKey::Reject, &h, Some(&authority), PEER, &[]).unwrap();
-        assert_eq!(k.display(), "api.example:8080");
-        h.insert("host", HeaderValue::from_static("r2"));
-        let again = extract(&s, OnMissingKey::Reject, &h, Some(&authority), PEER, &[]).unwrap();
-        assert_eq!(again, k);
-        // Without one (an origin-form target), the Host header.
-        let k = extract(&s, OnMissingKey::Reject, &h, None, PEER, &[]).unwrap();
-        assert_eq!(k.display(), "r2");
-        // HTTP/2 without a Host header: the authority, not a refusal.
-        let k = extract(
-            &s,
-            OnMissingKey::Reject,
-            &HeaderMap::new(),
-            Some(&authority),
-            PEER,
-            &[],
-        );
-        assert_eq!(k.unwrap().display(), "api.example:8080");
+        let key = |uri: &str, host: Option<&str>| {
+            let mut req = http::Request::builder().uri(uri);
+            if let Some(h) = host {
+                req = req.header("host", h);
+            }
+            let req = req.body(()).unwrap();
+            let host = super::super::route::request_host(&req);
+            extract(&s, OnMissingKey::Reject, req.headers(), host, PEER, &[]).map(|k| k.display())
+        };
+        let one = Ok("api.example".to_owned());
+        for (uri, host) in [
+            ("http://api.example/x", Some("r1")),
+            ("http://API.example.:8080/x", Some("r2")),
+            ("http://api.example:080/x", None),
+            ("/x", Some("Api.Example.")),
+            ("/x", Some("api.example:443")),
+        ] {
+            assert_eq!(key(uri, host), one, "{uri} with Host {host:?}");
+        }
+        assert!(key("/x", None).is_err(), "no host at all");
+        assert_eq!(key("http://[::1]:8080/x", Some("r")), Ok("::1".to_owned()));
     }
 
     #[test]

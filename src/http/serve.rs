@@ -160,7 +160,7 @@ fn bind_group(addr: SocketAddr, workers: usize) -> std::io::Result<Vec<std::net:
 
 impl Server {
     /// Build the admission layer and the routing tables from `config`,
-    /// then bind every listener. Nothing is served until [`Server::run`].
+    /// then bind every listener. Nothing is served until [`Server::start`].
     pub async fn bind(config: &Config) -> Result<Server, ServeError> {
         // Without HTTP listeners (a pure mail relay), no HTTP workers.
         let workers = if config.server.listen.is_empty() {
@@ -281,6 +281,9 @@ impl Server {
             info!(%addr, workers = self.listeners.len(), "proxy listening");
         }
         let stop = CancellationToken::new();
+        // Accepting begins once every worker is up: a start that fails
+        // has served nobody (a request queued meanwhile kept it waiting).
+        let go = CancellationToken::new();
         let workers = TaskTracker::new();
         // Each worker gets its share of max_connections.
         let share = self.max_connections.div_ceil(self.listeners.len().max(1));
@@ -302,6 +305,7 @@ impl Server {
                     self.send_timeout,
                 )),
                 stop: stop.clone(),
+                go: go.clone(),
             };
             let token = workers.token();
             let (ready, up) = tokio::sync::oneshot::channel();
@@ -329,12 +333,13 @@ impl Server {
         }
         workers.close();
         if let Some(e) = failed {
-            // The workers that did start end at once (nothing was accepted
-            // for them to finish).
+            // The workers that did start end at once: none has accepted a
+            // connection.
             stop.cancel();
             workers.wait().await;
             return Err(e);
         }
+        go.cancel();
         Ok(Running {
             shared: self.shared,
             stop,
@@ -413,6 +418,8 @@ struct Worker {
     http: Protocols,
     conns: Arc<Conns>,
     stop: CancellationToken,
+    /// Cancelled when every worker is up: accept from then on.
+    go: CancellationToken,
 }
 
 impl Worker {
@@ -441,6 +448,10 @@ impl Worker {
             }
         };
         let _ = ready.send(Ok(()));
+        tokio::select! {
+            () = self.go.cancelled() => {}
+            () = self.stop.cancelled() => return,
+        }
         let connections = TaskTracker::new();
         let me = Arc::new(self);
         let mut loops = vec![tokio::spawn(crate::memory::return_cache_when_idle())];
