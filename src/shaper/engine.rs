@@ -307,7 +307,15 @@ pub struct Engine<K, P> {
     upstreams: Mutex<Vec<Option<Arc<Mutex<Cap>>>>>,
     /// Every route as registered, by [`RouteId`]; each shard keeps a copy.
     routes: Mutex<Vec<ShardRoute>>,
+    /// When an arrival at `max_clients` last swept the other shards
+    /// ([`Engine::expire_elsewhere`]): at most once per [`ELSEWHERE_GAP`].
+    swept_elsewhere: AtomicU64,
 }
+
+/// How often arrivals at `max_clients` sweep the other shards: each sweep
+/// takes their locks in turn, and at the bound every arrival (a known
+/// client's too) would otherwise pay for it.
+const ELSEWHERE_GAP: Nanos = 1_000_000;
 
 impl<K: Hash + Eq, P> Engine<K, P> {
     /// An engine with no routes and `shards` shards (at least one).
@@ -324,6 +332,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             sweeps,
             upstreams: Mutex::new(Vec::new()),
             routes: Mutex::new(Vec::new()),
+            swept_elsewhere: AtomicU64::new(0),
         }
     }
 
@@ -501,7 +510,7 @@ impl<K: Hash + Eq, P> Engine<K, P> {
     ) -> Admission {
         let hash = self.hash(route, &key);
         let index = self.shard_index(hash);
-        if !self.budget.has_client_room() {
+        if !self.budget.has_client_room() && self.claim_sweep_elsewhere(now) {
             self.expire_elsewhere(index, now);
         }
         let mut shard = lock(&self.shards[index]);
@@ -700,6 +709,17 @@ impl<K: Hash + Eq, P> Engine<K, P> {
             .iter()
             .filter_map(|s| lock(s).next_expiry())
             .min()
+    }
+
+    /// Whether this arrival sweeps the other shards (none did within
+    /// [`ELSEWHERE_GAP`]).
+    fn claim_sweep_elsewhere(&self, now: Nanos) -> bool {
+        let last = self.swept_elsewhere.load(Ordering::Relaxed);
+        now >= last.saturating_add(ELSEWHERE_GAP)
+            && self
+                .swept_elsewhere
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 
     /// At `max_clients`, before an arrival in shard `but` (which forgets
