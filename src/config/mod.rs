@@ -2048,9 +2048,6 @@ impl Validator {
 #[cfg(test)]
 mod tests;
 
-/// A route's `match.host` as requests are compared with it: lower case,
-/// an IPv6 literal without brackets, no root dot; `*.example.com` for any
-/// name under example.com. A port is refused (a request's is ignored).
 /// The IPv4 address an IPv4-mapped IPv6 one (`[::ffff:127.0.0.1]:80`)
 /// stands for: a listener cannot take it (IPv6 sockets are IPv6 only).
 fn mapped(addr: &SocketAddr) -> Option<SocketAddr> {
@@ -2065,9 +2062,8 @@ fn mapped(addr: &SocketAddr) -> Option<SocketAddr> {
 
 /// An authority's port, if it gives one: from 1 to 65535, or why not.
 fn port_of(authority: &http::uri::Authority) -> Option<Result<u16, String>> {
-    let text = authority.as_str();
-    let host = authority.host();
-    let after = text.rfind(host).map_or("", |i| &text[i + host.len()..]);
+    // (User info is refused apart: the text begins with the host.)
+    let after = authority.as_str().strip_prefix(authority.host())?;
     let port = after.strip_prefix(':')?;
     Some(match port.parse::<u16>() {
         Ok(p) if p > 0 => Ok(p),
@@ -2075,6 +2071,9 @@ fn port_of(authority: &http::uri::Authority) -> Option<Result<u16, String>> {
     })
 }
 
+/// A route's `match.host` as requests are compared with it: lower case,
+/// an IPv6 literal without brackets, no root dot; `*.example.com` for any
+/// name under example.com. A port is refused (a request's is ignored).
 fn route_host(raw: &str) -> Result<String, String> {
     let h = raw.trim().to_ascii_lowercase();
     let not = |why: &str| Err(format!("match.host '{raw}' {why}"));

@@ -498,7 +498,13 @@ impl Validator {
             self.problem(path, format!("url '{text}': a host is required"));
             return None;
         }
-        if host.parse::<std::net::IpAddr>().is_err() && !valid_hostname(host) {
+        // A name to resolve: letters, digits, '-', '.', and '_' (Docker's
+        // service names have it, and resolvers take it).
+        let name = |h: &str| {
+            h.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
+        };
+        if host.parse::<std::net::IpAddr>().is_err() && !name(host) {
             self.problem(
                 path,
                 format!("url '{text}': '{host}' is not a host name or address"),

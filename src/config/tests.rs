@@ -1321,6 +1321,9 @@ fn an_upstream_port_that_is_no_port_is_refused() {
         let text = MINIMAL.replace("127.0.0.1:9000", &format!("backend:{bad}"));
         assert_problem(&text, &format!("'{bad}' is not a port (1 to 65535)"));
     }
+    // A host whose name is also in its port (found by its text).
+    let a = MINIMAL.replace("127.0.0.1:9000", "a:8a");
+    assert_problem(&a, "'8a' is not a port");
     let v6 = MINIMAL.replace("127.0.0.1:9000", "[::1]:70000");
     assert_problem(&v6, "'70000' is not a port");
     for good in ["backend:8080", "[::1]:9000", "backend", "[::1]"] {
@@ -1355,6 +1358,7 @@ fn an_smtp_upstream_url_names_a_host_and_a_port() {
         ("smtp://[2001:db8::1]:587", "2001:db8::1", 587),
         ("smtp://[2001:db8::1]", "2001:db8::1", 25),
         ("smtp://192.0.2.1", "192.0.2.1", 25),
+        ("smtp://mail_relay:2525", "mail_relay", 2525),
     ] {
         let c = Config::from_toml(&with(good)).unwrap_or_else(|p| panic!("{good}: {p:?}"));
         let u = &c.smtp_upstreams[0];
