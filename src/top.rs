@@ -372,6 +372,32 @@ fn lag_p99(before: &Sample, now: &Sample) -> Option<f64> {
         .map(|(le, _)| *le)
 }
 
+/// `v` right-aligned in `width` columns, with one decimal; in thousands
+/// (k), millions (M) or billions (G) when that does not fit.
+fn number(v: f64, width: usize) -> String {
+    let plain = format!("{v:.1}");
+    let text = if plain.len() <= width {
+        plain
+    } else if v < 999_950.0 {
+        format!("{:.1}k", v / 1e3)
+    } else if v < 999_950_000.0 {
+        format!("{:.1}M", v / 1e6)
+    } else {
+        format!("{:.1}G", v / 1e9)
+    };
+    format!("{:>width$}", fit(&text, width).trim_end())
+}
+
+/// `n` right-aligned in `width` columns; in thousands (k) or millions (M)
+/// when its digits do not fit.
+fn count(n: u64, width: usize) -> String {
+    let plain = n.to_string();
+    if plain.len() <= width {
+        return format!("{plain:>width$}");
+    }
+    number(n as f64, width)
+}
+
 /// The printer: keeps each route's history for the live view.
 struct View {
     style: Style,
@@ -514,21 +540,21 @@ impl View {
                 .get(&(r.name.clone(), r.protocol.clone()))
                 .map_or(&[][..], Vec::as_slice);
             let full = (r.rate_per_second * 3.0).max(1.0);
-            let refused = format!("{:>9.1}", x.refused);
+            let refused = number(x.refused, 9);
             lines.push(format!(
-                "{} {:>8}  {} {:>7.1}  {} {:>7.1}  {}",
+                "{} {:>8}  {} {}  {} {}  {}",
                 st.paint(BOLD, &fit(&format!("{} ({})", r.name, r.protocol), 16)),
-                per_unit(r.rate_per_second),
+                fit(&per_unit(r.rate_per_second), 8),
                 st.paint(
                     YELLOW,
                     &pad(&spark(h.iter().map(|x| x.input), full), HISTORY)
                 ),
-                x.input,
+                number(x.input, 7),
                 st.paint(
                     GREEN,
                     &pad(&spark(h.iter().map(|x| x.output), full), HISTORY)
                 ),
-                x.output,
+                number(x.output, 7),
                 if x.refused > 0.0 {
                     st.paint(RED, &refused)
                 } else {
@@ -545,12 +571,12 @@ impl View {
         for q in s.deepest_queues.iter().take(QUEUES) {
             let cap = capacity.get(q.route.as_str()).copied().unwrap_or(0).max(1);
             lines.push(format!(
-                "  {} {} {:>6}  {}  drains {}",
+                "  {} {} {}  {}  drains {}",
                 fit(&q.route, 14),
                 fit(&q.key, 24),
-                q.waiting,
+                count(q.waiting, 6),
                 st.paint(MAGENTA, &bar(q.waiting as f64, cap as f64, 12)),
-                seconds(q.drains_in_ms as f64 / 1e3)
+                fit(&seconds(q.drains_in_ms as f64 / 1e3), 8)
             ));
         }
         if s.deepest_queues.is_empty() {
@@ -562,7 +588,7 @@ impl View {
                     RED,
                     &format!(
                         "upstream {} ({}) paused for {}",
-                        u.name,
+                        fit(&u.name, 40).trim_end(),
                         u.protocol,
                         seconds(ms as f64 / 1e3)
                     ),
@@ -663,7 +689,7 @@ mod tests {
         let route = RouteStatus {
             name: "a-route-with-a-long-descriptive-name".into(),
             protocol: "http".into(),
-            rate_per_second: 1234.5,
+            rate_per_second: 10_000.0 / 60.0,
             capacity: 10_000,
         };
         let mut a = sample(t, &[(0.001, 0.0), (f64::INFINITY, 0.0)]);
@@ -675,7 +701,7 @@ mod tests {
             draining: true,
             routes: vec![route],
             upstreams: vec![UpstreamStatus {
-                name: "partner".into(),
+                name: "a-partner-upstream-with-a-very-long-name-indeed-for-the-line".into(),
                 protocol: "http".into(),
                 paused_for_ms: Some(59_000),
             }],
@@ -686,8 +712,8 @@ mod tests {
             deepest_queues: vec![QueueStatus {
                 route: "a-route-with-a-long-descriptive-name".into(),
                 key: "#0123456789ab|203.0.113.200|a-tenant-with-a-long-name".into(),
-                waiting: 10_000,
-                drains_in_ms: 86_400_000,
+                waiting: 1_000_000_000,
+                drains_in_ms: 86_400_000_000,
             }],
         };
         let key = |o: &str| {
@@ -698,9 +724,9 @@ mod tests {
             )
         };
         a.status.routes = b.status.routes.clone();
-        b.requests.insert(key(ARRIVED), 99_999.0);
-        b.requests.insert(key("forwarded"), 1_234.0);
-        b.requests.insert(key("rejected"), 98_000.0);
+        b.requests.insert(key(ARRIVED), 12_345_678.0);
+        b.requests.insert(key("forwarded"), 1_234_567.0);
+        b.requests.insert(key("rejected"), 11_000_000.0);
         let mut view = View::new(Style {
             live: true,
             color: false,
@@ -733,6 +759,15 @@ mod tests {
         }
         assert!(lines > 5, "{shown}");
         assert!(shown.contains("DRAINING"), "{shown}");
+    }
+
+    #[test]
+    fn numbers_fit_their_columns() {
+        assert_eq!(number(12.345, 7), "   12.3");
+        assert_eq!(number(123_456.7, 7), " 123.5k");
+        assert_eq!(number(12_345_678.0, 7), "  12.3M");
+        assert_eq!(count(42, 6), "    42");
+        assert_eq!(count(1_000_000_000, 6), "  1.0G");
     }
 
     #[test]
