@@ -348,7 +348,10 @@ impl Handler {
             &route.key,
             route.on_missing_key,
             headers,
-            super::route::request_host(&req),
+            // (Found only for a Host key: not on every request's path.)
+            key::by_host(&route.key)
+                .then(|| super::route::request_host(&req))
+                .flatten(),
             peer.ip(),
             &app.trusted_proxies,
         );

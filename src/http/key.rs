@@ -57,6 +57,14 @@ pub fn forwarded_client(headers: &HeaderMap, peer: IpAddr, trusted: &[IpNet]) ->
     client
 }
 
+/// Whether `spec` keys by the request's host (`header:Host`), which
+/// [`extract`] then needs.
+pub fn by_host(spec: &KeySpec) -> bool {
+    spec.0
+        .iter()
+        .any(|p| matches!(p, KeyPart::Header(name) if name == http::header::HOST))
+}
+
 /// Derive the key for a request, or the reason it has none (answered 400).
 pub fn extract(
     spec: &KeySpec,
