@@ -49,8 +49,8 @@ use super::client::{self, IDLE_TIMEOUT, MAX_IDLE};
 use super::h1::RequestBody;
 use super::handler::safe_to_repeat;
 use super::headers::{
-    accepts_trailers, add_forwarded, append_via, foreign_transfer_coding, join_cookies, one_length,
-    strip_forwarded, strip_hop_by_hop, upgrade_to,
+    accepts_trailers, add_forwarded, append_via, foreign_transfer_coding, join_cookies,
+    name_te_in_connection, one_length, strip_forwarded, strip_hop_by_hop, upgrade_to,
 };
 use super::in_flight::{CallSlot, InFlight};
 use super::response::{ProxyBody, deadline_passed, problem};
@@ -668,6 +668,8 @@ impl Upstream {
         let sent = if self.protocol != UpstreamProtocol::Http1 {
             Box::pin(self.send_h2(Request::from_parts(parts, body))).await
         } else if client::takes(&parts, body.is_end_stream()) {
+            let mut parts = parts;
+            name_te_in_connection(&mut parts.headers);
             return self.send_own(&parts).await;
         } else {
             self.send_h1(Request::from_parts(parts, body), None).await
@@ -1160,6 +1162,7 @@ async fn within_after<F: Future>(
 /// its HEADERS, is not known to be empty when it departs: it goes with
 /// an empty chunked body, as Envoy sends it.)
 fn framed_for_h1(mut req: Request<OutBody>) -> Request<OutBody> {
+    name_te_in_connection(req.headers_mut());
     let body = req.body();
     let chunked = match body {
         OutBody::Staged { trailers, .. } => trailers.is_some(),

@@ -200,6 +200,36 @@ pub fn upgrade_to(headers: &HeaderMap) -> Option<HeaderValue> {
     }
 }
 
+/// On a request going to an HTTP/1.1 upstream: a `TE` field named in
+/// `Connection` as well, as RFC 9110 7.6.1 and 10.1.4 require of its
+/// sender (`TE` is hop-by-hop; an upstream or a proxy before it may drop
+/// a `TE` that `Connection` does not name, and gRPC over HTTP/1.1 needs
+/// `TE: trailers`). Not for HTTP/2, where `Connection` is not allowed.
+pub fn name_te_in_connection(headers: &mut HeaderMap) {
+    if !headers.contains_key(TE) {
+        return;
+    }
+    let value = match headers.get(CONNECTION) {
+        None => HeaderValue::from_static("te"),
+        Some(v) => {
+            let named = v
+                .to_str()
+                .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("te")));
+            if named {
+                return;
+            }
+            let mut joined = BytesMut::with_capacity(v.len() + 4);
+            joined.put_slice(v.as_bytes());
+            joined.put_slice(b", te");
+            match HeaderValue::from_maybe_shared(joined.freeze()) {
+                Ok(v) => v,
+                Err(_) => return,
+            }
+        }
+    };
+    headers.insert(CONNECTION, value);
+}
+
 /// Whether the client accepts trailers (`TE: trailers`, which gRPC
 /// requires end to end).
 pub fn accepts_trailers(headers: &HeaderMap) -> bool {
@@ -494,6 +524,26 @@ mod tests {
         ]);
         strip_hop_by_hop(&mut h);
         assert!(h.is_empty(), "{h:?}");
+    }
+
+    #[test]
+    fn te_is_named_in_connection_for_http1() {
+        let named = |fields: &[(&'static str, &'static str)]| {
+            let mut h = map(fields);
+            name_te_in_connection(&mut h);
+            h.get_all(CONNECTION)
+                .iter()
+                .map(|v| v.to_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(named(&[("te", "trailers")]), ["te"]);
+        assert_eq!(
+            named(&[("te", "trailers"), ("connection", "upgrade")]),
+            ["upgrade, te"]
+        );
+        assert_eq!(named(&[("te", "trailers"), ("connection", "TE")]), ["TE"]);
+        assert!(named(&[]).is_empty());
+        assert_eq!(named(&[("connection", "upgrade")]), ["upgrade"]);
     }
 
     #[test]
