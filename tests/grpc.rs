@@ -144,14 +144,16 @@ fn shaped_calls(sluice: &Sluice, server: &GrpcServer) {
     // DESIGN section 1: a 200 ms grid; a departure the machine delayed
     // (the first also opens the upstream connection: 139 ms was seen on a
     // busy machine) is caught up no faster than twice the rate, so no gap
-    // is under 100 ms; the span of the 10 intervals checks the rate.
+    // is under 100 ms; the span of the 10 intervals checks the rate. A
+    // late first call shortens the span by its lateness: 300 ms of it is
+    // allowed, where twice the rate would take 1,000 ms.
     assert!(
-        gaps.iter().all(|&g| (100..=320).contains(&g)),
+        gaps.iter().all(|&g| (100..=420).contains(&g)),
         "gaps at the server (ms): {gaps:?}"
     );
     let span = (calls[10].0 - calls[0].0) / 1_000_000;
     assert!(
-        (1_850..=2_250).contains(&span),
+        (1_700..=2_350).contains(&span),
         "10 intervals at the server took {span} ms: {gaps:?}"
     );
 

@@ -59,7 +59,12 @@ async fn measure(
 ) -> (u64, u64, u64) {
     let ds = Downstream::start().await;
     let s = Sluice::start(&CONFIG.replace("DOWNSTREAM", &ds.addr.to_string()));
-    let _ = get(&client(), &s.url("/warm"), &[("x-client", "k")]).await;
+    let warm = get(&client(), &s.url("/warm"), &[("x-client", "k")]).await;
+    assert_eq!(
+        warm.status,
+        http::StatusCode::OK,
+        "{what}: the warm-up request"
+    );
     let idle = rss_kib(s.pid());
     let mut child = load(&s);
     let q = wait_queued(&s, n - 1, Duration::from_secs(240)).await;
@@ -76,6 +81,10 @@ async fn measure(
         after as f64 / idle as f64
     );
     assert!(q >= n - 1, "{what}: only {q} of {n} queued");
+    assert_eq!(
+        left, 0,
+        "{what}: requests still queued 60 s after their clients went"
+    );
     (idle, per_request, after)
 }
 

@@ -46,18 +46,6 @@ async fn exits_cleanly(mut sluice: Sluice, within: Duration) {
     );
 }
 
-async fn wait_for_log(s: &Sluice, needle: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !s.log().iter().any(|l| l.contains(needle)) {
-        assert!(
-            Instant::now() < deadline,
-            "no log line containing {needle:?}: {:?}",
-            s.log()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// Parse Prometheus text exposition: every line is a comment, blank, or
 /// `name{labels} value`; every sample's family has a TYPE line and a HELP
 /// line. Returns samples keyed by `name{labels}` as printed.
@@ -155,7 +143,7 @@ async fn reload_keeps_the_queue_and_applies_the_new_rate_to_new_arrivals() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     std::fs::write(&sluice.config, config(ds.addr, "20/s", 20, "5s")).unwrap();
     sluice.signal("HUP");
-    wait_for_log(&sluice, "config reloaded").await;
+    sluice.wait_for_log("config reloaded").await;
 
     let mut new = Vec::new();
     for i in 0..4 {
@@ -226,7 +214,7 @@ async fn a_reload_that_lowers_max_concurrency_counts_the_calls_in_flight() {
     }
     std::fs::write(&sluice.config, capped(2)).unwrap();
     sluice.signal("HUP");
-    wait_for_log(&sluice, "config reloaded").await;
+    sluice.wait_for_log("config reloaded").await;
     calls.extend((0..2).map(|i| call(format!("/quick/{i}"), format!("q{i}"))));
     for t in calls {
         assert_eq!(t.await.unwrap(), StatusCode::OK);
@@ -260,7 +248,7 @@ async fn broken_reload_keeps_the_old_config_and_is_counted() {
     let sluice = Sluice::start(&config(ds.addr, "5/s", 10, "5s"));
     std::fs::write(&sluice.config, "[[route]]\nname = 3\n").unwrap();
     sluice.signal("HUP");
-    wait_for_log(&sluice, "reload refused").await;
+    sluice.wait_for_log("reload refused").await;
     let c = client();
     assert_eq!(
         get(&c, &sluice.url("/still"), &[("x-client", "a")])
@@ -296,9 +284,7 @@ async fn a_reload_that_changes_start_time_settings_is_refused_whole() {
     );
     std::fs::write(&sluice.config, changed).unwrap();
     sluice.signal("HUP");
-    wait_for_log(
-        &sluice,
-        "running config: server.max_connections, server.keepalive_timeout changed: restart sluice to apply",
+    sluice.wait_for_log("running config: server.max_connections, server.keepalive_timeout changed: restart sluice to apply",
     )
     .await;
     let c = client();
@@ -323,7 +309,7 @@ async fn a_reload_that_changes_start_time_settings_is_refused_whole() {
     )
     .unwrap();
     sluice.signal("HUP");
-    wait_for_log(&sluice, "config reloaded").await;
+    sluice.wait_for_log("config reloaded").await;
 }
 
 /// SIGTERM with a full queue: every queued request gets its upstream
@@ -408,7 +394,7 @@ async fn a_shutdown_delay_keeps_serving_while_not_ready() {
     );
     std::fs::write(&sluice.config, delayed).unwrap();
     sluice.signal("HUP");
-    wait_for_log(&sluice, "config reloaded").await;
+    sluice.wait_for_log("config reloaded").await;
     let c = client();
     assert_eq!(
         get(&c, &sluice.admin_url("/readyz"), &[]).await.status,
@@ -416,7 +402,7 @@ async fn a_shutdown_delay_keeps_serving_while_not_ready() {
     );
     let t = Instant::now();
     sluice.signal("TERM");
-    wait_for_log(&sluice, "serving for shutdown_delay").await;
+    sluice.wait_for_log("serving for shutdown_delay").await;
     let ready = get(&c, &sluice.admin_url("/readyz"), &[]).await;
     assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(
@@ -432,7 +418,7 @@ async fn a_shutdown_delay_keeps_serving_while_not_ready() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(served >= 1, "{served}");
-    wait_for_log(&sluice, "shutdown_delay passed: draining").await;
+    sluice.wait_for_log("shutdown_delay passed: draining").await;
     assert!(t.elapsed() >= Duration::from_secs(3), "{:?}", t.elapsed());
     exits_cleanly(sluice, Duration::from_secs(10)).await;
     assert_eq!(ds.seen().len(), served);
@@ -719,7 +705,7 @@ async fn a_reload_during_the_stop_is_ignored() {
     )
     .unwrap();
     sluice.signal("HUP");
-    wait_for_log(&sluice, "SIGHUP during shutdown: ignored").await;
+    sluice.wait_for_log("SIGHUP during shutdown: ignored").await;
     let status = tokio::task::spawn_blocking(move || sluice.wait_exit(Duration::from_secs(10)))
         .await
         .unwrap();
@@ -831,7 +817,7 @@ async fn a_second_signal_ends_the_drain_at_once() {
     };
     sluice.wait_queued(1).await;
     sluice.signal("TERM");
-    wait_for_log(&sluice, "draining").await;
+    sluice.wait_for_log("draining").await;
     sluice.signal("TERM");
     let status = tokio::task::spawn_blocking(move || sluice.wait_exit(Duration::from_secs(10)))
         .await
@@ -858,7 +844,7 @@ async fn the_descriptor_table_is_grown_at_start_for_the_configured_connections()
         "listen = [\"127.0.0.1:0\"]\nmax_connections = 3000",
     );
     let sluice = Sluice::start(&toml);
-    wait_for_log(&sluice, "descriptor table reserved").await;
+    sluice.wait_for_log("descriptor table reserved").await;
     let pid = sluice.pid();
     let field = |file: &str, name: &str, at: usize| -> u64 {
         let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).unwrap();
@@ -894,7 +880,7 @@ async fn connections_past_the_open_file_limit_are_warned_about() {
         "listen = [\"127.0.0.1:0\"]\nmax_connections = 3000",
     );
     let sluice = Sluice::start_with_open_files(&toml, 4096);
-    wait_for_log(&sluice, "the open-file limit is below").await;
+    sluice.wait_for_log("the open-file limit is below").await;
     sluice.signal("TERM");
     exits_cleanly(sluice, Duration::from_secs(10)).await;
 }

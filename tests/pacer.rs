@@ -1,6 +1,8 @@
 //! The real pacer in real time: the DESIGN section 1 seed example through
 //! `Shaper::acquire`, and the idle pacer's CPU use.
 
+use std::future::Future as _;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use sluice::pacer::{AcquireError, Shaper};
@@ -26,8 +28,15 @@ async fn seed_example_in_real_time() {
     for i in 0..20u32 {
         let shaper = shaper.clone();
         tokio::time::sleep_until((start + Duration::from_millis(25 * u64::from(i))).into()).await;
+        // Admitted here, in arrival order (the first poll is the
+        // admission), then awaited on a task of its own.
+        let mut acquire = Box::pin(async move { shaper.acquire(route, 7, 1).await });
+        let admitted = std::future::poll_fn(|cx| Poll::Ready(acquire.as_mut().poll(cx))).await;
         tasks.push(tokio::spawn(async move {
-            let r = shaper.acquire(route, 7, 1).await;
+            let r = match admitted {
+                Poll::Ready(r) => r,
+                Poll::Pending => acquire.await,
+            };
             (i + 1, r, Instant::now())
         }));
     }
@@ -69,13 +78,13 @@ async fn seed_example_in_real_time() {
     for w in departures.windows(2) {
         let gap = w[1] - w[0];
         assert!(
-            gap >= Duration::from_millis(100) && gap <= Duration::from_millis(320),
+            gap >= Duration::from_millis(100) && gap <= Duration::from_millis(420),
             "gap {gap:?} in {departures:?}"
         );
     }
     let span = departures[12] - departures[0];
     assert!(
-        span >= Duration::from_millis(2_250) && span <= Duration::from_millis(2_650),
+        span >= Duration::from_millis(2_150) && span <= Duration::from_millis(2_750),
         "12 intervals of 200 ms took {span:?}"
     );
 }

@@ -252,20 +252,28 @@ fn raw_request(addr: std::net::SocketAddr, path: &str, client: &str) -> std::net
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnected_queued_client_is_never_forwarded() {
     let ds = Downstream::start().await;
-    let sluice = Sluice::start(&config(&ds.addr.to_string(), "5/s", 10));
+    let sluice = Sluice::start(&format!(
+        "{}\n[admin]\nlisten = \"127.0.0.1:0\"\n",
+        config(&ds.addr.to_string(), "1/s", 10)
+    ));
     let addr = sluice.addr;
     let r1 = tokio::task::spawn_blocking(move || {
         let mut s = raw_request(addr, "/first", "d");
         let mut buf = [0u8; 64];
         s.read(&mut buf).unwrap()
     });
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    // In line one after another, each seen queued before the next comes.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ds.seen().iter().all(|s| s.path != "/first") {
+        assert!(Instant::now() < deadline, "/first never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let gone = raw_request(addr, "/gone", "d");
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    sluice.wait_queued(1).await;
     let c = client();
     let url = sluice.url("/third");
     let third = tokio::spawn(async move { get(&c, &url, &[("x-client", "d")]).await });
-    tokio::time::sleep(Duration::from_millis(40)).await;
+    sluice.wait_queued(2).await;
     drop(gone);
     assert_eq!(third.await.unwrap().status, StatusCode::OK);
     assert!(r1.await.unwrap() > 0);
@@ -280,8 +288,8 @@ async fn disconnected_queued_client_is_never_forwarded() {
     let third = seen.iter().find(|s| s.path == "/third").unwrap().at;
     let gap = third - first;
     assert!(
-        gap >= Duration::from_millis(180) && gap <= Duration::from_millis(330),
-        "the third request should take the second's slot (200 ms), went after {gap:?}"
+        gap >= Duration::from_millis(900) && gap <= Duration::from_millis(1_600),
+        "the third request should take the second's slot (1 s), went after {gap:?}"
     );
 }
 
@@ -463,16 +471,24 @@ async fn h2c_requests_are_forwarded() {
     assert_eq!(s.headers["x-forwarded-for"], "127.0.0.1");
     assert!(s.headers.contains_key("host"));
     // Cookies split over fields reach the HTTP/1.1 upstream as one field
-    // (RFC 9113 8.2.3): a request with a body (hyper's client) and one
-    // without (sluice's own) alike.
+    // (RFC 9113 8.2.3), and `TE: trailers` with `Connection: te` (RFC 9110
+    // 10.1.4; HTTP/2 has no `Connection`): a request with a body (hyper's
+    // client) and one without (sluice's own) alike.
     for (method, path, body) in [("POST", "/h2-post", "x"), ("GET", "/h2-get", "")] {
-        let headers = [("x-client", "h2"), ("cookie", "a=1"), ("cookie", "b=2")];
+        let headers = [
+            ("x-client", "h2"),
+            ("cookie", "a=1"),
+            ("cookie", "b=2"),
+            ("te", "trailers"),
+        ];
         let a = send(&h2, method, &sluice.url(path), &headers, Bytes::from(body)).await;
         assert_eq!(a.status, StatusCode::OK, "{method}");
         let seen = ds.seen();
         let s = seen.iter().find(|s| s.path == path).unwrap();
         let cookies: Vec<_> = s.headers.get_all("cookie").iter().collect();
         assert_eq!(cookies, ["a=1; b=2"], "{method}");
+        assert_eq!(s.headers["te"], "trailers", "{method}");
+        assert_eq!(s.headers["connection"], "te", "{method}");
     }
 }
 
@@ -654,15 +670,22 @@ async fn a_request_a_pooled_connection_dropped_is_sent_again_only_when_safe() {
     // One worker: one pool of upstream connections.
     let toml = config(&upstream.to_string(), "1000/s", 100);
     let sluice = Sluice::start(&toml.replace("[server]\n", "[server]\nworkers = 1\n"));
+    // Each request the upstream saw, within 5 s (never a hang).
+    async fn next(seen: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
+        tokio::time::timeout(Duration::from_secs(5), seen.recv())
+            .await
+            .expect("no request reached the upstream within 5 s")
+            .expect("the upstream stopped")
+    }
     let c = client();
     let first = get(&c, &sluice.url("/a"), &[("x-client", "k")]).await;
     assert_eq!(first.status, StatusCode::OK);
-    assert_eq!(seen.recv().await.unwrap(), "GET /a HTTP/1.1");
+    assert_eq!(next(&mut seen).await, "GET /a HTTP/1.1");
     // On the pooled connection, dropped unanswered; then on a new one.
     let again = get(&c, &sluice.url("/b"), &[("x-client", "k")]).await;
     assert_eq!(again.status, StatusCode::OK, "{:?}", again.body);
-    assert_eq!(seen.recv().await.unwrap(), "GET /b HTTP/1.1");
-    assert_eq!(seen.recv().await.unwrap(), "GET /b HTTP/1.1");
+    assert_eq!(next(&mut seen).await, "GET /b HTTP/1.1");
+    assert_eq!(next(&mut seen).await, "GET /b HTTP/1.1");
     // A POST is not sent twice: the client is told.
     let post = send(
         &c,
@@ -673,7 +696,7 @@ async fn a_request_a_pooled_connection_dropped_is_sent_again_only_when_safe() {
     )
     .await;
     assert_eq!(post.status, StatusCode::BAD_GATEWAY);
-    assert_eq!(seen.recv().await.unwrap(), "POST /c HTTP/1.1");
+    assert_eq!(next(&mut seen).await, "POST /c HTTP/1.1");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(seen.try_recv().is_err(), "the POST was sent twice");
 }

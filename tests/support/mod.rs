@@ -178,6 +178,8 @@ pub struct Sluice {
     pub admin: Option<SocketAddr>,
     pub config: TempFile,
     log: Arc<Mutex<Vec<String>>>,
+    /// Set when the log's reader has read sluice's stderr to its end.
+    log_read: Arc<std::sync::atomic::AtomicBool>,
 }
 
 static TEMP_SEQ: AtomicUsize = AtomicUsize::new(0);
@@ -301,8 +303,11 @@ impl Sluice {
         let want_smtp = toml.contains("[[smtp]]");
         let log = Arc::new(Mutex::new(Vec::new()));
         let lines = log.clone();
+        let log_read = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let read = log_read.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
+            let _read = SetOnDrop(read);
             let (mut proxy, mut admin, mut smtp) = (None, None, None);
             let mut sent = false;
             for line in BufReader::new(stderr).lines() {
@@ -324,9 +329,18 @@ impl Sluice {
                 lines.lock().unwrap().push(line);
             }
         });
-        let (addr, admin, smtp) = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("sluice did not report its listening addresses");
+        let (addr, admin, smtp) = match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(addrs) => addrs,
+            Err(_) => {
+                // Not left running for the rest of the suite.
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "sluice did not report its listening addresses; its log:\n{}",
+                    log.lock().unwrap().join("\n")
+                );
+            }
+        };
         Sluice {
             child,
             addr: addr.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
@@ -334,6 +348,7 @@ impl Sluice {
             admin,
             config,
             log,
+            log_read,
         }
     }
 
@@ -364,6 +379,11 @@ impl Sluice {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             if let Ok(Some(status)) = self.child.try_wait() {
+                // Its last lines in the log too (a check that a line is
+                // absent reads them all).
+                while !self.log_read.load(Ordering::Acquire) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
                 return Some(status);
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -374,6 +394,29 @@ impl Sluice {
     /// Every log line so far.
     pub fn log(&self) -> Vec<String> {
         self.log.lock().unwrap().clone()
+    }
+
+    /// Wait (up to 10 s) for a log line containing `needle`: lines reach
+    /// the log through a reader thread, a moment after sluice writes them.
+    pub async fn wait_for_log(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.log().iter().any(|l| l.contains(needle)) {
+            assert!(
+                Instant::now() < deadline,
+                "no log line containing {needle:?}: {:?}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Sets its flag when dropped: however the thread holding it ends.
+struct SetOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
     }
 }
 
