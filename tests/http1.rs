@@ -254,6 +254,60 @@ async fn a_get_with_a_chunked_body_reaches_the_upstream_whole() {
     assert_eq!(seen[1].headers.get("transfer-encoding"), None);
 }
 
+/// A request framed both by `Content-Length` and `Transfer-Encoding` is
+/// read as chunked and its connection closed after the answer (RFC 9112
+/// 6.1), so what a front proxy framing by the length would have sent as
+/// the body's end, a second request, is never read; on a connection
+/// sluice's own server handed over with that request and on one hyper
+/// served already, with the two fields in either order. A transfer
+/// coding besides `chunked` is 501 (the upstream would take coded bytes
+/// for the content).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_framed_two_ways_ends_its_connection() {
+    let ds = Downstream::start().await;
+    let sluice = Sluice::start(&config(ds.addr));
+    let addr = sluice.addr;
+    tokio::task::spawn_blocking(move || {
+        let smuggling = [
+            "POST /echo HTTP/1.1\r\nHost: t\r\nX-Client: s\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: t\r\nX-Client: s\r\n\r\n",
+            "POST /echo HTTP/1.1\r\nHost: t\r\nX-Client: s\r\nTransfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: t\r\nX-Client: s\r\n\r\n",
+        ];
+        // Before each: nothing (sluice's server reads the head), or a
+        // chunked request that gave the connection to hyper.
+        let before = [
+            "",
+            "POST /first HTTP/1.1\r\nHost: t\r\nX-Client: s\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        ];
+        for request in smuggling {
+            for first in before {
+                let c = &mut connect(addr);
+                if !first.is_empty() {
+                    send(c, first.as_bytes());
+                    let a = read_answer(c, false);
+                    assert_eq!(a.status, 200, "{a:?}");
+                }
+                send(c, request.as_bytes());
+                let a = read_answer(c, false);
+                assert_eq!(a.status, 200, "{a:?}");
+                let mut rest = Vec::new();
+                c.read_to_end(&mut rest).unwrap();
+                assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
+            }
+        }
+        let c = &mut connect(addr);
+        send(
+            c,
+            b"POST /echo HTTP/1.1\r\nHost: t\r\nX-Client: s\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        );
+        assert_eq!(read_answer(c, false).status, 501);
+    })
+    .await
+    .unwrap();
+    let seen = ds.seen();
+    assert!(seen.iter().all(|s| s.path != "/smuggled"), "{seen:?}");
+    assert_eq!(seen.iter().filter(|s| s.path == "/echo").count(), 4);
+}
+
 /// A chunked body with a trailer reaches the upstream with its trailer
 /// when it is staged (its request waits behind another), as when it goes
 /// at once: a staged body's known length had no room for it. A staged

@@ -1138,6 +1138,51 @@ async fn uploads_waiting_for_a_slot_do_not_stall_their_connection() {
     }
 }
 
+/// An HTTP/1.1 client that leaves while its upload waits for a
+/// `max_concurrency` slot, before sending its body (`Expect:
+/// 100-continue`) or in the middle of it, is withdrawn at once and never
+/// forwarded (README, "What a client sees"): its body is read while it
+/// waits, so its close is seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_whose_client_left_while_it_waited_for_a_slot_is_not_forwarded() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&capped_and_free(ds.addr));
+    let c = client();
+    let url = s.url("/c/slow");
+    let slow = tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await.status });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline, "the slow call never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let started = Instant::now();
+    for (path, sent) in [
+        ("/c/expects", "Expect: 100-continue\r\n\r\n"),
+        ("/c/half", "\r\nhalf of the body"),
+    ] {
+        let mut raw = TcpStream::connect(s.addr).unwrap();
+        write!(
+            raw,
+            "POST {path} HTTP/1.1\r\nHost: t\r\nX-Client: k\r\nContent-Length: 100000\r\n{sent}"
+        )
+        .unwrap();
+        s.wait_queued(1).await;
+        drop(raw);
+        // Withdrawn while the slow call still holds the slot (5 s).
+        s.wait_queued(0).await;
+    }
+    assert!(
+        started.elapsed() < Duration::from_millis(4_000),
+        "withdrawn after {:?}",
+        started.elapsed()
+    );
+    assert!(!slow.is_finished());
+    assert_eq!(slow.await.unwrap(), StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let paths: Vec<String> = ds.seen().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(paths, ["/slow"]);
+}
+
 /// Routes `/c/` to an upstream with `max_concurrency = 1` and `/f/` to one
 /// without, both on `ds` (the prefixes stripped), one key each.
 fn capped_and_free(ds: std::net::SocketAddr) -> String {

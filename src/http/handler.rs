@@ -38,7 +38,7 @@ use super::Shared;
 use super::forward::{Origin, OutBody, Upstream};
 use super::grpc;
 use super::h1::RequestBody;
-use super::headers::{Packed, add_ratelimit_headers, pack, upgrade_to};
+use super::headers::{Packed, add_ratelimit_headers, foreign_transfer_coding, pack, upgrade_to};
 use super::in_flight::{CallSlot, InFlight};
 use super::key;
 use super::path;
@@ -89,18 +89,9 @@ impl Body {
     }
 }
 
-/// A departed request as forwarding needs it: its key, cost, arrival,
-/// (a gRPC call's) `grpc-timeout`, and its client connection's window.
-type Departed<'a> = (&'a Key, u32, Instant, Option<Duration>, Window);
-
-/// Whether the client's connection shares its flow-control window among
-/// its requests (HTTP/2): a body it sends that is not read holds back the
-/// others'.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Window {
-    Shared,
-    Own,
-}
+/// A departed request as forwarding needs it: its key, cost, arrival and
+/// (a gRPC call's) `grpc-timeout`.
+type Departed<'a> = (&'a Key, u32, Instant, Option<Duration>);
 
 /// A wait that is boxed (not the common one).
 type Waits<'a> = Pin<Box<dyn Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a>>;
@@ -289,6 +280,18 @@ impl Handler {
             return Err(problem(
                 StatusCode::BAD_REQUEST,
                 "the request's host is not a host name or address with an optional port",
+                None,
+            ));
+        }
+        // RFC 9112 6.1: a request whose body has a transfer coding besides
+        // `chunked` (`gzip, chunked`): hyper undoes the chunking only, and
+        // the field goes as hop-by-hop, so the upstream would take the
+        // coded bytes for the content. nginx answers 501 too.
+        if foreign_transfer_coding(req.headers()) {
+            self.shared.count_unrouted();
+            return Err(problem(
+                StatusCode::NOT_IMPLEMENTED,
+                "a transfer coding other than chunked is not supported",
                 None,
             ));
         }
@@ -520,16 +523,11 @@ impl Handler {
                 let upstream = &a.app.upstreams[route.upstream];
                 // The head is made in a block of its own: a local would
                 // stay in this future through the call.
-                let (parts, window) = {
+                let parts = {
                     let Ok(mut parts) = a.head.parts() else {
                         route.rule.count(Outcome::Invalid);
                         let detail = "the request target cannot be forwarded";
                         break 'answer problem(StatusCode::BAD_REQUEST, detail, None);
-                    };
-                    // (Before the upstream's version replaces the client's.)
-                    let window = match parts.version {
-                        http::Version::HTTP_2 => Window::Shared,
-                        _ => Window::Own,
                     };
                     upstream.rewrite(&mut parts, a.origin);
                     if let Some(Some(timeout)) = a.grpc
@@ -539,12 +537,12 @@ impl Handler {
                         let detail = "the call's deadline (grpc-timeout) passed while it waited";
                         break 'answer deadline_passed(detail);
                     }
-                    (parts, window)
+                    parts
                 };
                 // Boxed: the forwarding state (upstream connect, TLS, the
                 // call) is large and only exists once the request departs,
                 // so a waiting request holds none of it.
-                let departed = (&a.key, a.cost, a.arrival, a.grpc.flatten(), window);
+                let departed = (&a.key, a.cost, a.arrival, a.grpc.flatten());
                 Box::pin(self.forward(route, upstream, parts, body, departed, a.switch)).await
             };
             let route = &a.app.routes[a.route];
@@ -739,20 +737,12 @@ impl Handler {
         departed: Departed<'_>,
         switch: Option<Box<Switch>>,
     ) -> Response<ProxyBody> {
-        let (_, _, arrival, grpc_timeout, window) = departed;
+        let (_, _, arrival, grpc_timeout) = departed;
         let call = grpc_timeout.map(|t| (arrival, t));
         let replay = body.out().map(|b| (parts.clone(), b));
         let (mut parts, mut body) = (parts, body);
-        // A body is read while it waits for a slot only where, unread, it
-        // would hold back others (HTTP/2's shared window); an HTTP/1.1
-        // one stalls only its own connection, and takes no budget.
-        let mut unread = Body::Stream(RequestBody::Empty);
-        let reads = match window {
-            Window::Shared => &mut body,
-            Window::Own => &mut unread,
-        };
         let permit = match self
-            .in_flight_slot(route, upstream, &mut parts, reads, call)
+            .in_flight_slot(route, upstream, &mut parts, &mut body, call)
             .await
         {
             Ok(p) => p,
@@ -813,7 +803,7 @@ impl Handler {
         upstream: &Upstream,
         (response, outcome, until): (Response<ProxyBody>, Outcome, Instant),
         replay: Option<(Parts, OutBody)>,
-        (key, cost, arrival, grpc_timeout, _): Departed<'_>,
+        (key, cost, arrival, grpc_timeout): Departed<'_>,
     ) -> Response<ProxyBody> {
         let call = grpc_timeout.map(|t| (arrival, t));
         let admission = &self.shared.admission;
@@ -925,12 +915,15 @@ impl Handler {
     }
 
     /// [`Handler::in_flight_slot`]'s wait for a slot of `cap`, with its
-    /// room in `max_queued` taken. A body not read yet (an HTTP/2 one: see
-    /// [`Handler::forward`]) is read meanwhile
+    /// room in `max_queued` taken. A body not read yet is read meanwhile
     /// (up to `max_staged_body`, counted in `max_staged_bytes`), as a
-    /// waiting gRPC call's is ([`Begun`]): unread, it held its HTTP/2
-    /// connection's flow-control window, and a few such uploads waiting
-    /// for a slot stalled every other request on the connection.
+    /// waiting gRPC call's is ([`Begun`]), as the departure's queue stages
+    /// one: unread, an HTTP/2 body held its connection's flow-control
+    /// window (a few such uploads waiting for a slot stalled every other
+    /// request on the connection), and a client that left in the middle
+    /// of an HTTP/1.1 body, or before sending it (`Expect:
+    /// 100-continue`), was not seen (hyper reads nothing more meanwhile),
+    /// and its request took the slot when it came.
     async fn wait_for_slot(
         &self,
         route: &Route,
