@@ -158,6 +158,10 @@ async fn a_trusted_proxys_scheme_and_host_are_kept() {
         ("x-forwarded-for", "203.0.113.9"),
         ("x-forwarded-proto", "https"),
         ("x-forwarded-host", "shop.example"),
+        ("x-forwarded-port", "443"),
+        ("x-real-ip", "203.0.113.9"),
+        ("forwarded", "for=203.0.113.9;proto=https"),
+        ("proxy", "http://203.0.113.66:3128"),
     ];
     let a = get(&client(), &s.url("/tls"), &headers).await;
     assert_eq!(a.status, StatusCode::OK);
@@ -166,6 +170,11 @@ async fn a_trusted_proxys_scheme_and_host_are_kept() {
     assert_eq!(h["x-forwarded-proto"], "https");
     assert_eq!(h["x-forwarded-host"], "shop.example");
     assert_eq!(h["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
+    assert_eq!(h["x-forwarded-port"], "443");
+    assert_eq!(h["x-real-ip"], "203.0.113.9");
+    assert_eq!(h["forwarded"], "for=203.0.113.9;proto=https");
+    // Never passed on, whoever sent it (httpoxy).
+    assert!(!h.contains_key("proxy"));
 }
 
 /// K equal backlogged clients under a global cap R each get R/K; a light

@@ -538,12 +538,17 @@ async fn a_held_request_departs_with_its_forwarding_headers() {
     let sluice = Sluice::start(&config(&ds.addr.to_string(), "5/s", 10));
     let c = client();
     // The peer is not a trusted proxy: the scheme and host it claims are
-    // replaced.
+    // replaced, and the rest of what it claims of its client removed.
     let headers = [
         ("x-client", "held"),
         ("x-forwarded-for", "198.51.100.7"),
         ("x-forwarded-proto", "https"),
         ("x-forwarded-host", "spoofed.example"),
+        ("x-forwarded-port", "8443"),
+        ("x-forwarded-prefix", "/evil"),
+        ("x-real-ip", "198.51.100.7"),
+        ("forwarded", "host=spoofed.example;proto=https"),
+        ("proxy", "http://198.51.100.66:3128"),
         ("connection", "x-drop"),
         ("x-drop", "1"),
     ];
@@ -567,6 +572,15 @@ async fn a_held_request_departs_with_its_forwarding_headers() {
     assert_eq!(s.headers["x-forwarded-host"], sluice.addr.to_string());
     assert!(!s.headers.contains_key("x-drop"));
     assert!(!s.headers.contains_key("connection"));
+    for claimed in [
+        "x-forwarded-port",
+        "x-forwarded-prefix",
+        "x-real-ip",
+        "forwarded",
+        "proxy",
+    ] {
+        assert!(!s.headers.contains_key(claimed), "{claimed}");
+    }
 }
 
 /// A held request's head is packed while it waits and rebuilt at its

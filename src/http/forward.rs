@@ -422,6 +422,9 @@ impl Upstream {
         let trailers = accepts_trailers(&parts.headers);
         strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(EXPECT);
+        // No HTTP client sends `Proxy`; a CGI-style upstream would read it
+        // as `HTTP_PROXY`, its own outbound proxy (httpoxy, CVE-2016-5385).
+        parts.headers.remove(PROXY);
         // Room for what is added below (X-Forwarded-For, -Proto, -Host,
         // Via, Host) in one growth of the table, not one per doubling (a
         // head sluice's own HTTP/1.1 server parsed has the room already).
@@ -1192,6 +1195,9 @@ fn framed_for_h1(mut req: Request<OutBody>) -> Request<OutBody> {
     }
     req
 }
+
+/// `Proxy` (see [`Upstream::rewrite`]).
+const PROXY: HeaderName = HeaderName::from_static("proxy");
 
 /// A response body that gives its connection back to the pool once it has
 /// been read to the end (and its `max_concurrency` slot when dropped); on

@@ -367,13 +367,31 @@ pub fn append_via(headers: &mut HeaderMap, version: Version) {
 /// appended to any `X-Forwarded-For` list already present. A `trusted`
 /// peer (one of `trusted_proxies`: a TLS terminator or load balancer in
 /// front) keeps the `X-Forwarded-Proto` and `-Host` it sent, which name
-/// the scheme and host its client used; anyone else's are replaced.
+/// the scheme and host its client used, and the rest of what it says of
+/// its client (`Forwarded`, `X-Real-IP`, `X-Forwarded-Port`, `-Prefix`
+/// and the like); anyone else's are replaced or removed: frameworks build
+/// absolute links, redirects and reset URLs from them (Spring prefers
+/// `Forwarded`), and a client could name any host there.
 pub fn add_forwarded(
     headers: &mut HeaderMap,
     peer: IpAddr,
     trusted: bool,
     host: Option<&HeaderValue>,
 ) {
+    if !trusted {
+        let claimed: SmallVec<[HeaderName; 4]> = headers
+            .keys()
+            .filter(|n| {
+                (n.as_str().starts_with("x-forwarded-") && **n != X_FORWARDED_FOR)
+                    || *n == X_REAL_IP
+                    || *n == FORWARDED
+            })
+            .cloned()
+            .collect();
+        for name in claimed {
+            headers.remove(name);
+        }
+    }
     let mut buf = [0u8; 48];
     let n = ip_text(peer, &mut buf);
     let peer = &buf[..n];
