@@ -673,6 +673,43 @@ async fn a_replica_is_named_as_a_misconfiguration() {
     assert!(problem.contains("replica"), "{status}");
 }
 
+/// A store that answers the background check and fails every admission
+/// (a Redis ACL user without EVAL and EVALSHA): under `reject`, `/readyz`
+/// stays 503 while requests keep failing, across the 5 s checks. A good
+/// check that began before the last failure does not count (it made the
+/// instance ready for about a second after each check).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_answers_checks_but_fails_admissions_stays_unready() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    redis.cli(&[
+        "ACL", "SETUSER", "limited", "on", ">pw", "~*", "+@all", "-eval", "-evalsha",
+    ]);
+    let url = redis.url().replace("redis://", "redis://limited:pw@");
+    let s = Sluice::start(&config(ds.addr, &url, "reject", 1, "150ms"));
+    let c = client();
+    let started = Instant::now();
+    let mut samples = 0;
+    // Past two background checks (every 5 s).
+    while started.elapsed() < Duration::from_secs(11) {
+        let a = get(&c, &s.url("/a"), &[("x-client", "k")]).await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+        if started.elapsed() > Duration::from_millis(1_500) {
+            let ready = get(&c, &s.admin_url("/readyz"), &[]).await;
+            assert_eq!(
+                ready.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ready {:?} after the start while every admission fails",
+                started.elapsed()
+            );
+            samples += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(samples > 50, "{samples} samples");
+    assert!(ds.seen().is_empty());
+}
+
 /// A Redis password given in the URL (the one place it can be) is never
 /// shown: not in the log, not in /status, whatever the store's trouble.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

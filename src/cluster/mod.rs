@@ -17,7 +17,6 @@ pub mod postgres;
 mod redis;
 mod refusals;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -50,28 +49,42 @@ enum Trouble {
     /// Not usable as configured (a standalone client pointed at a cluster
     /// node): `/readyz` is 503 whatever `on_failure` says.
     Misconfigured(String),
-    /// Down, unreachable, or part of it down (a master without a replica):
-    /// `on_failure` decides, and only `reject` makes the instance unready.
+    /// Down or unreachable: `on_failure` decides, and only `reject`
+    /// makes the instance unready.
     Unavailable(String),
+    /// Part of it down (a Redis Cluster master without a replica): the
+    /// clients whose slots it held follow `on_failure`, and the instance
+    /// stays ready for the others (every instance unready would fail
+    /// every client).
+    Partial(String),
 }
 
 impl Trouble {
     fn text(&self) -> &str {
         match self {
-            Trouble::Misconfigured(t) | Trouble::Unavailable(t) => t,
+            Trouble::Misconfigured(t) | Trouble::Unavailable(t) | Trouble::Partial(t) => t,
         }
     }
 }
 
-/// The background check's last finding (logged when it changes), and how
-/// many checks found the store usable.
+/// The background check's last finding (logged when it changes), and when
+/// the last check that found the store usable began.
 #[derive(Default)]
 struct Problem {
     now: std::sync::Mutex<Option<Trouble>>,
-    checks_ok: AtomicU64,
+    /// When the check under way began.
+    began: std::sync::Mutex<Option<Instant>>,
+    /// When the last check that found the store usable (whole, or all
+    /// but the part that is down) began.
+    good: std::sync::Mutex<Option<Instant>>,
 }
 
 impl Problem {
+    /// A check begins (its finding is [`Problem::set`]).
+    pub(super) fn begin(&self) {
+        *self.began.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    }
+
     fn set(&self, problem: Option<Trouble>) -> Result<(), String> {
         let mut p = self.now.lock().unwrap_or_else(|e| e.into_inner());
         if problem != *p {
@@ -81,8 +94,9 @@ impl Problem {
                 None => {}
             }
         }
-        if problem.is_none() {
-            self.checks_ok.fetch_add(1, Ordering::Relaxed);
+        if matches!(problem, None | Some(Trouble::Partial(_))) {
+            let began = *self.began.lock().unwrap_or_else(|e| e.into_inner());
+            *self.good.lock().unwrap_or_else(|e| e.into_inner()) = began;
         }
         *p = problem.clone();
         problem.map_or(Ok(()), |t| Err(t.text().to_owned()))
@@ -92,8 +106,8 @@ impl Problem {
         self.now.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn checks_ok(&self) -> u64 {
-        self.checks_ok.load(Ordering::Relaxed)
+    fn good(&self) -> Option<Instant> {
+        *self.good.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -223,39 +237,55 @@ pub struct Cluster {
 }
 
 /// Calls failed in a row since the last that succeeded (or since a good
-/// background check), and since when.
+/// background check that began after the last of them), and since when.
 #[derive(Default)]
 struct Streak {
     failed: u32,
     /// When the first of them was told it failed.
     since: Option<Instant>,
-    /// The store's count of good checks when a call last failed.
-    checks_then: u64,
+    /// When the last of them was.
+    last: Option<Instant>,
 }
 
 impl Streak {
-    /// A call was told at `now` that it failed; `checks` good background
-    /// checks so far. One since the last failure ended that run: this one
-    /// starts another. A run is timed from when its first call was told
-    /// (not from its start, which a `timeout` of a second or more would
-    /// put past [`UNHEALTHY_FOR`] already).
-    fn fail(&mut self, now: Instant, checks: u64) {
-        if self.failed == 0 || checks > self.checks_then {
+    /// A call was told at `now` that it failed; `good` is when the last
+    /// good background check began. One that ended the run (see
+    /// [`Streak::cleared`]): this one starts another. A run is timed from
+    /// when its first call was told (not from its start, which a
+    /// `timeout` of a second or more would put past [`UNHEALTHY_FOR`]
+    /// already).
+    fn fail(&mut self, now: Instant, good: Option<Instant>) {
+        if self.failed == 0 || self.cleared(now, good) {
             self.failed = 0;
             self.since = Some(now);
         }
         self.failed = self.failed.saturating_add(1);
-        self.checks_then = checks;
+        self.last = Some(now);
     }
 
-    /// Whether the store counts as down at `now`, with `checks` good
-    /// background checks so far (see [`Cluster::is_healthy`]).
-    fn down(&self, now: Instant, checks: u64) -> bool {
+    /// Whether a good background check ended the run at `now`: one that
+    /// began after the last failure, when no call has failed for
+    /// [`UNHEALTHY_FOR`] (an instance no traffic reaches, being unready,
+    /// sees the store come back). While calls go on failing, they are
+    /// the evidence: a store that answers the check and fails admissions
+    /// (too slow for `timeout`, a role or an ACL without the script)
+    /// counted as up after every check until three more calls had failed
+    /// for a second, and `/readyz` flapped.
+    fn cleared(&self, now: Instant, good: Option<Instant>) -> bool {
+        match (good, self.last) {
+            (Some(g), Some(l)) => g > l && now.saturating_duration_since(l) >= UNHEALTHY_FOR,
+            _ => false,
+        }
+    }
+
+    /// Whether the store counts as down at `now` (see
+    /// [`Cluster::is_healthy`]).
+    fn down(&self, now: Instant, good: Option<Instant>) -> bool {
         self.failed >= UNHEALTHY_AFTER
             && self
                 .since
                 .is_some_and(|t| now.saturating_duration_since(t) >= UNHEALTHY_FOR)
-            && checks <= self.checks_then
+            && !self.cleared(now, good)
     }
 }
 
@@ -376,16 +406,16 @@ impl Cluster {
     pub fn misconfigured(&self) -> Option<String> {
         match self.store.problem().get()? {
             Trouble::Misconfigured(why) => Some(why),
-            Trouble::Unavailable(_) => None,
+            Trouble::Unavailable(_) | Trouble::Partial(_) => None,
         }
     }
 
-    /// Why the store is down or partly down, as the background check
-    /// last found it.
+    /// Why the store is down, as the background check last found it
+    /// (not when only part of it is).
     pub fn unavailable(&self) -> Option<String> {
         match self.store.problem().get()? {
             Trouble::Unavailable(why) => Some(why),
-            Trouble::Misconfigured(_) => None,
+            Trouble::Misconfigured(_) | Trouble::Partial(_) => None,
         }
     }
 
@@ -407,8 +437,8 @@ impl Cluster {
     /// (so an instance that no traffic reaches, being unready, sees the
     /// store come back).
     pub fn is_healthy(&self) -> bool {
-        let checks = self.store.problem().checks_ok();
-        !self.streak().down(Instant::now(), checks)
+        let good = self.store.problem().good();
+        !self.streak().down(Instant::now(), good)
     }
 
     fn streak(&self) -> std::sync::MutexGuard<'_, Streak> {
@@ -446,7 +476,7 @@ impl Cluster {
             if ok {
                 *streak = Streak::default();
             } else {
-                streak.fail(Instant::now(), self.store.problem().checks_ok());
+                streak.fail(Instant::now(), self.store.problem().good());
             }
         }
         self.duration.record(started.elapsed());
@@ -627,24 +657,36 @@ mod tests {
         let mut s = Streak::default();
         // One stall: eight calls in flight fail together.
         for _ in 0..8 {
-            s.fail(at(0), 0);
+            s.fail(at(0), None);
         }
-        assert!(!s.down(at(999), 0));
-        assert!(s.down(at(1_000), 0));
-        // A good background check since: up, and the next failure starts
-        // a run of its own (it was down at once on one failed call).
-        assert!(!s.down(at(1_000), 1));
-        s.fail(at(6_000), 1);
-        assert!(!s.down(at(6_001), 1));
-        s.fail(at(6_500), 1);
-        s.fail(at(6_900), 1);
-        assert!(!s.down(at(6_999), 1));
-        assert!(s.down(at(7_000), 1));
+        assert!(!s.down(at(999), None));
+        assert!(s.down(at(1_000), None));
+        // A good background check that began since: up, and the next
+        // failure starts a run of its own (it was down at once on one
+        // failed call).
+        assert!(!s.down(at(1_000), Some(at(500))));
+        s.fail(at(6_000), Some(at(500)));
+        assert!(!s.down(at(6_001), Some(at(500))));
+        s.fail(at(6_500), Some(at(500)));
+        s.fail(at(6_900), Some(at(500)));
+        assert!(!s.down(at(6_999), Some(at(500))));
+        assert!(s.down(at(7_000), Some(at(500))));
+        // A good check that began before the last failure (calls failing
+        // while it ran) does not end the run; one that began after it
+        // does, once no call has failed for a second.
+        let mut s = Streak::default();
+        for ms in [0, 100, 200] {
+            s.fail(at(ms), None);
+        }
+        assert!(s.down(at(1_000), Some(at(150))));
+        assert!(s.down(at(1_000), Some(at(250))));
+        assert!(!s.down(at(1_200), Some(at(250))));
+        assert!(s.down(at(1_200), Some(at(150))));
         // Two calls failing for a long time are not three.
         let mut s = Streak::default();
-        s.fail(at(0), 0);
-        s.fail(at(5_000), 0);
-        assert!(!s.down(at(9_000), 0));
+        s.fail(at(0), None);
+        s.fail(at(5_000), None);
+        assert!(!s.down(at(9_000), None));
     }
 
     #[test]

@@ -543,14 +543,18 @@ impl Postgres {
 
     /// Say so when the table's kind is not the configured one (changing it
     /// rewrites the table, which is the DBA's call).
+    /// Within [`UPKEEP_LIMIT`]: a database that goes silent after the
+    /// upkeep would hold the start (or `migrate`) until TCP gave up.
     async fn check_persistence(&self, client: &tokio_postgres::Client) {
-        let row = client
-            .query_opt(
+        let row = tokio::time::timeout(
+            UPKEEP_LIMIT,
+            client.query_opt(
                 "SELECT relpersistence::text FROM pg_class WHERE oid = to_regclass('sluice_schedules')",
                 &[],
-            )
-            .await;
-        if let Ok(Some(row)) = row
+            ),
+        )
+        .await;
+        if let Ok(Ok(Some(row))) = row
             && let Ok(p) = row.try_get::<_, String>(0)
         {
             let logged = p == "p";
@@ -571,6 +575,7 @@ impl Postgres {
     /// went silent after the login held the start until TCP gave up).
     pub async fn check(&self) -> Result<(), String> {
         let mut conn = None;
+        self.problem.begin();
         let result = self.bounded_upkeep(&mut conn).await;
         if let (Ok(()), Some(client)) = (&result, &conn) {
             self.check_persistence(client).await;
@@ -596,18 +601,20 @@ impl Postgres {
     }
 
     /// Open the pool's connections ahead of traffic (a connection's
-    /// start-up and SCRAM exchange cost more than many admissions).
+    /// start-up and SCRAM exchange cost more than many admissions). The
+    /// pool hands out its idle connections before it makes new ones, so
+    /// those are held until the new ones are made: all at once, so that
+    /// admissions wait for one connection's making at most, not for each
+    /// in turn.
     async fn warm(&self) {
         let status = self.pool.status();
-        let mut held = Vec::new();
+        let limit = self.timeout.max(Duration::from_secs(2));
+        let mut making = tokio::task::JoinSet::new();
         for _ in status.size..status.max_size {
-            match tokio::time::timeout(self.timeout.max(Duration::from_secs(2)), self.pool.get())
-                .await
-            {
-                Ok(Ok(c)) => held.push(c),
-                _ => break,
-            }
+            let pool = self.pool.clone();
+            making.spawn(async move { tokio::time::timeout(limit, pool.get()).await });
         }
+        drop(making.join_all().await);
     }
 
     fn set_problem(&self, problem: Option<Trouble>) -> Result<(), String> {
@@ -630,6 +637,7 @@ impl Postgres {
         let mut conn = None;
         loop {
             tick.tick().await;
+            self.problem.begin();
             let result = self.bounded_upkeep(&mut conn).await;
             if result.is_err() {
                 conn = None;

@@ -384,30 +384,34 @@ impl Redis {
         })
     }
 
-    /// `CLUSTER INFO` of one node: whether its cluster covers every slot.
-    async fn cluster_state(&self, url: &str) -> Result<(), String> {
+    /// `CLUSTER INFO` of one node: whether its cluster covers every slot
+    /// ([`Trouble::Partial`] when it answers that it does not).
+    async fn cluster_state(&self, url: &str) -> Result<(), Trouble> {
         let limit = self.timeout.max(Duration::from_secs(1));
         tokio::time::timeout(limit, self.ask_cluster_state(url))
             .await
             .map_err(|_| {
-                format!(
+                Trouble::Unavailable(format!(
                     "{} did not answer CLUSTER INFO within {limit:?}",
                     shown(url)
-                )
+                ))
             })?
     }
 
-    async fn ask_cluster_state(&self, url: &str) -> Result<(), String> {
-        let client = self.client(url).map_err(|e| e.to_string())?;
+    async fn ask_cluster_state(&self, url: &str) -> Result<(), Trouble> {
+        let down = |e: redis::RedisError| Trouble::Unavailable(e.to_string());
+        let client = self
+            .client(url)
+            .map_err(|e| Trouble::Unavailable(e.to_string()))?;
         let mut c = client
             .get_multiplexed_async_connection()
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(down)?;
         let info: String = redis::cmd("CLUSTER")
             .arg("INFO")
             .query_async(&mut c)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(down)?;
         let field = |name: &str| {
             info.lines().find_map(|l| {
                 l.trim()
@@ -423,10 +427,18 @@ impl Redis {
         if state == "ok" && ok == 16_384 {
             Ok(())
         } else {
-            Err(format!(
+            let why = format!(
                 "the Redis Cluster at {} does not cover every slot (cluster_state:{state}, {ok} of 16384 slots ok)",
                 shown(url)
-            ))
+            );
+            // `cluster_state:fail` (`cluster-require-full-coverage yes`,
+            // the default): Redis refuses every slot, the whole store is
+            // down. `ok` with slots missing: only their clients fail.
+            Err(if state == "ok" {
+                Trouble::Partial(why)
+            } else {
+                Trouble::Unavailable(why)
+            })
         }
     }
 
@@ -434,6 +446,7 @@ impl Redis {
     /// store is what the config says: a standalone server for
     /// `standalone`, a cluster covering all 16384 slots for `cluster`.
     pub async fn check(&self) -> Result<(), String> {
+        self.problem.begin();
         // Ask the seeds in turn: with several (a cluster), the first one
         // down (a master that failed over to its replica) says nothing
         // about the store. Standalone connects to the first only.
@@ -536,10 +549,10 @@ impl Redis {
                 Err(e) => return self.set_problem(Some(Trouble::Misconfigured(e.to_string()))),
             }
         }
-        if cluster && let Err(why) = self.cluster_state(&first).await {
+        if cluster && let Err(trouble) = self.cluster_state(&first).await {
             // A master down without a replica: its clients follow
             // on_failure, the others are shaped as before.
-            return self.set_problem(Some(Trouble::Unavailable(why)));
+            return self.set_problem(Some(trouble));
         }
         if let Err(e) = self.write_probe().await {
             return self.set_problem(Some(Trouble::Unavailable(format!(
