@@ -1943,15 +1943,15 @@ fn an_over_size_message_gives_its_room_back_while_it_is_read_to_its_end() {
     wait_staged("the first part", &|n| n >= 8_000);
     slow.send(&line.repeat(14));
     wait_staged("the refused message keeps its room", &|n| n == 0);
-    // 7.3 KiB each: the first is staged; the second, with it, would pass
+    // 7.7 KiB each: the first is staged; the second, with it, would pass
     // 15 KiB.
     let mut large = Raw::connect(addr);
     start_message(&mut large, "large");
-    large.send(&line.repeat(75));
-    wait_staged("the large one", &|n| n >= 7_500);
+    large.send(&line.repeat(78));
+    wait_staged("the large one", &|n| n >= 7_800);
     let mut second = Raw::connect(addr);
     start_message(&mut second, "second");
-    second.send(&line.repeat(75));
+    second.send(&line.repeat(78));
     let reply = second.cmd(".");
     assert!(reply.starts_with("452 4.3.1"), "{reply}");
     let reply = large.cmd(".");
@@ -1966,6 +1966,30 @@ fn an_over_size_message_gives_its_room_back_while_it_is_read_to_its_end() {
         );
         assert!(m.contains(&line), "{m}");
     }
+}
+
+/// A message is charged to the staging budget for its size, not for a
+/// buffer that grew by doubling past it: a budget of `max_message_size`
+/// holds a message of nearly that size (it was charged up to twice its
+/// size, and refused 452 4.3.1 on every retry), and the room it holds
+/// while it is relayed is about its size.
+#[test]
+fn a_message_of_nearly_the_largest_size_fits_a_budget_of_that_size() {
+    let up = SmtpUpstream::start(UpstreamOpts::default());
+    let cfg = config(
+        up.port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"100/s\"\ncapacity = 10\nmax_message_size = \"96KiB\"",
+    ) + "\n[limits]\nmax_staged_body = \"96KiB\"\nmax_staged_bytes = \"96KiB\"\n";
+    let sluice = Sluice::start(&cfg);
+    let mut raw = Raw::connect(sluice.smtp.unwrap());
+    start_message(&mut raw, "near the largest");
+    // 96,000 bytes more: over 64 KiB, under 96 KiB.
+    let line = format!("{}\r\n", "x".repeat(98));
+    raw.send(&line.repeat(960));
+    let reply = raw.cmd(".");
+    assert!(reply.starts_with("250"), "{reply}");
+    up.assert_taken(1);
 }
 
 /// An upstream that answers the end of data on a pooled session with 421

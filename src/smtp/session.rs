@@ -812,8 +812,27 @@ impl Session {
         // A message must come within `idle_timeout`, then at
         // MIN_DATA_RATE on average (Postfix's `smtpd_min_data_rate`).
         let mut deadline = ReadDeadline::new(Instant::now(), self.listener.cfg.idle_timeout);
+        // The message's room grows by doubling, as a Vec's would, but
+        // never past the largest message: left to itself it doubled past
+        // it, and a message was charged up to twice its size (one of
+        // `max_message_size` could not be held in a budget of that size).
+        // One byte past it is refused. The trace header's room (a few
+        // hundred bytes) is not charged, so that a budget of
+        // `max_message_size` holds a message that size, as `check` says.
+        let limit = trace_len.saturating_add(max).saturating_add(1);
         loop {
-            let unread = self.inbuf.unread();
+            let mut unread = self.inbuf.unread();
+            if refused.is_none() {
+                // What is taken of the input at once adds no more than its
+                // length (unstuffing only removes), and no more than up to
+                // the limit, so the room never grows on its own.
+                unread = &unread[..unread.len().min(limit - message.len())];
+                let want = message.len() + unread.len();
+                if want > message.capacity() {
+                    let to = want.max(message.capacity().saturating_mul(2)).min(limit);
+                    message.reserve_exact(to - message.len());
+                }
+            }
             let sink = refused.is_none().then_some(&mut message);
             let used = rx.ingest(unread, sink);
             self.inbuf.consume(used);
@@ -821,7 +840,7 @@ impl Session {
             if refused.is_none() {
                 let why = if message.len().saturating_sub(trace_len) > max {
                     Some(reply::TOO_BIG)
-                } else if !room.grow_to(message.capacity()) {
+                } else if !room.grow_to(message.capacity().min(max)) {
                     Some(reply::NO_STORAGE)
                 } else {
                     None
@@ -838,7 +857,9 @@ impl Session {
             if rx.done() {
                 break;
             }
-            self.read_more(deadline.at()).await?;
+            if self.inbuf.unread().is_empty() {
+                self.read_more(deadline.at()).await?;
+            }
         }
         if let Some(why) = refused {
             return Ok(Err(why));
