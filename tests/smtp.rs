@@ -2020,6 +2020,85 @@ fn a_421_to_the_end_of_data_is_not_sent_again_on_a_fresh_session() {
     assert_eq!(seconds, 1, "{:?}", up.arrivals());
 }
 
+/// A pooled session found stale is retried on a fresh session, not on
+/// another pooled one, which may be as stale: here an upstream (as behind
+/// a middlebox that dropped its idle flows) whose first two connections,
+/// each having taken a message, answer 421 to whatever comes next. The
+/// third message gets 250 on a third connection.
+#[test]
+fn a_stale_pooled_session_is_retried_on_a_fresh_one() {
+    use std::io::{BufRead, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let taken = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = taken.clone();
+    std::thread::spawn(move || {
+        for n in 0..8 {
+            let Ok((s, _)) = listener.accept() else {
+                return;
+            };
+            let taken = count.clone();
+            std::thread::spawn(move || {
+                let mut w = s.try_clone().unwrap();
+                let mut r = std::io::BufReader::new(s);
+                let _ = w.write_all(b"220 upstream.test\r\n");
+                let mut had_one = false;
+                let mut line = String::new();
+                while r.read_line(&mut line).is_ok_and(|k| k > 0) {
+                    let verb = line.get(..4).unwrap_or("").to_ascii_uppercase();
+                    line.clear();
+                    if had_one && n < 2 {
+                        let _ = w.write_all(b"421 4.4.2 idle too long\r\n");
+                        return;
+                    }
+                    let answer: &[u8] = match verb.as_str() {
+                        "EHLO" => b"250 upstream.test\r\n",
+                        "QUIT" => b"221 bye\r\n",
+                        "DATA" => {
+                            let _ = w.write_all(b"354 go ahead\r\n");
+                            while r.read_line(&mut line).is_ok_and(|k| k > 0) && line != ".\r\n" {
+                                line.clear();
+                            }
+                            line.clear();
+                            // The first two are slow: both connections open.
+                            if n < 2 {
+                                std::thread::sleep(Duration::from_millis(300));
+                            }
+                            taken.fetch_add(1, Ordering::SeqCst);
+                            had_one = true;
+                            b"250 2.0.0 taken\r\n"
+                        }
+                        _ => b"250 ok\r\n",
+                    };
+                    if w.write_all(answer).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let sluice = Sluice::start(&config(
+        port,
+        "tls = \"none\"",
+        "key = \"global\"\nrate = \"100/s\"\ncapacity = 10",
+    ));
+    let addr = sluice.smtp.unwrap();
+    let (mut a, mut b) = (Raw::connect(addr), Raw::connect(addr));
+    start_message(&mut a, "a");
+    start_message(&mut b, "b");
+    a.send(".\r\n");
+    b.send(".\r\n");
+    assert!(a.reply().starts_with("250"));
+    assert!(b.reply().starts_with("250"));
+    assert_eq!(taken.load(Ordering::SeqCst), 2);
+    let mut c = Raw::connect(addr);
+    start_message(&mut c, "c");
+    let reply = c.cmd(".");
+    assert!(reply.starts_with("250"), "{reply}");
+    assert_eq!(taken.load(Ordering::SeqCst), 3);
+}
+
 /// A scripted upstream on a raw socket: answers EHLO, MAIL, RCPT and
 /// DATA, then reads nothing until `resume` says so, then reads to the
 /// end of the connection (or 3 s of silence) and returns what came after

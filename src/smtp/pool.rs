@@ -93,7 +93,11 @@ impl Pool {
     ) -> Result<Reply, RelayError> {
         let mut retried = false;
         loop {
-            let (mut session, reused) = match self.checkout() {
+            // The retry goes on a fresh session, as said: another pooled
+            // one may be as stale (a middlebox that dropped every idle
+            // flow), and its failure would reach the client.
+            let pooled = if retried { None } else { self.checkout() };
+            let (mut session, reused) = match pooled {
                 Some(s) => (s, true),
                 None => (Session::open(&self.target, deadline).await?, false),
             };
