@@ -241,6 +241,40 @@ fn an_open_tunnel_holds_its_max_concurrency_slot() {
     assert_eq!(server.opens(1).len(), 1, "the second reached the server");
 }
 
+/// `max_tunnels_per_key`: a client key holding its route's share of
+/// tunnels open gets 429 for another at once (nginx's `limit_conn`), and
+/// gets one again once one of its tunnels closes.
+#[test]
+fn a_key_holds_at_most_its_routes_share_of_tunnels() {
+    let server = WsServer::start();
+    let cfg = config(server.port(), "1s").replace(
+        "capacity = 40\n",
+        "capacity = 40\nmax_tunnels_per_key = 2\n",
+    );
+    let sluice = Sluice::start(&cfg);
+    let url = format!("ws://{}/more", sluice.addr);
+    let held = hold_tunnels(&sluice, 2);
+    let out = ws_client(&url, &["--count", "1", "--timeout", "8"])
+        .output()
+        .unwrap();
+    let rs = results(&out);
+    assert_eq!(rs.len(), 1, "{rs:?}");
+    assert_eq!(rs[0]["opened"], false, "{rs:?}");
+    assert!(
+        rs[0]["error"].as_str().is_some_and(|e| e.contains("429")),
+        "{rs:?}"
+    );
+    assert_eq!(server.opens(2).len(), 2, "the third reached the server");
+    // Its tunnels closed, the key opens one again.
+    drop(held);
+    drop(wait_tunnels(&sluice, 0));
+    let out = ws_client(&url, &["--count", "1", "--timeout", "8"])
+        .output()
+        .unwrap();
+    let rs = results(&out);
+    assert_eq!(rs[0]["opened"], true, "{rs:?}");
+}
+
 /// An open tunnel does not stand in the way of the connection limit: one
 /// worker at `max_connections = 2` with two idle keep-alive connections
 /// beside a tunnel, and a new connection closes the oldest idle one at

@@ -176,6 +176,9 @@ pub struct Route {
     pub ratelimit_headers: bool,
     /// Removed from the front of the path before it is forwarded.
     pub strip_prefix: Option<String>,
+    /// Upgrade tunnels (WebSocket) one client key may hold open at once
+    /// on this route; `None`: only `server.max_tunnels` bounds them.
+    pub max_tunnels_per_key: Option<usize>,
 }
 
 /// How a request's client key is derived: one part, or several joined
@@ -1741,6 +1744,14 @@ impl Validator {
             }
             Some(p) => Some(Some(p.trim_end_matches('/').to_owned())),
         };
+        let max_tunnels_per_key = raw.max_tunnels_per_key.map(|n| {
+            self.bounded(
+                &format!("{path}.max_tunnels_per_key"),
+                n,
+                1,
+                MAX_CONNECTIONS,
+            )
+        });
         if !match_ok {
             return None;
         }
@@ -1761,6 +1772,7 @@ impl Validator {
             dry_run: raw.dry_run.unwrap_or(false),
             ratelimit_headers: raw.ratelimit_headers.unwrap_or(false),
             strip_prefix: strip_prefix?,
+            max_tunnels_per_key,
         })
     }
 

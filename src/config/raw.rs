@@ -201,6 +201,8 @@ pub struct RawRoute {
     pub dry_run: Option<bool>,
     pub ratelimit_headers: Option<bool>,
     pub strip_prefix: Option<String>,
+    #[serde(default, deserialize_with = "whole")]
+    pub max_tunnels_per_key: Option<i64>,
 }
 
 /// `redis = "redis://..."` or a list of seed nodes.

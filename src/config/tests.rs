@@ -1375,3 +1375,20 @@ fn an_ipv4_mapped_listen_address_is_refused() {
     let admin = format!("[admin]\nlisten = \"[::ffff:127.0.0.1]:9090\"\n{MINIMAL}");
     assert_problem(&admin, "write 127.0.0.1:9090");
 }
+
+#[test]
+fn max_tunnels_per_key_is_a_positive_count() {
+    let c = Config::from_toml(
+        &MINIMAL.replace("capacity = 10", "capacity = 10\nmax_tunnels_per_key = 20"),
+    )
+    .unwrap();
+    assert_eq!(c.routes[0].max_tunnels_per_key, Some(20));
+    assert_eq!(
+        Config::from_toml(MINIMAL).unwrap().routes[0].max_tunnels_per_key,
+        None
+    );
+    assert_problem(
+        &MINIMAL.replace("capacity = 10", "capacity = 10\nmax_tunnels_per_key = 0"),
+        "route 'default'.max_tunnels_per_key",
+    );
+}

@@ -302,7 +302,7 @@ impl Handler {
         }
         // A protocol switch (HTTP/1.1 only) holds a tunnel's place from
         // its arrival: past max_tunnels, 503 at once.
-        let switch =
+        let mut switch =
             if req.version() == http::Version::HTTP_11 && upgrade_to(req.headers()).is_some() {
                 match self.shared.tunnels.reserve() {
                     Some(slot) => Some(Box::new((hyper::upgrade::on(&mut req), slot))),
@@ -365,6 +365,23 @@ impl Handler {
                 return Err(problem(StatusCode::BAD_REQUEST, &detail, None));
             }
         };
+        // A protocol switch whose key holds its route's share of tunnels
+        // open already: 429 at once (nginx's limit_conn).
+        if let (Some(switch), Some(max)) = (switch.as_mut(), route.max_tunnels_per_key)
+            && !switch
+                .1
+                .for_key(&self.shared.tunnels, &route.name, &key, max)
+        {
+            route.rule.count_unadmitted(Outcome::Rejected);
+            return Err(problem(
+                StatusCode::TOO_MANY_REQUESTS,
+                &format!(
+                    "route '{}': this client holds max_tunnels_per_key tunnels open already; close one first",
+                    route.name
+                ),
+                Some(Duration::from_secs(1)),
+            ));
+        }
         let (mut parts, body) = req.into_parts();
         if let Some(pq) = normalized {
             let mut uri = parts.uri.into_parts();

@@ -32,6 +32,8 @@ pub struct Route {
     pub ratelimit_headers: bool,
     /// Removed from the front of the path before forwarding.
     pub strip_prefix: Option<String>,
+    /// Tunnels one client key may hold open on this route.
+    pub max_tunnels_per_key: Option<usize>,
     /// 429 bodies: queue full, and wait past `max_wait`.
     pub full: Problem,
     pub max_wait: Problem,
@@ -301,6 +303,7 @@ impl App {
                 cost: r.cost.clone(),
                 ratelimit_headers: r.ratelimit_headers,
                 strip_prefix: r.strip_prefix.clone(),
+                max_tunnels_per_key: r.max_tunnels_per_key,
             })
             .collect();
         Ok(pools

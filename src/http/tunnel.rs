@@ -8,9 +8,10 @@
 //! are counted and bounded (`server.max_tunnels`); a drain closes them
 //! when its timeout ends.
 
+use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -22,20 +23,71 @@ use tokio_util::task::TaskTracker;
 use tracing::debug;
 
 use super::in_flight::CallSlot;
+use crate::admission::Key;
 
-/// Every worker's tunnels: the count, the bound, and the drain's end.
+/// Every worker's tunnels: the count, the bound, the counts of the client
+/// keys whose route bounds them (`max_tunnels_per_key`), and the drain's
+/// end.
 pub struct Tunnels {
     open: Arc<AtomicUsize>,
     max: usize,
+    per_key: Arc<PerKey>,
     close: CancellationToken,
 }
 
-/// One open tunnel's place in the count.
-pub struct Slot(Arc<AtomicUsize>);
+/// Open tunnels by route and client key, for routes that bound them; a
+/// key with none open has no entry (at most `max_tunnels` entries).
+type PerKey = Mutex<HashMap<(Arc<str>, Key), usize>>;
+
+/// One open tunnel's place in the count, and in its key's.
+pub struct Slot {
+    open: Arc<AtomicUsize>,
+    key: Option<KeyPlace>,
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A tunnel's place in its client key's count.
+struct KeyPlace {
+    per_key: Arc<PerKey>,
+    id: (Arc<str>, Key),
+}
+
+impl Drop for KeyPlace {
+    fn drop(&mut self) {
+        let mut per_key = self.per_key.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = per_key.get_mut(&self.id) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                per_key.remove(&self.id);
+            }
+        }
+    }
+}
+
+impl Slot {
+    /// Also take a place among the tunnels `key` holds open on `route`,
+    /// unless it holds `max` already (nginx's `limit_conn`): one client
+    /// holding a tunnel open with a byte every `read_timeout` could
+    /// otherwise take every place of `max_tunnels`, at its route's rate.
+    pub fn for_key(&mut self, tunnels: &Tunnels, route: &str, key: &Key, max: usize) -> bool {
+        let id: (Arc<str>, Key) = (Arc::from(route), key.clone());
+        let mut per_key = tunnels.per_key.lock().unwrap_or_else(|e| e.into_inner());
+        let n = per_key.entry(id.clone()).or_insert(0);
+        if *n >= max {
+            return false;
+        }
+        *n += 1;
+        drop(per_key);
+        self.key = Some(KeyPlace {
+            per_key: tunnels.per_key.clone(),
+            id,
+        });
+        true
     }
 }
 
@@ -44,6 +96,7 @@ impl Tunnels {
         Tunnels {
             open: Arc::default(),
             max,
+            per_key: Arc::default(),
             close: CancellationToken::new(),
         }
     }
@@ -63,7 +116,12 @@ impl Tunnels {
                 .open
                 .compare_exchange_weak(n, n + 1, Ordering::Relaxed, Ordering::Relaxed)
             {
-                Ok(_) => return Some(Slot(self.open.clone())),
+                Ok(_) => {
+                    return Some(Slot {
+                        open: self.open.clone(),
+                        key: None,
+                    });
+                }
                 Err(now) => n = now,
             }
         }
