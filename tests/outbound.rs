@@ -1183,6 +1183,65 @@ async fn an_upload_whose_client_left_while_it_waited_for_a_slot_is_not_forwarded
     assert_eq!(paths, ["/slow"]);
 }
 
+/// An upload that departs at once and then drips (a byte every 300 ms,
+/// each well within `request_timeout`, which counts from the body's last
+/// part) is cut with 408 once `body_read_timeout` has passed and it comes
+/// slower than 500 bytes/s, as a staged body is: it held its upstream
+/// connection and the upstream's only `max_concurrency` slot for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_that_drips_is_cut_and_frees_its_slot() {
+    let ds = Downstream::start().await;
+    let cfg = capped_and_free(ds.addr).replace(
+        "listen = [\"127.0.0.1:0\"]\n",
+        "listen = [\"127.0.0.1:0\"]\nbody_read_timeout = \"1s\"\n",
+    );
+    let s = Sluice::start(&cfg);
+    let addr = s.addr;
+    let started = Instant::now();
+    let drip = tokio::task::spawn_blocking(move || {
+        let mut raw = TcpStream::connect(addr).unwrap();
+        raw.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        raw.write_all(
+            b"POST /c/drip HTTP/1.1\r\nHost: t\r\nX-Client: k\r\nContent-Length: 100000\r\n\r\n",
+        )
+        .unwrap();
+        let mut answer = Vec::new();
+        for _ in 0..40 {
+            if raw.write_all(b"x").is_err() {
+                break;
+            }
+            let mut buf = [0u8; 512];
+            match raw.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    answer.extend_from_slice(&buf[..n]);
+                    break;
+                }
+                Err(_) => {}
+            }
+        }
+        String::from_utf8_lossy(&answer).into_owned()
+    });
+    let answer = drip.await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    // Cut after body_read_timeout (1 s), long before the 40 drips end.
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "cut after {:?}",
+        started.elapsed()
+    );
+    // The slot is free: the next call goes at once.
+    let c = client();
+    let next = tokio::time::timeout(
+        Duration::from_secs(5),
+        get(&c, &s.url("/c/next"), &[("x-client", "k")]),
+    )
+    .await
+    .expect("the slot was still held");
+    assert_eq!(next.status, StatusCode::OK);
+}
+
 /// Routes `/c/` to an upstream with `max_concurrency = 1` and `/f/` to one
 /// without, both on `ds` (the prefixes stripped), one key each.
 fn capped_and_free(ds: std::net::SocketAddr) -> String {

@@ -56,6 +56,7 @@ use super::in_flight::{CallSlot, InFlight};
 use super::response::{ProxyBody, deadline_passed, problem};
 use super::stage::Begun;
 use super::stall::Stalls;
+use crate::admission::ReadDeadline;
 use crate::config::{self, HostMode, OnThrottle, UpstreamProtocol};
 use crate::metrics::{self as m, Outcome};
 
@@ -539,12 +540,27 @@ impl Upstream {
         };
         let progress = deadline.is_none().then(|| body.progress()).flatten();
         let result = match progress {
-            None => tokio::time::timeout(limit, self.send(parts, body)).await,
+            None => tokio::time::timeout(limit, self.send(parts, body))
+                .await
+                .map_err(|_| Late::Upstream),
             Some(progress) => within_after(limit, started, &progress, self.send(parts, body)).await,
         };
         self.duration.record(started.elapsed());
         match result {
-            Err(_) => {
+            Err(Late::Body) => {
+                debug!(upstream = %self.name, "the client's body came too slowly");
+                (
+                    problem(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "the request body came too slowly (server.body_read_timeout, then 500 bytes/s)",
+                        None,
+                    ),
+                    Outcome::Invalid,
+                    None,
+                    None,
+                )
+            }
+            Err(Late::Upstream) => {
                 debug!(upstream = %self.name, "upstream timed out");
                 let detail = "the upstream did not answer in time";
                 (
@@ -1023,24 +1039,70 @@ pub enum OutBody {
 /// When a streamed request body last moved on (a frame, or its end): an
 /// upload the client sends slowly is not cut at `request_timeout` while
 /// it moves, which counts from the last of it (nginx's
-/// `proxy_send_timeout` and `proxy_read_timeout`, in one).
+/// `proxy_send_timeout` and `proxy_read_timeout`, in one). An upload's
+/// body (not a gRPC call's, which may stream for as long as the call
+/// lasts) must also come as a staged one must: something within
+/// `server.body_read_timeout`, and 500 bytes/s on average once that has
+/// passed ([`ReadDeadline`]); a client that dripped a byte now and then
+/// held its upstream connection and `max_concurrency` slot for ever.
 #[derive(Debug, Clone, Default)]
-pub struct Progress(Arc<Mutex<Option<Instant>>>);
+pub struct Progress(Arc<Mutex<Moved>>);
+
+#[derive(Debug, Default)]
+struct Moved {
+    last: Option<Instant>,
+    /// The body's pace, while it has not ended.
+    pace: Option<ReadDeadline>,
+}
 
 impl Progress {
-    fn mark(&self) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    /// A body whose pace is held to `body_read_timeout` and
+    /// [`crate::admission::MIN_DATA_RATE`] from now.
+    fn paced(body_read_timeout: Duration) -> Progress {
+        Progress(Arc::new(Mutex::new(Moved {
+            last: None,
+            pace: Some(ReadDeadline::new(Instant::now(), body_read_timeout)),
+        })))
+    }
+
+    fn moved(&self) -> std::sync::MutexGuard<'_, Moved> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A frame of `bytes` came, or (`None`) the body ended.
+    fn mark(&self, bytes: Option<usize>) {
+        let now = Instant::now();
+        let mut moved = self.moved();
+        moved.last = Some(now);
+        match bytes {
+            Some(n) => {
+                if let Some(pace) = &mut moved.pace {
+                    pace.read(n, now);
+                }
+            }
+            None => moved.pace = None,
+        }
     }
 
     fn last(&self) -> Option<Instant> {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.moved().last
+    }
+
+    /// When the body must have moved on by, if it is paced and still
+    /// coming.
+    fn due(&self) -> Option<Instant> {
+        self.moved().pace.as_ref().map(ReadDeadline::at)
     }
 }
 
 impl OutBody {
-    /// A body streamed as the client sends it.
-    pub fn stream(body: RequestBody) -> OutBody {
-        let progress = (!body.is_end_stream()).then(Progress::default);
+    /// A body streamed as the client sends it; `pace`: held to
+    /// `server.body_read_timeout` (see [`Progress`]).
+    pub fn stream(body: RequestBody, pace: Option<Duration>) -> OutBody {
+        let progress = (!body.is_end_stream()).then(|| match pace {
+            Some(timeout) => Progress::paced(timeout),
+            None => Progress::default(),
+        });
         OutBody::Stream(body, progress)
     }
 
@@ -1076,9 +1138,14 @@ impl Body for OutBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
             OutBody::Stream(body, progress) => {
-                let frame = Pin::new(body).poll_frame(cx);
-                if let (Poll::Ready(_), Some(p)) = (&frame, progress) {
-                    p.mark();
+                let frame = Pin::new(&mut *body).poll_frame(cx);
+                if let (Poll::Ready(f), Some(p)) = (&frame, progress) {
+                    p.mark(match f {
+                        Some(Ok(f)) if !body.is_end_stream() => {
+                            Some(f.data_ref().map_or(0, Bytes::len))
+                        }
+                        _ => None,
+                    });
                 }
                 frame
             }
@@ -1094,7 +1161,7 @@ impl Body for OutBody {
                     None => Pin::new(rest).poll_frame(cx),
                 };
                 if frame.is_ready() {
-                    progress.mark();
+                    progress.mark(None);
                 }
                 frame
             }
@@ -1134,23 +1201,36 @@ impl Body for OutBody {
     }
 }
 
+/// Why [`within_after`] gave up.
+enum Late {
+    /// No answer within `limit` of the start or of the body's last part.
+    Upstream,
+    /// The client's body came too slowly ([`Progress`]).
+    Body,
+}
+
 /// `fut` within `limit` of `started` or of the last time `progress` moved
-/// on, whichever is later.
+/// on, whichever is later, and while a paced body still comes, by the
+/// time its pace says.
 async fn within_after<F: Future>(
     limit: Duration,
     started: Instant,
     progress: &Progress,
     fut: F,
-) -> Result<F::Output, tokio::time::error::Elapsed> {
+) -> Result<F::Output, Late> {
     tokio::pin!(fut);
     loop {
         let from = progress.last().map_or(started, |last| last.max(started));
-        match tokio::time::timeout_at((from + limit).into(), &mut fut).await {
-            Ok(out) => return Ok(out),
-            Err(elapsed) if progress.last().is_none_or(|last| last <= from) => {
-                return Err(elapsed);
-            }
-            Err(_) => {}
+        let until = progress.due().map_or(from + limit, |d| d.min(from + limit));
+        if let Ok(out) = tokio::time::timeout_at(until.into(), &mut fut).await {
+            return Ok(out);
+        }
+        let now = Instant::now();
+        if progress.due().is_some_and(|d| d <= now) {
+            return Err(Late::Body);
+        }
+        if progress.last().is_none_or(|last| last <= from) && from + limit <= now {
+            return Err(Late::Upstream);
         }
     }
 }

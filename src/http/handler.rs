@@ -768,8 +768,11 @@ impl Handler {
                 return response;
             }
         };
+        // An upload's body is held to a pace while it streams; a gRPC
+        // call's may stream as long as the call lasts.
+        let pace = (!grpc::is_grpc(&parts.headers)).then_some(self.shared.body_read_timeout);
         let out = match body {
-            Body::Stream(b) => OutBody::stream(b),
+            Body::Stream(b) => OutBody::stream(b, pace),
             Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
             Body::Begun(first, rest) => OutBody::begun(first, rest),
         };
