@@ -184,28 +184,6 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     }
 
     let stopping = handle.clone();
-    background.push(tokio::spawn(async move {
-        while hangup.recv().await.is_some() {
-            // Once stopping, the config stays: systemd was told how long
-            // the drain may take from it (a reload could lengthen the
-            // drain past that and be killed in the middle), and RELOADING
-            // after STOPPING is out of order.
-            if handle.stopping() {
-                warn!("SIGHUP during shutdown: ignored, the drain keeps its config");
-                continue;
-            }
-            // Each reload on its own task: a panic in one is logged and
-            // counted, and the next SIGHUP still works.
-            let (path, handle) = (path.clone(), handle.clone());
-            let done = tokio::task::spawn_blocking(move || reload(&path, &handle)).await;
-            if let Err(e) = done {
-                metrics::counter!(m::CONFIG_RELOADS_TOTAL, "result" => "error").increment(1);
-                error!(error = %e, "reload failed unexpectedly; keeping the running config");
-                notify(&[NotifyState::Ready]);
-            }
-        }
-    }));
-
     let shutdown = async move {
         let signal = tokio::select! {
             _ = terminate.recv() => "SIGTERM",
@@ -250,6 +228,31 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     };
     let running = server.start().await?;
     notify(&[NotifyState::Ready]);
+    // SIGHUP is taken only now, once READY=1 is out: a reload before it
+    // would tell systemd RELOADING=1 and READY=1 while the start could
+    // still fail. One that came meanwhile was kept by its stream.
+    background.push(tokio::spawn(async move {
+        while hangup.recv().await.is_some() {
+            // Once stopping, the config stays: systemd was told how long
+            // the drain may take from it (a reload could lengthen the
+            // drain past that and be killed in the middle), and RELOADING
+            // after STOPPING is out of order.
+            if handle.stopping() {
+                warn!("SIGHUP during shutdown: ignored, the drain keeps its config");
+                continue;
+            }
+            // Each reload on its own task: a panic in one is logged and
+            // counted, and the next SIGHUP still works.
+            let (path, handle) = (path.clone(), handle.clone());
+            let done = tokio::task::spawn_blocking(move || reload(&path, &handle)).await;
+            if let Err(e) = done {
+                metrics::counter!(m::CONFIG_RELOADS_TOTAL, "result" => "error").increment(1);
+                error!(error = %e, "reload failed unexpectedly; keeping the running config");
+                notify(&[NotifyState::Ready]);
+            }
+        }
+    }));
+
     running.run(shutdown).await;
     for task in background {
         task.abort();

@@ -198,7 +198,12 @@ fn run(path: std::path::PathBuf, config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(sluice::daemon::run(path, config)) {
+    let result = runtime.block_on(sluice::daemon::run(path, config));
+    // Not a wait for every blocking task left (a reload reading a config
+    // on a hung mount, a DNS lookup): dropping the runtime would wait for
+    // them for ever, past the stop time systemd was told.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
         Ok(()) => {
             info!("stopped");
             ExitCode::SUCCESS

@@ -924,9 +924,14 @@ impl Validator {
                 .iter()
                 .any(|s| url.starts_with(s))
             {
+                // Node n, not the URL: a mistyped scheme (`reds://:pw@h`)
+                // still holds the password, and this goes to the journal.
                 self.problem(
                     "cluster.redis",
-                    format!("'{url}' must start with redis://, rediss:// or unix://"),
+                    format!(
+                        "node {}: must start with redis://, rediss:// or unix://",
+                        i + 1
+                    ),
                 );
                 ok = false;
             } else if let Err(e) = url.as_str().into_connection_info() {

@@ -1392,3 +1392,17 @@ fn max_tunnels_per_key_is_a_positive_count() {
         "route 'default'.max_tunnels_per_key",
     );
 }
+
+#[test]
+fn a_mistyped_redis_url_is_refused_without_its_password() {
+    let text =
+        format!("{MINIMAL}\n[cluster]\nredis = \"reds://:s3cret@127.0.0.1:6379\"\ninstances = 2\n");
+    let found = problems(&text);
+    assert!(
+        found
+            .iter()
+            .any(|p| p.contains("node 1: must start with redis://")),
+        "{found:?}"
+    );
+    assert!(found.iter().all(|p| !p.contains("s3cret")), "{found:?}");
+}
