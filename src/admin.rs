@@ -4,8 +4,10 @@
 //! loopback, what it tells (`/status`, `/metrics`, `/buckets`) it answers
 //! only to requests that name a loopback host (DNS rebinding).
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderValue};
@@ -16,6 +18,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::admission::{Probe, Rejection};
@@ -47,6 +50,9 @@ pub async fn serve(
     // that the runtime (SMTP sessions, signals, the watchdog) should not
     // wait on, and 64 connections asking at once should not multiply.
     let walk = std::sync::Arc::new(tokio::sync::Semaphore::new(1));
+    // The open connections, oldest first, each with its way to close.
+    let opened: Arc<Mutex<VecDeque<(u64, CancellationToken)>>> = Arc::default();
+    let mut next_id = 0u64;
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(a) => a,
@@ -56,12 +62,31 @@ pub async fn serve(
                 continue;
             }
         };
-        // Past the limit a connection is closed at once: the admin
-        // listener's descriptors come out of the proxy's.
-        let Ok(place) = open.clone().try_acquire_owned() else {
-            debug!(%peer, "admin connection refused: {MAX_CONNECTIONS} open");
-            continue;
+        // At the limit (the admin listener's descriptors come out of the
+        // proxy's), the oldest connection is asked to close (at once when
+        // idle, after its answer otherwise), as the proxy's limit does: 64
+        // connections kept open, by anyone who reaches the port, refused
+        // every health check. Past a second, the new one is closed.
+        let place = match open.clone().try_acquire_owned() {
+            Ok(place) => place,
+            Err(_) => {
+                if let Some((_, oldest)) = lock(&opened).pop_front() {
+                    oldest.cancel();
+                }
+                match tokio::time::timeout(EVICT_WAIT, open.clone().acquire_owned()).await {
+                    Ok(Ok(place)) => place,
+                    _ => {
+                        debug!(%peer, "admin connection refused: {MAX_CONNECTIONS} open");
+                        continue;
+                    }
+                }
+            }
         };
+        let id = next_id;
+        next_id += 1;
+        let evicted = CancellationToken::new();
+        lock(&opened).push_back((id, evicted.clone()));
+        let opened = opened.clone();
         let server = server.clone();
         let metrics = metrics.clone();
         let walk = walk.clone();
@@ -92,6 +117,14 @@ pub async fn serve(
             tokio::pin!(conn);
             let ended = tokio::select! {
                 r = conn.as_mut() => r,
+                () = evicted.cancelled() => {
+                    // Within the new one's wait: a head sent slowly, or an
+                    // answer never read, does not hold the place.
+                    conn.as_mut().graceful_shutdown();
+                    tokio::time::timeout(EVICT_WAIT / 2, conn.as_mut())
+                        .await
+                        .unwrap_or(Ok(()))
+                }
                 () = tokio::time::sleep(CONNECTION_LIFETIME) => {
                     // An answer under way is finished, then the
                     // connection closes; one the client never reads is
@@ -105,6 +138,7 @@ pub async fn serve(
             if let Err(e) = ended {
                 debug!(%peer, error = %e, "admin connection ended with an error");
             }
+            lock(&opened).retain(|(open_id, _)| *open_id != id);
             drop(place);
         });
     }
@@ -146,6 +180,13 @@ const MAX_CONNECTIONS: usize = 64;
 /// that never reads its answer is dropped).
 const CONNECTION_LIFETIME: std::time::Duration = std::time::Duration::from_secs(60);
 const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a new admin connection at the limit waits for the oldest to
+/// close.
+const EVICT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Bind the admin address.
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {

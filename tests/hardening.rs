@@ -830,56 +830,79 @@ capacity = 10
     assert_eq!(paths, ["/a", "/h"]);
 }
 
-/// The admin listener holds at most 64 connections: past them a new one
-/// is closed at once (its descriptors are the proxy's), and once some
-/// close, it answers again.
+/// The admin listener holds at most 64 connections (its descriptors are
+/// the proxy's): past them a new one closes the oldest, at once when it
+/// is idle or a head comes slowly, so that connections held open by
+/// anyone who reaches the port never lock out a health check; the 64
+/// are never more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_listener_bounds_its_connections() {
-    use tokio::io::AsyncReadExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let ds = Downstream::start().await;
     let s = Sluice::start(&base(ds.addr, "", ONE_ROUTE));
     let admin = s.admin.expect("admin");
-    let mut idle = Vec::new();
-    for _ in 0..64 {
-        idle.push(tokio::net::TcpStream::connect(admin).await.unwrap());
+    // 64 held: half silent, half in the middle of a head.
+    let mut held = Vec::new();
+    for i in 0..64 {
+        let mut c = tokio::net::TcpStream::connect(admin).await.unwrap();
+        if i % 2 == 1 {
+            c.write_all(b"GET /healthz HTTP/1.1\r\nHo").await.unwrap();
+        }
+        held.push(c);
     }
-    // Accepted in order, after the 64: closed with nothing said (a read
-    // sees the end), not left to the 10 s header timeout.
-    let mut extra = tokio::net::TcpStream::connect(admin).await.unwrap();
+    // Each probe on a new connection is answered, in the time the
+    // oldest takes to close.
+    for i in 0..4 {
+        let started = std::time::Instant::now();
+        let mut c = tokio::net::TcpStream::connect(admin).await.unwrap();
+        c.write_all(b"GET /readyz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut answer)).await;
+        assert!(
+            matches!(read, Ok(Ok(_))) && answer.starts_with(b"HTTP/1.1 200"),
+            "probe {i}: {read:?} {:?}",
+            String::from_utf8_lossy(&answer)
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "probe {i}: {:?}",
+            started.elapsed()
+        );
+    }
+    // The oldest was closed for the first (the others took the place
+    // each probe before them left): a read sees the end.
     let mut buf = [0u8; 16];
-    let read = tokio::time::timeout(Duration::from_secs(5), extra.read(&mut buf)).await;
+    let read = tokio::time::timeout(Duration::from_secs(5), held[0].read(&mut buf)).await;
     assert!(
         matches!(read, Ok(Ok(0)) | Ok(Err(_))),
-        "the 65th connection was kept: {read:?}"
+        "the oldest connection is still open: {read:?}"
     );
-    idle.truncate(54);
-    // Until sluice has seen the closes, a probe may itself be closed.
-    let healthz = || async {
-        use tokio::io::AsyncWriteExt;
-        let mut c = tokio::net::TcpStream::connect(admin).await.ok()?;
-        c.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
-            .await
-            .ok()?;
-        let mut answer = Vec::new();
-        c.read_to_end(&mut answer).await.ok()?;
-        Some(answer.starts_with(b"HTTP/1.1 200"))
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        let ok = tokio::time::timeout(Duration::from_secs(1), healthz())
-            .await
-            .ok()
-            .flatten()
-            == Some(true);
-        if ok {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no answer after 10 closed"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // A probe while a connection in the middle of its head is the oldest
+    // (64 open again).
+    held.push(tokio::net::TcpStream::connect(admin).await.unwrap());
+    let mut c = tokio::net::TcpStream::connect(admin).await.unwrap();
+    let started = std::time::Instant::now();
+    c.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut first = [0u8; 12];
+    let read = tokio::time::timeout(Duration::from_secs(5), c.read_exact(&mut first)).await;
+    assert!(
+        matches!(read, Ok(Ok(_))) && &first == b"HTTP/1.1 200",
+        "{read:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let read = tokio::time::timeout(Duration::from_secs(5), held[1].read(&mut buf)).await;
+    assert!(
+        matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+        "the connection in the middle of its head is still open: {read:?}"
+    );
 }
 
 /// HTTP/2 lets a client repeat an agreeing `Content-Length` (two `0`s on

@@ -49,6 +49,10 @@ use crate::metrics as m;
 const H2_STREAM_WINDOW: u32 = 256 * 1024;
 const H2_CONNECTION_WINDOW: u32 = 1024 * 1024;
 const H2_MAX_STREAMS: u32 = 256;
+/// What an answer may buffer on its HTTP/2 stream beyond what the client's
+/// window lets out (h2's default is 400 KiB): a client that opens large
+/// windows and never reads held 100 MiB per connection (256 streams).
+const H2_SEND_BUF: usize = 64 * 1024;
 /// How long an HTTP/2 client connection may be silent before sluice
 /// pings it, and how long it then has to answer.
 const H2_PING_INTERVAL: Duration = Duration::from_secs(30);
@@ -224,6 +228,7 @@ impl Server {
             .initial_stream_window_size(H2_STREAM_WINDOW)
             .initial_connection_window_size(H2_CONNECTION_WINDOW)
             .max_concurrent_streams(H2_MAX_STREAMS)
+            .max_send_buf_size(H2_SEND_BUF)
             // A client gone silent (its held calls still queued) is found
             // out sooner than TCP keepalive alone would.
             .keep_alive_interval(Some(H2_PING_INTERVAL))
