@@ -615,6 +615,63 @@ async fn nothing_staged_nor_sent(s: &Sluice, ds: &Downstream) {
     assert_eq!(paths, vec!["/first"]);
 }
 
+/// A declared length is not taken from the staging budget before its
+/// bytes come: two queued uploads declaring 30 kB and sending 10 bytes
+/// hold a few bytes, not 60 kB of a 64 KiB budget, and a third with a
+/// 20 kB body sent whole is staged beside them (it was refused 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declared_length_is_taken_as_its_bytes_come() {
+    use std::io::Write;
+    let ds = Downstream::start().await;
+    let routes = default_route("ip", "1/m", 5);
+    let s = Sluice::start(
+        &base(ds.addr, "body_read_timeout = \"30s\"", &routes).replace(
+            "[[upstream]]",
+            "[limits]\nmax_staged_body = \"32KiB\"\nmax_staged_bytes = \"64KiB\"\n\n[[upstream]]",
+        ),
+    );
+    assert_eq!(
+        get(&client(), &s.url("/first"), &[]).await.status,
+        StatusCode::OK
+    );
+    let mut held = Vec::new();
+    for i in 0..2 {
+        let mut sock = std::net::TcpStream::connect(s.addr).unwrap();
+        write!(
+            sock,
+            "POST /drip{i} HTTP/1.1\r\nHost: t\r\nContent-Length: 30000\r\n\r\n0123456789"
+        )
+        .unwrap();
+        s.wait_queued(i + 1).await;
+        held.push(sock);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while s.status().await["staged_bytes"].as_u64().unwrap_or(0) < 20 {
+        assert!(Instant::now() < deadline, "the drips were not staged");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(s.status().await["staged_bytes"].as_u64().unwrap_or(0) < 1_000);
+    let mut third = std::net::TcpStream::connect(s.addr).unwrap();
+    write!(
+        third,
+        "POST /whole HTTP/1.1\r\nHost: t\r\nContent-Length: 20000\r\n\r\n"
+    )
+    .unwrap();
+    third.write_all(&[b'w'; 20_000]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let status = s.status().await;
+        if status["staged_bytes"].as_u64().unwrap_or(0) >= 20_000 && status["queued"] == 3 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the whole body was not staged: {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A queued request whose body stops arriving is answered 408 after
 /// `server.body_read_timeout` with no new part, and gives its room in the
 /// staging budget back (nginx's `client_body_timeout`): a client cannot

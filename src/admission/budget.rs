@@ -81,6 +81,13 @@ impl StageBudget {
         self.used() < self.max_total.load(Ordering::Relaxed)
     }
 
+    /// Whether `n` more bytes fit now (nothing taken).
+    pub fn fits(&self, n: usize) -> bool {
+        self.used()
+            .checked_add(n)
+            .is_some_and(|total| total <= self.max_total.load(Ordering::Relaxed))
+    }
+
     /// The largest HTTP body a waiting request may stage.
     pub fn max_body(&self) -> usize {
         self.max_body.load(Ordering::Relaxed)

@@ -152,18 +152,19 @@ async fn read(
         return Err(StageError::TooLarge(max));
     }
     let mut room = budget.room();
-    // A declared length is taken at once: a flood of large bodies is
-    // refused before any of it is read.
-    if let Some(n) = declared
-        && !room.grow_to(n)
-    {
+    // A declared length that does not fit now is refused before any of it
+    // is read (a flood of large bodies), but its room is taken as it
+    // comes: taken at once, a body declared large and sent at 500 bytes/s
+    // held all of it for as long as that took (256 such clients held a
+    // 256 MiB budget for half an hour, sending 128 kB/s in all).
+    if declared.is_some_and(|n| !budget.fits(n)) {
         return Err(StageError::Full);
     }
     // Copied into one buffer as it comes, and the buffer's size is what
     // the budget counts: kept as the frames came, a body sent in 1-byte
     // chunks would hold a 32-byte entry and a share of a read buffer per
     // byte, many times what is counted.
-    let mut data = BytesMut::with_capacity(declared.unwrap_or(0));
+    let mut data = BytesMut::new();
     let mut trailers = None;
     let mut deadline = ReadDeadline::new(Instant::now(), idle);
     while let Some(frame) = tokio::time::timeout_at(deadline.at().into(), body.frame())
@@ -177,7 +178,7 @@ async fn read(
                 if data.len().saturating_add(part.len()) > max {
                     return Err(StageError::TooLarge(max));
                 }
-                if !append(&mut data, &part, &mut room) {
+                if !append(&mut data, &part, &mut room, declared) {
                     return Err(StageError::Full);
                 }
             }
@@ -202,12 +203,16 @@ async fn read(
 /// budget is not refused for the way its buffer grows (doubled, a 72 kB
 /// body's buffer would take 128 kB), nor copied whole for each part that
 /// follows (grown to its exact size each time, a body sent a byte at a
-/// time was copied once per byte). `false` when the budget has no room
-/// for it.
-fn append(data: &mut BytesMut, part: &[u8], room: &mut Room) -> bool {
+/// time was copied once per byte), and never past a `declared` length.
+/// `false` when the budget has no room for it.
+fn append(data: &mut BytesMut, part: &[u8], room: &mut Room, declared: Option<usize>) -> bool {
     let len = data.len().saturating_add(part.len());
     if len > data.capacity() {
-        let doubled = data.capacity().saturating_mul(2).max(len);
+        let doubled = data
+            .capacity()
+            .saturating_mul(2)
+            .min(declared.unwrap_or(usize::MAX))
+            .max(len);
         match room.grow_within(len, doubled) {
             Some(total) if total >= doubled => data.reserve(doubled - data.len()),
             Some(total) => {
@@ -357,7 +362,10 @@ mod tests {
         let mut room = budget.room();
         let mut data = BytesMut::new();
         for i in 1..=9 {
-            assert!(append(&mut data, &[b'x'; 8_000], &mut room), "part {i}");
+            assert!(
+                append(&mut data, &[b'x'; 8_000], &mut room, None),
+                "part {i}"
+            );
             assert_eq!(data.len(), i * 8_000);
             assert!(room.bytes() >= data.capacity());
         }
@@ -366,10 +374,10 @@ mod tests {
         assert_eq!(data.capacity(), 100_000);
         let before = data.as_ptr();
         for _ in 0..1_000 {
-            assert!(append(&mut data, b"x", &mut room));
+            assert!(append(&mut data, b"x", &mut room, None));
         }
         assert_eq!(data.as_ptr(), before, "grown, copied again");
-        assert!(!append(&mut data, &[b'x'; 30_000], &mut room));
+        assert!(!append(&mut data, &[b'x'; 30_000], &mut room, None));
         assert_eq!(budget.used(), 100_000);
     }
 
