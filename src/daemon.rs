@@ -77,7 +77,10 @@ fn reserve_descriptors(config: &Config) {
         .iter()
         .map(|u| u.max_connections)
         .sum();
+    // An open tunnel (WebSocket) has left `max_connections` and still
+    // holds its two descriptors.
     let want = clients
+        .saturating_add(config.server.max_tunnels)
         .saturating_mul(2)
         .saturating_add(upstream)
         .saturating_add(1024);

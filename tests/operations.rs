@@ -841,7 +841,7 @@ async fn the_descriptor_table_is_grown_at_start_for_the_configured_connections()
     let ds = Downstream::start().await;
     let toml = config(ds.addr, "10/s", 10, "5s").replace(
         "listen = [\"127.0.0.1:0\"]",
-        "listen = [\"127.0.0.1:0\"]\nmax_connections = 3000",
+        "listen = [\"127.0.0.1:0\"]\nmax_connections = 3000\nmax_tunnels = 2000",
     );
     let sluice = Sluice::start(&toml);
     sluice.wait_for_log("descriptor table reserved").await;
@@ -859,7 +859,8 @@ async fn the_descriptor_table_is_grown_at_start_for_the_configured_connections()
     let table = field("status", "FDSize:", 0);
     // sluice raised its soft limit to the hard one at start.
     let limit = field("limits", "Max open files", 1);
-    let want = (2 * 3000 + 1024 + 1).min(limit);
+    // Two per connection and per tunnel (which has left its connection).
+    let want = (2 * (3000 + 2000) + 1024 + 1).min(limit);
     assert!(
         table >= want,
         "descriptor table {table} entries, want at least {want} (open-file limit {limit})"

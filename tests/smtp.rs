@@ -980,6 +980,20 @@ fn a_client_outside_allow_from_without_auth_is_refused_at_the_greeting() {
     let mut rest = String::new();
     r.read_to_string(&mut rest).unwrap();
     assert_eq!(rest, "", "closed after QUIT");
+    // One that never quits is closed 10 s after the greeting, not after
+    // idle_timeout (5 minutes): outsiders cannot hold sessions long.
+    let s = std::net::TcpStream::connect(sluice.smtp.unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let started = Instant::now();
+    let mut r = std::io::BufReader::new(s);
+    let mut all = String::new();
+    let _ = r.read_to_string(&mut all);
+    assert!(all.starts_with("554 sluice.test"), "{all}");
+    let lasted = started.elapsed();
+    assert!(
+        lasted >= Duration::from_secs(9) && lasted < Duration::from_secs(20),
+        "closed after {lasted:?}"
+    );
 }
 
 /// A reload applies to connections kept open: one greeted while

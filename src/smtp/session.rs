@@ -46,6 +46,12 @@ use crate::metrics::Outcome;
 
 /// The longest command line taken (RFC 5321 4.5.3.1.4 asks for 512; MAIL
 /// with every extension's parameters can be longer).
+/// How long a session refused at the greeting (554) is kept for the
+/// client's QUIT: kept for `idle_timeout` (5 minutes), outsiders could
+/// hold the listener's sessions at a few connections a second (Postfix,
+/// under stress, gives such clients 10 s too).
+const REFUSED_FOR: Duration = Duration::from_secs(10);
+
 const MAX_COMMAND_LINE: usize = 4096;
 /// RFC 4954 4: an AUTH response line may be 12288 octets.
 const MAX_AUTH_LINE: usize = 12_288;
@@ -426,10 +432,12 @@ impl Session {
     }
 
     /// After a `554` greeting: every command but QUIT is answered `503`
-    /// until the client quits (RFC 5321 3.1), `idle_timeout` has passed
-    /// since the greeting, or its errors pass the limit.
+    /// until the client quits (RFC 5321 3.1), [`REFUSED_FOR`] (or
+    /// `idle_timeout`, if shorter) has passed since the greeting, or its
+    /// errors pass the limit.
     async fn refused(&mut self) {
-        self.ends_by = Some(Instant::now() + self.listener.cfg.idle_timeout);
+        let lasts = self.listener.cfg.idle_timeout.min(REFUSED_FOR);
+        self.ends_by = Some(Instant::now() + lasts);
         loop {
             let Ok(line) = self.line(MAX_COMMAND_LINE, &reply::LINE_TOO_LONG).await else {
                 return;
