@@ -201,6 +201,7 @@ fn main() {
                 nodes: vec![format!("redis://127.0.0.1:{single}")],
                 mode: RedisMode::Standalone,
                 ca: None,
+                password_file: None,
             }))
             .expect("standalone"),
         );
@@ -213,6 +214,7 @@ fn main() {
                     .collect(),
                 mode: RedisMode::Cluster,
                 ca: None,
+                password_file: None,
             }))
             .expect("cluster"),
         );

@@ -673,6 +673,48 @@ async fn a_replica_is_named_as_a_misconfiguration() {
     assert!(problem.contains("replica"), "{status}");
 }
 
+/// A Redis password can come from `password_file` (a systemd credential),
+/// out of the config, which the service's dynamic user reads only if
+/// everyone may: the store answers with it; without it, sluice refuses to
+/// start under reject.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_password_can_come_from_a_file() {
+    let redis = RedisServer::start();
+    let ds = Downstream::start().await;
+    redis.cli(&["CONFIG", "SET", "requirepass", "fromfile"]);
+    let file = support::TempFile::new("redis-pass", "fromfile\n");
+    let cfg = config(ds.addr, &redis.url(), "reject", 1, "500ms");
+    let with = cfg.replace(
+        "timeout = \"500ms\"",
+        &format!(
+            "timeout = \"500ms\"\npassword_file = \"{}\"",
+            file.display()
+        ),
+    );
+    let c = client();
+    let s = Sluice::start(&with);
+    assert_eq!(
+        get(&c, &s.url("/a"), &[("x-client", "k")]).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        get(&c, &s.admin_url("/readyz"), &[]).await.status,
+        StatusCode::OK
+    );
+    // Without it, sluice refuses to start under reject (every call fails).
+    let path = support::write_config(&cfg);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["run", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("NOAUTH"),
+        "{out:?}"
+    );
+}
+
 /// A store that answers the background check and fails every admission
 /// (a Redis ACL user without EVAL and EVALSHA): under `reject`, `/readyz`
 /// stays 503 while requests keep failing, across the 5 s checks. A good

@@ -351,13 +351,34 @@ impl Cluster {
     /// after ([`Cluster::misconfigured`]).
     pub fn new(cfg: &ClusterConfig) -> Result<Cluster, ClusterError> {
         let store = match &cfg.store {
-            Store::Redis { nodes, mode, ca } => Backend::Redis(Box::new(redis::Redis::new(
+            Store::Redis {
                 nodes,
-                *mode,
-                ca.clone(),
-                cfg.timeout,
-                &cfg.key_prefix,
-            ))),
+                mode,
+                ca,
+                password_file,
+            } => {
+                let password = match password_file {
+                    Some(file) => Some(
+                        std::fs::read_to_string(file)
+                            .map_err(|e| {
+                                ClusterError::Setup(format!(
+                                    "cannot read password_file {}: {e}",
+                                    file.display()
+                                ))
+                            })?
+                            .trim_end_matches(['\r', '\n'])
+                            .to_owned(),
+                    ),
+                    None => None,
+                };
+                Backend::Redis(Box::new(redis::Redis::new(
+                    nodes,
+                    *mode,
+                    (ca.clone(), password),
+                    cfg.timeout,
+                    &cfg.key_prefix,
+                )))
+            }
             Store::Postgres(pg) => Backend::Postgres(Box::new(postgres::Postgres::new(
                 pg,
                 cfg.timeout,

@@ -209,6 +209,8 @@ pub struct Redis {
     mode: RedisMode,
     /// CA certificates (PEM) for `rediss://` nodes, else the system's.
     ca: Option<Vec<u8>>,
+    /// The password from `password_file`, for every node.
+    password: Option<String>,
     timeout: Duration,
     /// Made at start (a standalone connection until `auto` has asked).
     conn: ArcSwap<Option<Conn>>,
@@ -247,8 +249,8 @@ fn tcp_settings() -> TcpSettings {
         )
 }
 
-/// A node's URL as logs and `/status` show it: a password in it (the one
-/// place a Redis password can be given) replaced by `***`.
+/// A node's URL as logs and `/status` show it: a password in it replaced
+/// by `***`.
 fn shown(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
@@ -271,14 +273,17 @@ struct Node {
 }
 
 impl Redis {
+    /// `secrets`: CA certificates (PEM) for `rediss://` nodes, and the
+    /// password from `password_file`.
     pub fn new(
         nodes: &[String],
         mode: RedisMode,
-        ca: Option<Vec<u8>>,
+        (ca, password): (Option<Vec<u8>>, Option<String>),
         timeout: Duration,
         prefix: &str,
     ) -> Redis {
         Redis {
+            password,
             health: super::health_key(prefix),
             runtime: Handle::try_current().ok(),
             nodes: nodes.to_vec(),
@@ -295,7 +300,11 @@ impl Redis {
 
     /// A client for `url`, trusting `ca` for TLS when given.
     fn client(&self, url: &str) -> redis::RedisResult<redis::Client> {
-        let info = url.into_connection_info()?.set_tcp_settings(tcp_settings());
+        let mut info = url.into_connection_info()?.set_tcp_settings(tcp_settings());
+        if let Some(password) = &self.password {
+            let settings = info.redis_settings().clone().set_password(password);
+            info = info.set_redis_settings(settings);
+        }
         match &self.ca {
             Some(ca) => redis::Client::build_with_tls(info, self.certs(ca)),
             None => redis::Client::open(info),
@@ -332,6 +341,9 @@ impl Redis {
     fn cluster(&self) -> Result<Conn, ClusterError> {
         let mut builder = ClusterClientBuilder::new(self.nodes.iter().map(String::as_str))
             .tcp_settings(tcp_settings());
+        if let Some(password) = &self.password {
+            builder = builder.password(password.clone());
+        }
         if let Some(ca) = &self.ca {
             builder = builder.certs(self.certs(ca));
         }

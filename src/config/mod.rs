@@ -245,6 +245,8 @@ pub enum Store {
         /// CA certificates (PEM) for `rediss://` nodes; the system's
         /// roots when absent.
         ca: Option<Vec<u8>>,
+        /// A file holding the password (AUTH), when the URLs have none.
+        password_file: Option<PathBuf>,
     },
     Postgres(Box<PostgresConfig>),
 }
@@ -828,7 +830,6 @@ impl Validator {
             }
             (Some(urls), None) => {
                 for (set, name) in [
-                    (raw.password_file.is_some(), "cluster.password_file"),
                     (raw.durable.is_some(), "cluster.durable"),
                     (raw.pool_size.is_some(), "cluster.pool_size"),
                 ] {
@@ -836,7 +837,12 @@ impl Validator {
                         self.problem(name, "applies to postgres only");
                     }
                 }
-                self.redis_store(urls, raw.mode.as_deref(), raw.ca_file.as_deref())
+                self.redis_store(
+                    urls,
+                    raw.mode.as_deref(),
+                    raw.ca_file.as_deref(),
+                    raw.password_file,
+                )
             }
             (None, Some(url)) => {
                 if raw.mode.is_some() {
@@ -912,10 +918,31 @@ impl Validator {
         urls: raw::RawUrls,
         mode: Option<&str>,
         ca_file: Option<&str>,
+        password_file: Option<String>,
     ) -> Option<Store> {
         use redis::IntoConnectionInfo;
         let raw::RawUrls(urls) = urls;
         let mut ok = !urls.is_empty();
+        // The password out of the config (which the service's dynamic
+        // user can read only if everyone can): a file, refused if everyone
+        // may read it, as a systemd credential is not.
+        let password_file = password_file.map(PathBuf::from);
+        if let Some(path) = &password_file {
+            let file = path.display().to_string();
+            self.secret_file("cluster.password_file", "password_file", &file);
+            let in_url = urls.iter().any(|u| {
+                u.as_str()
+                    .into_connection_info()
+                    .is_ok_and(|i| i.redis_settings().password().is_some())
+            });
+            if in_url {
+                self.problem(
+                    "cluster.password_file",
+                    "a node's URL has a password too: give it once",
+                );
+                ok = false;
+            }
+        }
         if urls.is_empty() {
             self.problem("cluster.redis", "the list of nodes must not be empty");
         }
@@ -986,6 +1013,7 @@ impl Validator {
             nodes: ok.then_some(urls)?,
             mode: mode?,
             ca: ca?,
+            password_file,
         })
     }
 

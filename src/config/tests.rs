@@ -1406,3 +1406,25 @@ fn a_mistyped_redis_url_is_refused_without_its_password() {
     );
     assert!(found.iter().all(|p| !p.contains("s3cret")), "{found:?}");
 }
+
+#[test]
+fn a_redis_password_is_given_once() {
+    let file = std::env::temp_dir().join(format!("sluice-redis-pass-{}", std::process::id()));
+    std::fs::write(&file, "pw\n").unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let cluster = |url: &str| {
+        format!(
+            "{MINIMAL}\n[cluster]\nredis = \"{url}\"\ninstances = 2\npassword_file = \"{}\"\n",
+            file.display()
+        )
+    };
+    assert!(problems(&cluster("redis://127.0.0.1:6379")).is_empty());
+    assert_problem(
+        &cluster("redis://:pw@127.0.0.1:6379"),
+        "cluster.password_file: a node's URL has a password too",
+    );
+    let _ = std::fs::remove_file(&file);
+}
