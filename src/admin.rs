@@ -7,6 +7,7 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
@@ -53,6 +54,8 @@ pub async fn serve(
     // The open connections, oldest first, each with its way to close.
     let opened: Arc<Mutex<VecDeque<(u64, CancellationToken)>>> = Arc::default();
     let mut next_id = 0u64;
+    // New connections waiting for a place at the limit.
+    let waiting = Arc::new(AtomicUsize::new(0));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(a) => a,
@@ -67,30 +70,56 @@ pub async fn serve(
         // idle, after its answer otherwise), as the proxy's limit does: 64
         // connections kept open, by anyone who reaches the port, refused
         // every health check. Past a second, the new one is closed.
+        // Registered in accept order (the oldest first), the token that
+        // closes it with it.
+        let register = |opened: &Mutex<VecDeque<(u64, CancellationToken)>>| {
+            let evicted = CancellationToken::new();
+            lock(opened).push_back((next_id, evicted.clone()));
+            evicted
+        };
         let place = match open.clone().try_acquire_owned() {
-            Ok(place) => place,
+            Ok(place) => Some((place, register(&opened))),
+            Err(_) if waiting.load(Ordering::Relaxed) >= MAX_WAITING => {
+                debug!(%peer, "admin connection refused: {MAX_CONNECTIONS} open");
+                continue;
+            }
             Err(_) => {
                 if let Some((_, oldest)) = lock(&opened).pop_front() {
                     oldest.cancel();
                 }
-                match tokio::time::timeout(EVICT_WAIT, open.clone().acquire_owned()).await {
-                    Ok(Ok(place)) => place,
-                    _ => {
-                        debug!(%peer, "admin connection refused: {MAX_CONNECTIONS} open");
-                        continue;
-                    }
-                }
+                None
             }
         };
         let id = next_id;
         next_id += 1;
-        let evicted = CancellationToken::new();
-        lock(&opened).push_back((id, evicted.clone()));
+        let (open, waiting) = (open.clone(), waiting.clone());
         let opened = opened.clone();
         let server = server.clone();
         let metrics = metrics.clone();
         let walk = walk.clone();
         tokio::spawn(async move {
+            // Waited for in the connection's own task: the accept loop
+            // goes on (a flood of new connections at the limit must not
+            // queue a health check behind each one's wait).
+            let (place, evicted) = match place {
+                Some(placed) => placed,
+                None => {
+                    waiting.fetch_add(1, Ordering::Relaxed);
+                    let got = tokio::time::timeout(EVICT_WAIT, open.acquire_owned()).await;
+                    waiting.fetch_sub(1, Ordering::Relaxed);
+                    match got {
+                        Ok(Ok(place)) => {
+                            let evicted = CancellationToken::new();
+                            lock(&opened).push_back((id, evicted.clone()));
+                            (place, evicted)
+                        }
+                        _ => {
+                            debug!(%peer, "admin connection refused: {MAX_CONNECTIONS} open");
+                            return;
+                        }
+                    }
+                }
+            };
             let svc = service_fn(move |req: Request<Incoming>| {
                 let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
                 let reply = if on_loopback && !probe && !loopback_host(&req) {
@@ -183,6 +212,8 @@ const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 /// How long a new admin connection at the limit waits for the oldest to
 /// close.
 const EVICT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+/// New admin connections that may wait so at once; past them, closed.
+const MAX_WAITING: usize = 16;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())

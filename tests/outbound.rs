@@ -1242,6 +1242,65 @@ async fn an_upload_that_drips_is_cut_and_frees_its_slot() {
     assert_eq!(next.status, StatusCode::OK);
 }
 
+/// The same for an upload that drips while it waits for the slot (read
+/// meanwhile): held to the pace from its departure, it is cut once it
+/// has the slot, and gives it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_that_drips_while_it_waits_for_a_slot_is_cut_once_it_has_it() {
+    let ds = Downstream::start().await;
+    let cfg = capped_and_free(ds.addr).replace(
+        "listen = [\"127.0.0.1:0\"]\n",
+        "listen = [\"127.0.0.1:0\"]\nbody_read_timeout = \"1s\"\n",
+    );
+    let s = Sluice::start(&cfg);
+    let c = client();
+    let url = s.url("/c/slow");
+    let slow = tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await.status });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline, "the slow call never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let addr = s.addr;
+    let drip = tokio::task::spawn_blocking(move || {
+        let mut raw = TcpStream::connect(addr).unwrap();
+        raw.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        raw.write_all(
+            b"POST /c/drip HTTP/1.1\r\nHost: t\r\nX-Client: k\r\nContent-Length: 100000\r\n\r\n",
+        )
+        .unwrap();
+        let mut answer = Vec::new();
+        // At most 60 drips (18 s): the slot frees after 5 s.
+        for _ in 0..60 {
+            if raw.write_all(b"x").is_err() {
+                break;
+            }
+            let mut buf = [0u8; 512];
+            match raw.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    answer.extend_from_slice(&buf[..n]);
+                    break;
+                }
+                Err(_) => {}
+            }
+        }
+        String::from_utf8_lossy(&answer).into_owned()
+    });
+    assert_eq!(slow.await.unwrap(), StatusCode::OK);
+    let answer = drip.await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    let c = client();
+    let next = tokio::time::timeout(
+        Duration::from_secs(5),
+        get(&c, &s.url("/c/next"), &[("x-client", "k")]),
+    )
+    .await
+    .expect("the slot was still held");
+    assert_eq!(next.status, StatusCode::OK);
+}
+
 /// Routes `/c/` to an upstream with `max_concurrency = 1` and `/f/` to one
 /// without, both on `ds` (the prefixes stripped), one key each.
 fn capped_and_free(ds: std::net::SocketAddr) -> String {

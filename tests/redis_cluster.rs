@@ -221,6 +221,25 @@ async fn a_dead_master_fails_only_its_own_clients_until_it_returns() {
     }
     let ready = get(&c, &s.admin_url("/readyz"), &[]).await;
     assert_eq!(ready.status, StatusCode::OK, "{:?}", ready.body);
+    // Nor when only the dead master's clients come, their calls failing in
+    // a row for over a second.
+    let dead: Vec<&String> = keys
+        .iter()
+        .zip(&owners)
+        .filter(|(_, o)| **o == 0)
+        .map(|(k, _)| k)
+        .collect();
+    let failing = Instant::now();
+    for k in dead.iter().cycle() {
+        let status = get(&c, &s.url("/d"), &[("x-client", k)]).await.status;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{k}");
+        if failing.elapsed() > Duration::from_millis(1_500) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ready = get(&c, &s.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.status, StatusCode::OK, "{:?}", ready.body);
 
     cluster.restart(0);
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -1175,7 +1175,9 @@ impl Admission {
         if let Some(why) = cluster.misconfigured() {
             return Some(why);
         }
-        if cluster.on_failure != OnFailure::Reject {
+        // Part of it down: the calls of its clients fail in a row when
+        // they alone come, and every instance unready would fail everyone.
+        if cluster.on_failure != OnFailure::Reject || cluster.partly_down() {
             return None;
         }
         cluster.unavailable().or_else(|| {

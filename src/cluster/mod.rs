@@ -440,6 +440,13 @@ impl Cluster {
         }
     }
 
+    /// Whether the background check last found part of the store down (a
+    /// Redis Cluster master without a replica): its clients' calls fail,
+    /// and do not make the instance unready.
+    pub fn partly_down(&self) -> bool {
+        matches!(self.store.problem().get(), Some(Trouble::Partial(_)))
+    }
+
     /// Whatever the background check last found wrong (for `/status`).
     pub fn problem(&self) -> Option<String> {
         self.store.problem().get().map(|t| t.text().to_owned())

@@ -39,6 +39,9 @@ use crate::config::postgres::SslMode;
 
 /// The schema: tables and functions, created if missing. `{persistence}`
 /// is `UNLOGGED` unless `durable = true`.
+/// Pool connections made at once when the pool is warmed.
+const WARM_AT_ONCE: usize = 4;
+
 const SCHEMA: &str = r#"
 CREATE {persistence}TABLE IF NOT EXISTS sluice_schedules (
     k text PRIMARY KEY,
@@ -603,18 +606,30 @@ impl Postgres {
     /// Open the pool's connections ahead of traffic (a connection's
     /// start-up and SCRAM exchange cost more than many admissions). The
     /// pool hands out its idle connections before it makes new ones, so
-    /// those are held until the new ones are made: all at once, so that
-    /// admissions wait for one connection's making at most, not for each
-    /// in turn.
+    /// those are held until the new ones are made: a few at a time
+    /// ([`WARM_AT_ONCE`]), so that admissions wait for a few connections'
+    /// making at most, not for each in turn; none more once one fails (a
+    /// database at its `max_connections` is not asked again and again).
     async fn warm(&self) {
         let status = self.pool.status();
         let limit = self.timeout.max(Duration::from_secs(2));
+        let mut missing = status.max_size.saturating_sub(status.size);
+        let mut held = Vec::new();
         let mut making = tokio::task::JoinSet::new();
-        for _ in status.size..status.max_size {
-            let pool = self.pool.clone();
-            making.spawn(async move { tokio::time::timeout(limit, pool.get()).await });
+        let mut failed = false;
+        loop {
+            while !failed && missing > 0 && making.len() < WARM_AT_ONCE {
+                missing -= 1;
+                let pool = self.pool.clone();
+                making.spawn(async move { tokio::time::timeout(limit, pool.get()).await });
+            }
+            match making.join_next().await {
+                None => break,
+                Some(Ok(Ok(Ok(conn)))) => held.push(conn),
+                Some(_) => failed = true,
+            }
         }
-        drop(making.join_all().await);
+        drop(held);
     }
 
     fn set_problem(&self, problem: Option<Trouble>) -> Result<(), String> {

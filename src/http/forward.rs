@@ -1107,8 +1107,14 @@ impl OutBody {
     }
 
     /// A gRPC call's body, what it sent while it waited first.
-    pub fn begun(first: Box<Begun>, rest: RequestBody) -> OutBody {
-        OutBody::Begun(first, rest, Progress::default())
+    /// (`pace` as for [`OutBody::stream`]: an upload read while it waited
+    /// for an upstream slot is held to it from its departure.)
+    pub fn begun(first: Box<Begun>, rest: RequestBody, pace: Option<Duration>) -> OutBody {
+        let progress = match pace {
+            Some(timeout) => Progress::paced(timeout),
+            None => Progress::default(),
+        };
+        OutBody::Begun(first, rest, progress)
     }
 
     fn progress(&self) -> Option<Progress> {
@@ -1158,10 +1164,14 @@ impl Body for OutBody {
                 let frame = match first.next_frame() {
                     Some(frame) => Poll::Ready(Some(Ok(frame))),
                     None if first.ended() => Poll::Ready(None),
-                    None => Pin::new(rest).poll_frame(cx),
+                    None => Pin::new(&mut *rest).poll_frame(cx),
                 };
-                if frame.is_ready() {
-                    progress.mark(None);
+                if let Poll::Ready(f) = &frame {
+                    let ended = first.is_empty() && (first.ended() || rest.is_end_stream());
+                    progress.mark(match f {
+                        Some(Ok(f)) if !ended => Some(f.data_ref().map_or(0, Bytes::len)),
+                        _ => None,
+                    });
                 }
                 frame
             }

@@ -49,6 +49,18 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
         })
 }
 
+/// Whether the request is a Connect protocol streaming call
+/// (`application/connect+proto`, `+json`): its body streams for as long
+/// as the call lasts, so it is not held to an upload's pace.
+pub fn is_connect_stream(headers: &HeaderMap) -> bool {
+    const STREAM: &str = "application/connect+";
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.get(..STREAM.len()))
+        .is_some_and(|head| head.eq_ignore_ascii_case(STREAM))
+}
+
 /// The call's `grpc-timeout` (an integer of at most 8 digits and a unit:
 /// H, M, S, m, u, n).
 pub fn timeout(headers: &HeaderMap) -> Option<Duration> {

@@ -768,13 +768,14 @@ impl Handler {
                 return response;
             }
         };
-        // An upload's body is held to a pace while it streams; a gRPC
-        // call's may stream as long as the call lasts.
-        let pace = (!grpc::is_grpc(&parts.headers)).then_some(self.shared.body_read_timeout);
+        // An upload's body is held to a pace while it streams; a call's
+        // (gRPC, Connect streaming) may stream as long as the call lasts.
+        let pace = (!grpc::is_grpc(&parts.headers) && !grpc::is_connect_stream(&parts.headers))
+            .then_some(self.shared.body_read_timeout);
         let out = match body {
             Body::Stream(b) => OutBody::stream(b, pace),
             Body::Staged(ref s) => OutBody::staged(s.data.clone(), s.trailers.clone()),
-            Body::Begun(first, rest) => OutBody::begun(first, rest),
+            Body::Begun(first, rest) => OutBody::begun(first, rest, pace),
         };
         let deadline = call.and_then(|(arrival, t)| arrival.checked_add(t));
         let (response, outcome, throttle, switched) =

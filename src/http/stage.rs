@@ -213,8 +213,13 @@ fn append(data: &mut BytesMut, part: &[u8], room: &mut Room, declared: Option<us
             .saturating_mul(2)
             .min(declared.unwrap_or(usize::MAX))
             .max(len);
+        // `reserve` grows to at least twice the capacity: right only when
+        // that is what was taken (not when a declared length capped it).
+        let twice = data.capacity().saturating_mul(2);
         match room.grow_within(len, doubled) {
-            Some(total) if total >= doubled => data.reserve(doubled - data.len()),
+            Some(total) if total >= doubled && doubled == twice => {
+                data.reserve(doubled - data.len());
+            }
             Some(total) => {
                 let mut grown = BytesMut::with_capacity(total);
                 grown.extend_from_slice(data);
@@ -379,6 +384,26 @@ mod tests {
         assert_eq!(data.as_ptr(), before, "grown, copied again");
         assert!(!append(&mut data, &[b'x'; 30_000], &mut room, None));
         assert_eq!(budget.used(), 100_000);
+    }
+
+    /// A body of a declared length is never given (nor charged) more
+    /// room than that length: 20,000 bytes in 8 kB parts.
+    #[test]
+    fn a_declared_length_caps_the_buffer() {
+        let budget = Arc::new(StageBudget::new(1 << 20, 1 << 20));
+        let mut room = budget.room();
+        let mut data = BytesMut::new();
+        for part in [8_000, 8_000, 4_000] {
+            assert!(append(
+                &mut data,
+                &vec![b'x'; part],
+                &mut room,
+                Some(20_000)
+            ));
+        }
+        assert_eq!(data.len(), 20_000);
+        assert_eq!(data.capacity(), 20_000);
+        assert_eq!(budget.used(), 20_000);
     }
 
     #[test]

@@ -44,14 +44,13 @@ use crate::admission::{Hold, HoldError, Key, ReadDeadline, Room, Rule, Verdict, 
 use crate::config::{MAX_HOLD, SmtpCost, SmtpKeyPart};
 use crate::metrics::Outcome;
 
-/// The longest command line taken (RFC 5321 4.5.3.1.4 asks for 512; MAIL
-/// with every extension's parameters can be longer).
 /// How long a session refused at the greeting (554) is kept for the
 /// client's QUIT: kept for `idle_timeout` (5 minutes), outsiders could
 /// hold the listener's sessions at a few connections a second (Postfix,
 /// under stress, gives such clients 10 s too).
 const REFUSED_FOR: Duration = Duration::from_secs(10);
-
+/// The longest command line taken (RFC 5321 4.5.3.1.4 asks for 512; MAIL
+/// with every extension's parameters can be longer).
 const MAX_COMMAND_LINE: usize = 4096;
 /// RFC 4954 4: an AUTH response line may be 12288 octets.
 const MAX_AUTH_LINE: usize = 12_288;
