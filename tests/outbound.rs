@@ -1147,14 +1147,7 @@ async fn uploads_waiting_for_a_slot_do_not_stall_their_connection() {
 async fn an_upload_whose_client_left_while_it_waited_for_a_slot_is_not_forwarded() {
     let ds = Downstream::start().await;
     let s = Sluice::start(&capped_and_free(ds.addr));
-    let c = client();
-    let url = s.url("/c/slow");
-    let slow = tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await.status });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while ds.seen().is_empty() {
-        assert!(Instant::now() < deadline, "the slow call never arrived");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let slow = holding_the_slot(&s, &ds).await;
     let started = Instant::now();
     for (path, sent) in [
         ("/c/expects", "Expect: 100-continue\r\n\r\n"),
@@ -1183,22 +1176,32 @@ async fn an_upload_whose_client_left_while_it_waited_for_a_slot_is_not_forwarded
     assert_eq!(paths, ["/slow"]);
 }
 
-/// An upload that departs at once and then drips (a byte every 300 ms,
-/// each well within `request_timeout`, which counts from the body's last
-/// part) is cut with 408 once `body_read_timeout` has passed and it comes
-/// slower than 500 bytes/s, as a staged body is: it held its upstream
-/// connection and the upstream's only `max_concurrency` slot for ever.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_upload_that_drips_is_cut_and_frees_its_slot() {
-    let ds = Downstream::start().await;
-    let cfg = capped_and_free(ds.addr).replace(
+/// A 5 s call to the capped upstream, once it holds its only slot (the
+/// downstream has it).
+async fn holding_the_slot(s: &Sluice, ds: &Downstream) -> tokio::task::JoinHandle<StatusCode> {
+    let c = client();
+    let url = s.url("/c/slow");
+    let slow = tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await.status });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ds.seen().is_empty() {
+        assert!(Instant::now() < deadline, "the slow call never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    slow
+}
+
+/// `capped_and_free` with `body_read_timeout = "1s"`.
+fn capped_and_paced(ds: std::net::SocketAddr) -> String {
+    capped_and_free(ds).replace(
         "listen = [\"127.0.0.1:0\"]\n",
         "listen = [\"127.0.0.1:0\"]\nbody_read_timeout = \"1s\"\n",
-    );
-    let s = Sluice::start(&cfg);
-    let addr = s.addr;
-    let started = Instant::now();
-    let drip = tokio::task::spawn_blocking(move || {
+    )
+}
+
+/// An upload of 100,000 bytes to `/c/drip` that sends a byte every
+/// 300 ms, `drips` at most; what sluice answered meanwhile.
+async fn drip(addr: std::net::SocketAddr, drips: usize) -> String {
+    tokio::task::spawn_blocking(move || {
         let mut raw = TcpStream::connect(addr).unwrap();
         raw.set_read_timeout(Some(Duration::from_millis(300)))
             .unwrap();
@@ -1207,7 +1210,7 @@ async fn an_upload_that_drips_is_cut_and_frees_its_slot() {
         )
         .unwrap();
         let mut answer = Vec::new();
-        for _ in 0..40 {
+        for _ in 0..drips {
             if raw.write_all(b"x").is_err() {
                 break;
             }
@@ -1222,16 +1225,13 @@ async fn an_upload_that_drips_is_cut_and_frees_its_slot() {
             }
         }
         String::from_utf8_lossy(&answer).into_owned()
-    });
-    let answer = drip.await.unwrap();
-    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
-    // Cut after body_read_timeout (1 s), long before the 40 drips end.
-    assert!(
-        started.elapsed() < Duration::from_secs(6),
-        "cut after {:?}",
-        started.elapsed()
-    );
-    // The slot is free: the next call goes at once.
+    })
+    .await
+    .unwrap()
+}
+
+/// The capped upstream's slot is free: a call goes within 5 s.
+async fn the_slot_is_free(s: &Sluice) {
     let c = client();
     let next = tokio::time::timeout(
         Duration::from_secs(5),
@@ -1242,63 +1242,40 @@ async fn an_upload_that_drips_is_cut_and_frees_its_slot() {
     assert_eq!(next.status, StatusCode::OK);
 }
 
+/// An upload that departs at once and then drips (a byte every 300 ms,
+/// each well within `request_timeout`, which counts from the body's last
+/// part) is cut with 408 once `body_read_timeout` has passed and it comes
+/// slower than 500 bytes/s, as a staged body is: it held its upstream
+/// connection and the upstream's only `max_concurrency` slot for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_that_drips_is_cut_and_frees_its_slot() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&capped_and_paced(ds.addr));
+    let started = Instant::now();
+    let answer = drip(s.addr, 40).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    // Cut after body_read_timeout (1 s), long before the 40 drips end.
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "cut after {:?}",
+        started.elapsed()
+    );
+    the_slot_is_free(&s).await;
+}
+
 /// The same for an upload that drips while it waits for the slot (read
 /// meanwhile): held to the pace from its departure, it is cut once it
 /// has the slot, and gives it back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upload_that_drips_while_it_waits_for_a_slot_is_cut_once_it_has_it() {
     let ds = Downstream::start().await;
-    let cfg = capped_and_free(ds.addr).replace(
-        "listen = [\"127.0.0.1:0\"]\n",
-        "listen = [\"127.0.0.1:0\"]\nbody_read_timeout = \"1s\"\n",
-    );
-    let s = Sluice::start(&cfg);
-    let c = client();
-    let url = s.url("/c/slow");
-    let slow = tokio::spawn(async move { get(&c, &url, &[("x-client", "k")]).await.status });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while ds.seen().is_empty() {
-        assert!(Instant::now() < deadline, "the slow call never arrived");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let addr = s.addr;
-    let drip = tokio::task::spawn_blocking(move || {
-        let mut raw = TcpStream::connect(addr).unwrap();
-        raw.set_read_timeout(Some(Duration::from_millis(300)))
-            .unwrap();
-        raw.write_all(
-            b"POST /c/drip HTTP/1.1\r\nHost: t\r\nX-Client: k\r\nContent-Length: 100000\r\n\r\n",
-        )
-        .unwrap();
-        let mut answer = Vec::new();
-        // At most 60 drips (18 s): the slot frees after 5 s.
-        for _ in 0..60 {
-            if raw.write_all(b"x").is_err() {
-                break;
-            }
-            let mut buf = [0u8; 512];
-            match raw.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => {
-                    answer.extend_from_slice(&buf[..n]);
-                    break;
-                }
-                Err(_) => {}
-            }
-        }
-        String::from_utf8_lossy(&answer).into_owned()
-    });
+    let s = Sluice::start(&capped_and_paced(ds.addr));
+    let slow = holding_the_slot(&s, &ds).await;
+    // At most 60 drips (18 s): the slot frees after 5 s.
+    let answer = drip(s.addr, 60).await;
     assert_eq!(slow.await.unwrap(), StatusCode::OK);
-    let answer = drip.await.unwrap();
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
-    let c = client();
-    let next = tokio::time::timeout(
-        Duration::from_secs(5),
-        get(&c, &s.url("/c/next"), &[("x-client", "k")]),
-    )
-    .await
-    .expect("the slot was still held");
-    assert_eq!(next.status, StatusCode::OK);
+    the_slot_is_free(&s).await;
 }
 
 /// Routes `/c/` to an upstream with `max_concurrency = 1` and `/f/` to one

@@ -54,6 +54,20 @@ fn ws_client(url: &str, args: &[&str]) -> Command {
     cmd
 }
 
+/// One client's handshake to `url` is refused, its error naming `status`.
+fn refused_with(url: &str, status: &str) {
+    let out = ws_client(url, &["--count", "1", "--timeout", "8"])
+        .output()
+        .unwrap();
+    let rs = results(&out);
+    assert_eq!(rs.len(), 1, "{rs:?}");
+    assert_eq!(rs[0]["opened"], false, "{rs:?}");
+    assert!(
+        rs[0]["error"].as_str().is_some_and(|e| e.contains(status)),
+        "{rs:?}"
+    );
+}
+
 fn results(out: &std::process::Output) -> Vec<Value> {
     String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -228,16 +242,7 @@ fn an_open_tunnel_holds_its_max_concurrency_slot() {
     let sluice = Sluice::start(&cfg);
     let url = format!("ws://{}/held", sluice.addr);
     let _held = hold_tunnels(&sluice, 1);
-    let out = ws_client(&url, &["--count", "1", "--timeout", "8"])
-        .output()
-        .unwrap();
-    let rs = results(&out);
-    assert_eq!(rs.len(), 1, "{rs:?}");
-    assert_eq!(rs[0]["opened"], false, "{rs:?}");
-    assert!(
-        rs[0]["error"].as_str().is_some_and(|e| e.contains("504")),
-        "{rs:?}"
-    );
+    refused_with(&url, "504");
     assert_eq!(server.opens(1).len(), 1, "the second reached the server");
 }
 
@@ -254,16 +259,7 @@ fn a_key_holds_at_most_its_routes_share_of_tunnels() {
     let sluice = Sluice::start(&cfg);
     let url = format!("ws://{}/more", sluice.addr);
     let held = hold_tunnels(&sluice, 2);
-    let out = ws_client(&url, &["--count", "1", "--timeout", "8"])
-        .output()
-        .unwrap();
-    let rs = results(&out);
-    assert_eq!(rs.len(), 1, "{rs:?}");
-    assert_eq!(rs[0]["opened"], false, "{rs:?}");
-    assert!(
-        rs[0]["error"].as_str().is_some_and(|e| e.contains("429")),
-        "{rs:?}"
-    );
+    refused_with(&url, "429");
     assert_eq!(server.opens(2).len(), 2, "the third reached the server");
     // Its tunnels closed, the key opens one again.
     drop(held);
