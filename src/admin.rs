@@ -52,7 +52,7 @@ pub async fn serve(
     // wait on, and 64 connections asking at once should not multiply.
     let walk = std::sync::Arc::new(tokio::sync::Semaphore::new(1));
     // The open connections, oldest first, each with its way to close.
-    let opened: Arc<Mutex<VecDeque<(u64, CancellationToken)>>> = Arc::default();
+    let opened: Arc<Opened> = Arc::default();
     let mut next_id = 0u64;
     // New connections waiting for a place at the limit.
     let waiting = Arc::new(AtomicUsize::new(0));
@@ -70,15 +70,9 @@ pub async fn serve(
         // idle, after its answer otherwise), as the proxy's limit does: 64
         // connections kept open, by anyone who reaches the port, refused
         // every health check. Past a second, the new one is closed.
-        // Registered in accept order (the oldest first), the token that
-        // closes it with it.
-        let register = |opened: &Mutex<VecDeque<(u64, CancellationToken)>>| {
-            let evicted = CancellationToken::new();
-            lock(opened).push_back((next_id, evicted.clone()));
-            evicted
-        };
+        // Registered in accept order (the oldest first).
         let place = match open.clone().try_acquire_owned() {
-            Ok(place) => Some((place, register(&opened))),
+            Ok(place) => Some((place, register(&opened, next_id))),
             Err(_) if waiting.load(Ordering::Relaxed) >= MAX_WAITING => {
                 debug!(%peer, "admin connection refused: {MAX_CONNECTIONS} open");
                 continue;
@@ -108,11 +102,7 @@ pub async fn serve(
                     let got = tokio::time::timeout(EVICT_WAIT, open.acquire_owned()).await;
                     waiting.fetch_sub(1, Ordering::Relaxed);
                     match got {
-                        Ok(Ok(place)) => {
-                            let evicted = CancellationToken::new();
-                            lock(&opened).push_back((id, evicted.clone()));
-                            (place, evicted)
-                        }
+                        Ok(Ok(place)) => (place, register(&opened, id)),
                         _ => {
                             debug!(%peer, "admin connection refused: {MAX_CONNECTIONS} open");
                             return;
@@ -214,6 +204,17 @@ const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 const EVICT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// New admin connections that may wait so at once; past them, closed.
 const MAX_WAITING: usize = 16;
+
+/// The admin connections open, oldest first, each with the token that
+/// closes it.
+type Opened = Mutex<VecDeque<(u64, CancellationToken)>>;
+
+/// Connection `id` at the end of `opened`; the token that closes it.
+fn register(opened: &Opened, id: u64) -> CancellationToken {
+    let evicted = CancellationToken::new();
+    lock(opened).push_back((id, evicted.clone()));
+    evicted
+}
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())

@@ -304,6 +304,14 @@ fn health_key(prefix: &str) -> String {
     format!("{prefix}health")
 }
 
+/// A `password_file`'s password (its first line's end trimmed).
+fn read_password(file: &std::path::Path) -> Result<String, ClusterError> {
+    let text = std::fs::read_to_string(file).map_err(|e| {
+        ClusterError::Setup(format!("cannot read password_file {}: {e}", file.display()))
+    })?;
+    Ok(text.trim_end_matches(['\r', '\n']).to_owned())
+}
+
 /// Hex of a key's bytes, safe inside a store key name.
 fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -357,20 +365,7 @@ impl Cluster {
                 ca,
                 password_file,
             } => {
-                let password = match password_file {
-                    Some(file) => Some(
-                        std::fs::read_to_string(file)
-                            .map_err(|e| {
-                                ClusterError::Setup(format!(
-                                    "cannot read password_file {}: {e}",
-                                    file.display()
-                                ))
-                            })?
-                            .trim_end_matches(['\r', '\n'])
-                            .to_owned(),
-                    ),
-                    None => None,
-                };
+                let password = password_file.as_deref().map(read_password).transpose()?;
                 Backend::Redis(Box::new(redis::Redis::new(
                     nodes,
                     *mode,

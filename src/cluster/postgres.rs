@@ -887,10 +887,7 @@ impl deadpool_postgres::Connect for FreshConnect {
 /// libpq password file (`passfile`, `PGPASSFILE`, `~/.pgpass`).
 fn password(cfg: &PostgresConfig) -> Result<Option<String>, ClusterError> {
     if let Some(file) = &cfg.password_file {
-        let text = std::fs::read_to_string(file).map_err(|e| {
-            ClusterError::Setup(format!("cannot read password_file {}: {e}", file.display()))
-        })?;
-        return Ok(Some(text.trim_end_matches(['\r', '\n']).to_owned()));
+        return super::read_password(file).map(Some);
     }
     let file = cfg
         .target

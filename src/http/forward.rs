@@ -1056,12 +1056,12 @@ struct Moved {
 }
 
 impl Progress {
-    /// A body whose pace is held to `body_read_timeout` and
+    /// With `pace`: a body held to that `body_read_timeout` and
     /// [`crate::admission::MIN_DATA_RATE`] from now.
-    fn paced(body_read_timeout: Duration) -> Progress {
+    fn new(pace: Option<Duration>) -> Progress {
         Progress(Arc::new(Mutex::new(Moved {
             last: None,
-            pace: Some(ReadDeadline::new(Instant::now(), body_read_timeout)),
+            pace: pace.map(|timeout| ReadDeadline::new(Instant::now(), timeout)),
         })))
     }
 
@@ -1099,10 +1099,7 @@ impl OutBody {
     /// A body streamed as the client sends it; `pace`: held to
     /// `server.body_read_timeout` (see [`Progress`]).
     pub fn stream(body: RequestBody, pace: Option<Duration>) -> OutBody {
-        let progress = (!body.is_end_stream()).then(|| match pace {
-            Some(timeout) => Progress::paced(timeout),
-            None => Progress::default(),
-        });
+        let progress = (!body.is_end_stream()).then(|| Progress::new(pace));
         OutBody::Stream(body, progress)
     }
 
@@ -1110,11 +1107,7 @@ impl OutBody {
     /// (`pace` as for [`OutBody::stream`]: an upload read while it waited
     /// for an upstream slot is held to it from its departure.)
     pub fn begun(first: Box<Begun>, rest: RequestBody, pace: Option<Duration>) -> OutBody {
-        let progress = match pace {
-            Some(timeout) => Progress::paced(timeout),
-            None => Progress::default(),
-        };
-        OutBody::Begun(first, rest, progress)
+        OutBody::Begun(first, rest, Progress::new(pace))
     }
 
     fn progress(&self) -> Option<Progress> {

@@ -379,18 +379,7 @@ pub fn add_forwarded(
     host: Option<&HeaderValue>,
 ) {
     if !trusted {
-        let claimed: SmallVec<[HeaderName; 4]> = headers
-            .keys()
-            .filter(|n| {
-                (n.as_str().starts_with("x-forwarded-") && **n != X_FORWARDED_FOR)
-                    || *n == X_REAL_IP
-                    || *n == FORWARDED
-            })
-            .cloned()
-            .collect();
-        for name in claimed {
-            headers.remove(name);
-        }
+        remove_forwarded(headers, Some(&X_FORWARDED_FOR));
     }
     let mut buf = [0u8; 48];
     let n = ip_text(peer, &mut buf);
@@ -436,9 +425,19 @@ pub fn add_forwarded(
 /// `-Port`, `-Prefix` too), `X-Real-IP` or `Forwarded` fields with
 /// internal addresses and host names in them.
 pub fn strip_forwarded(headers: &mut HeaderMap) {
+    remove_forwarded(headers, None);
+}
+
+/// Remove every `X-Forwarded-*` field but `kept`, `X-Real-IP` and
+/// `Forwarded`.
+fn remove_forwarded(headers: &mut HeaderMap, kept: Option<&HeaderName>) {
     let named: SmallVec<[HeaderName; 4]> = headers
         .keys()
-        .filter(|n| n.as_str().starts_with("x-forwarded-") || *n == X_REAL_IP || *n == FORWARDED)
+        .filter(|n| {
+            (n.as_str().starts_with("x-forwarded-") && Some(*n) != kept)
+                || *n == X_REAL_IP
+                || *n == FORWARDED
+        })
         .cloned()
         .collect();
     for name in named {

@@ -833,7 +833,9 @@ impl Session {
                 // What is taken of the input at once adds no more than its
                 // length (unstuffing only removes), and no more than up to
                 // the limit, so the room never grows on its own.
-                unread = &unread[..unread.len().min(limit - message.len())];
+                // (At least a byte: past the limit is refused below.)
+                let room = limit.saturating_sub(message.len()).max(1);
+                unread = &unread[..unread.len().min(room)];
                 let want = message.len() + unread.len();
                 if want > message.capacity() {
                     let to = want.max(message.capacity().saturating_mul(2)).min(limit);
