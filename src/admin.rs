@@ -364,15 +364,24 @@ fn status(server: &Handle, show_keys: bool) -> serde_json::Value {
             route
         })
         .collect();
+    let slots = server.upstream_slots();
     let upstreams: Vec<serde_json::Value> = server
         .upstreams()
         .into_iter()
         .map(|(name, protocol, paused)| {
-            serde_json::json!({
+            let mut upstream = serde_json::json!({
                 "name": name,
                 "protocol": protocol,
                 "paused_for_ms": paused.map(|d| d.as_millis() as u64),
-            })
+            });
+            if protocol == "http"
+                && let Some((_, cap, (busy, waiting))) = slots.iter().find(|s| s.0 == name)
+            {
+                upstream["max_concurrency"] = (*cap).into();
+                upstream["in_flight"] = (*busy).into();
+                upstream["waiting_for_slot"] = (*waiting).into();
+            }
+            upstream
         })
         .collect();
     let totals: serde_json::Map<String, serde_json::Value> = Outcome::ALL
@@ -464,7 +473,7 @@ fn answer(req: &Request<Incoming>, server: &Handle, metrics: &PrometheusHandle) 
             text(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
-                crate::metrics::render(metrics),
+                crate::metrics::render(metrics, &server.upstream_slots()),
             )
         }
         "/healthz" => text(StatusCode::OK, "text/plain", "ok\n"),

@@ -57,6 +57,12 @@ pub const TUNNELS: &str = "sluice_tunnels";
 pub const MEMORY_ALLOCATED_BYTES: &str = "sluice_memory_allocated_bytes";
 /// Bytes in pages the allocator holds resident.
 pub const MEMORY_RESIDENT_BYTES: &str = "sluice_memory_resident_bytes";
+/// An upstream's `max_concurrency` (read as scraped), by upstream.
+pub const UPSTREAM_MAX_CONCURRENCY: &str = "sluice_upstream_max_concurrency";
+/// Calls holding one of those slots (read as scraped), by upstream.
+pub const UPSTREAM_IN_FLIGHT: &str = "sluice_upstream_in_flight";
+/// Requests waiting for one of those slots (read as scraped), by upstream.
+pub const UPSTREAM_WAITING: &str = "sluice_upstream_waiting";
 /// Pauses an upstream asked for (429/503 with a retry time), by upstream.
 pub const UPSTREAM_PAUSES_TOTAL: &str = "sluice_upstream_pauses_total";
 /// Config reloads by result (`ok`, `error`).
@@ -279,12 +285,46 @@ pub fn install() -> Result<PrometheusHandle, BuildError> {
     Ok(HANDLE.get_or_init(|| handle).clone())
 }
 
-/// The `/metrics` text: counters and gauges from the recorder, then the
-/// histograms.
-pub fn render(handle: &PrometheusHandle) -> String {
+/// The `/metrics` text: counters and gauges from the recorder, the
+/// histograms, then each capped upstream's slots (`slots`: its name, its
+/// `max_concurrency`, and the calls holding and waiting for a slot),
+/// read as scraped, so that an upstream a reload removed leaves no series.
+pub fn render(handle: &PrometheusHandle, slots: &[(String, usize, (usize, usize))]) -> String {
     let mut out = handle.render();
     render_histograms(&mut out);
+    render_slots(slots, &mut out);
     out
+}
+
+/// The gauge families of [`render`]'s `slots`.
+/// Each family is described even with no capped upstream (no samples),
+/// so that its name is there for dashboards to find.
+fn render_slots(slots: &[(String, usize, (usize, usize))], out: &mut String) {
+    type Pick = fn(&(String, usize, (usize, usize))) -> usize;
+    let families: [(&str, &str, Pick); 3] = [
+        (
+            UPSTREAM_MAX_CONCURRENCY,
+            "upstream.max_concurrency: the most calls in flight, by upstream.",
+            |s| s.1,
+        ),
+        (
+            UPSTREAM_IN_FLIGHT,
+            "Calls holding one of an upstream's max_concurrency slots, by upstream.",
+            |s| s.2.0,
+        ),
+        (
+            UPSTREAM_WAITING,
+            "Requests released by the shaper and waiting for an upstream's max_concurrency slot, by upstream.",
+            |s| s.2.1,
+        ),
+    ];
+    for (family, help, pick) in families {
+        let _ = writeln!(out, "# HELP {family} {help}");
+        let _ = writeln!(out, "# TYPE {family} gauge");
+        for s in slots {
+            let _ = writeln!(out, "{family}{{upstream=\"{}\"}} {}", escape(&s.0), pick(s));
+        }
+    }
 }
 
 fn describe() {

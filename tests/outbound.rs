@@ -1370,9 +1370,51 @@ async fn a_slot_goes_first_to_the_request_that_waited_first() {
         assert!(Instant::now() < deadline, "A's first part was not read");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    // B waits behind it; A goes on sending meanwhile.
+    // B waits behind it (both counted as waiting for the slot: /status
+    // and /metrics say so); A goes on sending meanwhile.
+    let waiting = async || {
+        let status = s.status().await;
+        let capped = status["upstreams"]
+            .as_array()
+            .and_then(|all| all.iter().find(|u| u["name"] == "capped"))
+            .cloned()
+            .unwrap_or_default();
+        (
+            capped["in_flight"].as_u64(),
+            capped["waiting_for_slot"].as_u64(),
+        )
+    };
+    while waiting().await != (Some(1), Some(1)) {
+        assert!(Instant::now() < deadline, "A was not waiting for the slot");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let b = send("/c/b", body(None));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    while waiting().await != (Some(1), Some(2)) {
+        assert!(Instant::now() < deadline, "B was not waiting for the slot");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let metrics = String::from_utf8(
+        get(&client(), &s.admin_url("/metrics"), &[])
+            .await
+            .body
+            .to_vec(),
+    )
+    .unwrap();
+    for line in [
+        "sluice_upstream_max_concurrency{upstream=\"capped\"} 1",
+        "sluice_upstream_in_flight{upstream=\"capped\"} 1",
+        "sluice_upstream_waiting{upstream=\"capped\"} 2",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} not in\n{metrics}"
+        );
+    }
+    // Only capped upstreams have slots.
+    for family in ["max_concurrency", "in_flight", "waiting"] {
+        let free = format!("sluice_upstream_{family}{{upstream=\"free\"}}");
+        assert!(!metrics.contains(&free), "{metrics}");
+    }
     for _ in 0..10 {
         a_parts.send(Bytes::from(vec![b'a'; 10_000])).await.unwrap();
         tokio::time::sleep(Duration::from_millis(30)).await;
@@ -1385,4 +1427,5 @@ async fn a_slot_goes_first_to_the_request_that_waited_first() {
     assert_eq!(paths, ["/slow", "/a", "/b"]);
     let a = ds.seen().into_iter().find(|r| r.path == "/a").unwrap();
     assert_eq!(a.body_len, 110_000);
+    assert_eq!(waiting().await, (Some(0), Some(0)));
 }

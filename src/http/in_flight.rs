@@ -22,6 +22,26 @@ pub struct InFlight {
     slots: Semaphore,
     /// Slots taken away by a smaller cap while they were in use.
     owed: AtomicUsize,
+    /// Calls holding a slot now.
+    busy: AtomicUsize,
+    /// Calls waiting for a slot now ([`InFlight::take`] pending).
+    waiting: AtomicUsize,
+}
+
+/// A count held up while its guard lives.
+struct Held<'a>(&'a AtomicUsize);
+
+impl<'a> Held<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Held(count)
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// One call's slot, given back (or paid towards what is owed) on drop.
@@ -33,6 +53,8 @@ impl InFlight {
         Arc::new(InFlight {
             slots: Semaphore::new(limit.min(Semaphore::MAX_PERMITS)),
             owed: AtomicUsize::new(0),
+            busy: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
         })
     }
 
@@ -40,15 +62,30 @@ impl InFlight {
     pub fn try_take(self: &Arc<Self>) -> Option<CallSlot> {
         let permit = self.slots.try_acquire().ok()?;
         permit.forget();
-        Some(CallSlot(self.clone()))
+        Some(self.granted())
     }
 
     /// A slot, first come, first served as calls end (`None` only if the
-    /// semaphore were closed, which it never is).
+    /// semaphore were closed, which it never is). Counted as waiting from
+    /// its first poll until it has the slot or is dropped.
     pub async fn take(self: &Arc<Self>) -> Option<CallSlot> {
+        let _waiting = Held::new(&self.waiting);
         let permit = self.slots.acquire().await.ok()?;
         permit.forget();
-        Some(CallSlot(self.clone()))
+        Some(self.granted())
+    }
+
+    fn granted(self: &Arc<Self>) -> CallSlot {
+        self.busy.fetch_add(1, Ordering::Relaxed);
+        CallSlot(self.clone())
+    }
+
+    /// Calls holding a slot, and calls waiting for one, now.
+    pub fn load(&self) -> (usize, usize) {
+        (
+            self.busy.load(Ordering::Relaxed),
+            self.waiting.load(Ordering::Relaxed),
+        )
     }
 
     /// The cap goes from `old` to `new`.
@@ -83,6 +120,7 @@ impl InFlight {
 
 impl Drop for CallSlot {
     fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::Relaxed);
         self.0.give_back();
     }
 }
@@ -122,6 +160,18 @@ impl Concurrency {
             }
         }
         *self = next;
+    }
+
+    /// Each cap in force: its name, its limit, and the calls holding and
+    /// waiting for its slots now.
+    pub fn loads(&self) -> Vec<(String, usize, (usize, usize))> {
+        let mut all: Vec<_> = self
+            .0
+            .iter()
+            .map(|(name, (limit, cap))| (name.clone(), *limit, cap.load()))
+            .collect();
+        all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        all
     }
 
     /// `name`'s cap now, if it has one.
@@ -172,6 +222,28 @@ mod tests {
         assert_eq!(take_all(&cap).len(), 3);
         cap.resize(3, 5);
         assert_eq!(take_all(&cap).len(), 5);
+    }
+
+    #[tokio::test]
+    async fn calls_holding_and_waiting_for_slots_are_counted() {
+        let cap = InFlight::new(1);
+        assert_eq!(cap.load(), (0, 0));
+        let busy = cap.try_take();
+        assert_eq!(cap.load(), (1, 0));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut waiting = Box::pin(cap.take());
+        assert!(waiting.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(cap.load(), (1, 1));
+        drop(busy);
+        let slot = waiting.await;
+        assert!(slot.is_some());
+        assert_eq!(cap.load(), (1, 0));
+        let mut given_up = Box::pin(cap.take());
+        assert!(given_up.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(cap.load(), (1, 1));
+        drop(given_up);
+        drop(slot);
+        assert_eq!(cap.load(), (0, 0));
     }
 
     #[tokio::test]

@@ -390,6 +390,12 @@ impl Handle {
         http.chain(smtp).collect()
     }
 
+    /// Each upstream with `max_concurrency`: its name, the cap, and the
+    /// calls holding and waiting for its slots now.
+    pub fn upstream_slots(&self) -> Vec<(String, usize, (usize, usize))> {
+        lock(&self.0.concurrency).loads()
+    }
+
     /// The config version (1 at start, +1 per reload) and when it loaded.
     pub fn version(&self) -> (u64, u64) {
         (
