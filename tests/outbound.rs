@@ -410,6 +410,19 @@ fn raw(addr: SocketAddr, head: &str, body: &[u8]) -> TcpStream {
     s
 }
 
+/// The head of the answer on `s` (within 10 s).
+fn answer_head(s: &mut TcpStream) -> String {
+    let mut answer = String::new();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = [0u8; 4096];
+    while !answer.contains("\r\n\r\n") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "closed: {answer:?}");
+        answer.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    answer
+}
+
 /// Every kind of abandoned request: a GET, a 200 kB POST partly sent, a
 /// POST with `Expect: 100-continue` and no body yet, a POST with a partial
 /// body, a chunked POST without its last chunk. Queued behind a live
@@ -655,6 +668,49 @@ async fn the_global_staging_limit_refuses_with_503_and_bounds_memory() {
     );
 }
 
+/// A queued upload whose body is still coming at its departure goes at
+/// its departure, what was read first and the rest streamed after it: the
+/// upstream gets it in its client's order and on its slot, not once the
+/// body has ended (after the request queued behind it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_still_coming_at_its_departure_goes_on_its_slot() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&queue_config(ds.addr, ""));
+    let c = client();
+    let first = get(&c, &s.url("/a"), &[("x-client", "k")]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let head = "POST /b HTTP/1.1\r\nHost: x\r\nX-Client: k\r\nContent-Length: 20\r\n\r\n";
+    let mut b = raw(s.addr, head, b"0123456789");
+    s.wait_queued(1).await;
+    let third = tokio::spawn({
+        let (c, url) = (c.clone(), s.url("/c"));
+        async move { get(&c, &url, &[("x-client", "k")]).await.status }
+    });
+    s.wait_queued(2).await;
+    // The rest of B's body only once C has reached the upstream.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ds.seen().iter().any(|r| r.path == "/c") {
+        assert!(Instant::now() < deadline, "C never reached the upstream");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    b.write_all(b"abcdefghij").unwrap();
+    let answer = answer_head(&mut b);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert_eq!(third.await.unwrap(), StatusCode::OK);
+    let mut seen = ds.seen();
+    seen.sort_by_key(|r| r.at);
+    let order: Vec<&str> = seen.iter().map(|r| r.path.as_str()).collect();
+    assert_eq!(
+        order,
+        ["/a", "/b", "/c"],
+        "by arrival of their heads upstream"
+    );
+    assert_eq!(seen[1].body_len, 20);
+    // On the 2/s grid: B about 500 ms after A, C 500 ms after B.
+    let gap = seen[2].at - seen[1].at;
+    assert!(gap >= Duration::from_millis(250), "B and C {gap:?} apart");
+}
+
 // === the upstream's own limit ===
 
 /// `queue_config` with `on_throttle = "pause"` and a route at 100/s.
@@ -720,6 +776,46 @@ async fn an_upstream_429_pauses_it_and_retries_what_is_safe() {
     ] {
         assert!(text.lines().any(|l| l == line), "{line}: {text}");
     }
+}
+
+/// A request to an upstream that may pause departs at once, but its body
+/// (staged: it may be sent twice) ends only while the upstream is paused,
+/// by another client's 429: it waits the pause out, as one queued would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_ends_during_a_pause_waits_for_its_end() {
+    let ds = Downstream::start().await;
+    let s = Sluice::start(&pausing_at_100(ds.addr));
+    let c = client();
+    let head = "POST /late HTTP/1.1\r\nHost: x\r\nX-Client: late\r\nIdempotency-Key: 1\r\nContent-Length: 4\r\n\r\n";
+    let mut late = raw(s.addr, head, b"ab");
+    // Its departure is at once: a 429 to another client's call follows.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let throttled = tokio::spawn({
+        let (c, url) = (c.clone(), s.url("/throttle/x"));
+        async move { get(&c, &url, &[("x-client", "other")]).await.status }
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let paused_at = loop {
+        if let Some(r) = ds.seen().iter().find(|r| r.path == "/throttle/x") {
+            break r.at;
+        }
+        assert!(Instant::now() < deadline, "the throttling call never came");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let status = s.status().await;
+    let paused = &status["upstreams"][0]["paused_for_ms"];
+    assert!(paused.as_u64().is_some_and(|ms| ms > 1_000), "{status}");
+    late.write_all(b"cd").unwrap();
+    let answer = answer_head(&mut late);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert_eq!(throttled.await.unwrap(), StatusCode::OK);
+    let sent = ds.seen().into_iter().find(|r| r.path == "/late").unwrap();
+    assert_eq!(sent.body_len, 4);
+    let after = sent.at - paused_at;
+    assert!(
+        after >= Duration::from_millis(1_900),
+        "sent {after:?} after the 429 (Retry-After: 2)"
+    );
 }
 
 /// A request the upstream throttled, whose second send is refused (here

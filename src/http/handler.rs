@@ -24,6 +24,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::FutureExt as _;
 use futures_util::StreamExt as _;
 use futures_util::future::{Either, ready};
 use http::request::Parts;
@@ -44,7 +45,7 @@ use super::key;
 use super::path;
 use super::response::{ProxyBody, deadline_passed, full, problem};
 use super::route::{App, Route, sound_host};
-use super::stage::{Begun, Refused, STARVED_RETRY, StageError, Staged, linger, stage};
+use super::stage::{Begun, Refused, STARVED_RETRY, StageError, Staged, Staging, linger};
 use super::tunnel::Slot;
 use crate::admission::{Hold, HoldError, Key, Overload, Refusal, Verdict};
 use crate::metrics::Outcome;
@@ -490,7 +491,10 @@ impl Handler {
                     Step::Go => Body::Stream(take(&mut a.body)),
                     Step::Stage => {
                         let route = &a.app.routes[a.route];
-                        match Box::pin(self.stage(route, take(&mut a.body))).await {
+                        let upstream = &a.app.upstreams[route.upstream];
+                        let departed = (&a.key, a.cost, Instant::now());
+                        let staging = self.stage(route, upstream, take(&mut a.body), departed);
+                        match Box::pin(staging).await {
                             Ok(body) => body,
                             Err(response) => break 'answer response,
                         }
@@ -504,7 +508,11 @@ impl Handler {
                                 let deadline = timeout.and_then(|d| a.arrival.checked_add(d));
                                 Box::pin(self.call(route, hold, body, deadline))
                             }
-                            (Some(hold), None) => Box::pin(self.wait(route, hold, body)),
+                            (Some(hold), None) => {
+                                let upstream = &a.app.upstreams[route.upstream];
+                                let who = (&a.key, a.cost);
+                                Box::pin(self.wait(route, upstream, hold, body, who))
+                            }
                             // `settle` kept one: never forwarded unpaced.
                             // (The body is dropped in every arm: kept, it
                             // would stay in this future through the wait.)
@@ -575,7 +583,14 @@ impl Handler {
 
     /// Wait for the departure while the body is staged. A body that
     /// cannot be staged ends the wait: a client gone is counted as
-    /// cancelled (by the dropped hold), a refused body as what it got.
+    /// cancelled (by the dropped hold), a refused body as what it got. A
+    /// body still arriving at the departure goes with it, as far as it
+    /// was read, and the rest is streamed after it (as a request that
+    /// departs at once streams its body): held until the body ended, the
+    /// request would reach the upstream late, out of its client's order
+    /// and off the spacing its departure kept. For an upstream that may
+    /// pause, whose requests may be sent twice, the body is read to its
+    /// end and the start spaced as a late one ([`Handler::late_start`]).
     #[expect(
         clippy::manual_async_fn,
         reason = "an async fn keeps a second copy of each argument in a held request's state"
@@ -583,24 +598,32 @@ impl Handler {
     fn wait<'a>(
         &'a self,
         route: &'a Route,
+        upstream: &'a Upstream,
         mut hold: Hold,
         body: RequestBody,
+        (key, cost): (&'a Key, u32),
     ) -> impl Future<Output = Result<Body, Response<ProxyBody>>> + Send + 'a {
         async move {
-            let staging = stage(body, &self.shared.staging, self.shared.body_read_timeout);
-            tokio::pin!(staging);
-            let mut staged = None;
+            let budget = &self.shared.staging;
+            let mut staging = match Staging::new(body, budget, self.shared.body_read_timeout) {
+                Ok(staging) => staging,
+                Err(refused) => {
+                    hold.withdraw();
+                    return Err(self.stage_failed(route, refused, true));
+                }
+            };
+            let mut read = false;
             loop {
                 tokio::select! {
-                    s = &mut staging, if staged.is_none() => match s {
-                        Ok(s) => staged = Some(s),
-                        Err(refused @ Refused { error: StageError::Gone, .. }) => {
+                    r = staging.read(budget), if !read => match r {
+                        Ok(()) => read = true,
+                        Err(StageError::Gone) => {
                             drop(hold);
-                            return Err(self.stage_failed(route, refused, false));
+                            return Err(self.stage_failed(route, staging.refused(StageError::Gone), false));
                         }
-                        Err(refused) => {
+                        Err(e) => {
                             hold.withdraw();
-                            return Err(self.stage_failed(route, refused, true));
+                            return Err(self.stage_failed(route, staging.refused(e), true));
                         }
                     },
                     d = hold.wait() => match d {
@@ -609,24 +632,83 @@ impl Handler {
                     },
                 }
             }
-            // Departed; a body still arriving is forwarded once complete.
-            match staged {
-                Some(s) => Ok(Body::Staged(s)),
-                None => staging
-                    .await
-                    .map(Body::Staged)
-                    .map_err(|e| self.stage_failed(route, e, true)),
+            if read {
+                return Ok(Body::Staged(staging.finish()));
             }
+            if !upstream.stages_everything() {
+                let (first, rest) = staging.begun();
+                return Ok(Body::Begun(first, rest));
+            }
+            let departed = Instant::now();
+            if let Err(e) = staging.read(budget).await {
+                return Err(self.stage_failed(route, staging.refused(e), true));
+            }
+            self.late_start(route, upstream, (key, cost), departed)
+                .await?;
+            Ok(Body::Staged(staging.finish()))
         }
     }
 
-    /// Stage the body of a request that departs at once (an upstream that
-    /// may need it twice).
-    async fn stage(&self, route: &Route, body: RequestBody) -> Result<Body, Response<ProxyBody>> {
-        stage(body, &self.shared.staging, self.shared.body_read_timeout)
-            .await
-            .map(Body::Staged)
-            .map_err(|e| self.stage_failed(route, e, true))
+    /// Stage the body of a request that departs at once (at `departed`)
+    /// to an upstream that may need it twice. A body not all there yet
+    /// makes a late start ([`Handler::late_start`]).
+    async fn stage(
+        &self,
+        route: &Route,
+        upstream: &Upstream,
+        body: RequestBody,
+        (key, cost, departed): (&Key, u32, Instant),
+    ) -> Result<Body, Response<ProxyBody>> {
+        let budget = &self.shared.staging;
+        let mut staging = Staging::new(body, budget, self.shared.body_read_timeout)
+            .map_err(|e| self.stage_failed(route, e, true))?;
+        let at_once = staging.read(budget).now_or_never();
+        let late = at_once.is_none();
+        if let Err(e) = match at_once {
+            Some(r) => r,
+            None => staging.read(budget).await,
+        } {
+            return Err(self.stage_failed(route, staging.refused(e), true));
+        }
+        if late {
+            self.late_start(route, upstream, (key, cost), departed)
+                .await?;
+        }
+        Ok(Body::Staged(staging.finish()))
+    }
+
+    /// A request whose body came after its departure (at `departed`),
+    /// sent to an upstream that may pause: its start is spaced as DESIGN
+    /// 1's late releases say, and made only once the upstream's pause is
+    /// over (as a relayed message's,
+    /// [`crate::admission::Admission::space_relay`]), within the
+    /// upstream's `request_timeout`; else 503, as when the drain gives up.
+    async fn late_start(
+        &self,
+        route: &Route,
+        upstream: &Upstream,
+        (key, cost): (&Key, u32),
+        departed: Instant,
+    ) -> Result<(), Response<ProxyBody>> {
+        let admission = &self.shared.admission;
+        let latest = Instant::now() + upstream.request_timeout();
+        let why = tokio::select! {
+            in_time = admission.space_relay(&route.rule, key, cost, departed, latest) => {
+                if in_time {
+                    return Ok(());
+                }
+                "the upstream asked for a pause that outlasted this request's request_timeout"
+            }
+            () = admission.closing().cancelled() => {
+                "sluice is shutting down; this request was not forwarded"
+            }
+        };
+        route.rule.count(Outcome::Expired);
+        Err(problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            why,
+            Some(Duration::from_secs(1)),
+        ))
     }
 
     /// A gRPC call's wait: refused at once when its deadline ends before

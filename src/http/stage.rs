@@ -108,93 +108,131 @@ pub fn linger(mut rest: RequestBody) {
     });
 }
 
-/// Read `body` in full within the budget: its first part within `idle`,
-/// then at [`crate::admission::MIN_DATA_RATE`] bytes per second on
-/// average, and each part within `idle` of the one before. (A client
-/// that stops sending, or sends a byte now and then, would keep its room
-/// in the budget for as long as it keeps the connection; after its
-/// request departs, nothing else bounds it.) An `async` block, not an
-/// `async fn`, so that the future holds one copy of the body, not two: a
-/// held request carries it.
-pub fn stage(
+/// A body being staged: the part read so far, counted in the budget, and
+/// the rest. A request that departs before its body is all read goes on
+/// with what was read ([`Staging::begun`]), the rest streamed after it.
+#[derive(Debug)]
+pub struct Staging {
     body: RequestBody,
-    budget: &Arc<StageBudget>,
-    idle: Duration,
-) -> impl Future<Output = Result<Staged, Refused>> + Send + '_ {
-    let mut body = Some(body);
-    async move {
-        read(&mut body, budget, idle)
-            .await
-            .map_err(|error| Refused {
-                rest: match error {
-                    StageError::TooLarge(_) | StageError::Full => body,
-                    StageError::Gone | StageError::Malformed(_) | StageError::TimedOut => None,
-                },
-                error,
-            })
-    }
+    data: BytesMut,
+    trailers: Option<Box<HeaderMap>>,
+    room: Room,
+    deadline: ReadDeadline,
+    declared: Option<usize>,
 }
 
-async fn read(
-    slot: &mut Option<RequestBody>,
-    budget: &Arc<StageBudget>,
-    idle: Duration,
-) -> Result<Staged, StageError> {
-    let Some(body) = slot.as_mut() else {
-        return Err(StageError::Gone);
-    };
-    let max = budget.max_body();
-    let declared = body
-        .size_hint()
-        .exact()
-        .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
-    if declared.is_some_and(|n| n > max) {
-        return Err(StageError::TooLarge(max));
+impl Staging {
+    /// Start staging `body`: refused at once when its declared length is
+    /// over `max_staged_body` (413) or does not fit in the budget now
+    /// (503; a flood of large bodies). The room is taken as the bytes
+    /// come: taken at once, a body declared large and sent at 500 bytes/s
+    /// held all of it for as long as that took (256 such clients held a
+    /// 256 MiB budget for half an hour, sending 128 kB/s in all).
+    pub fn new(
+        body: RequestBody,
+        budget: &Arc<StageBudget>,
+        idle: Duration,
+    ) -> Result<Staging, Refused> {
+        let declared = body
+            .size_hint()
+            .exact()
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+        let max = budget.max_body();
+        if let Some(n) = declared
+            && (n > max || !budget.fits(n))
+        {
+            let error = if n > max {
+                StageError::TooLarge(max)
+            } else {
+                StageError::Full
+            };
+            return Err(Refused {
+                error,
+                rest: Some(body),
+            });
+        }
+        Ok(Staging {
+            body,
+            data: BytesMut::new(),
+            trailers: None,
+            room: budget.room(),
+            deadline: ReadDeadline::new(Instant::now(), idle),
+            declared,
+        })
     }
-    let mut room = budget.room();
-    // A declared length that does not fit now is refused before any of it
-    // is read (a flood of large bodies), but its room is taken as it
-    // comes: taken at once, a body declared large and sent at 500 bytes/s
-    // held all of it for as long as that took (256 such clients held a
-    // 256 MiB budget for half an hour, sending 128 kB/s in all).
-    if declared.is_some_and(|n| !budget.fits(n)) {
-        return Err(StageError::Full);
-    }
-    // Copied into one buffer as it comes, and the buffer's size is what
-    // the budget counts: kept as the frames came, a body sent in 1-byte
-    // chunks would hold a 32-byte entry and a share of a read buffer per
-    // byte, many times what is counted.
-    let mut data = BytesMut::new();
-    let mut trailers = None;
-    let mut deadline = ReadDeadline::new(Instant::now(), idle);
-    while let Some(frame) = tokio::time::timeout_at(deadline.at().into(), body.frame())
-        .await
-        .map_err(|_| StageError::TimedOut)?
-    {
-        let frame = frame.map_err(body_error)?;
-        match frame.into_data() {
-            Ok(part) => {
-                deadline.read(part.len(), Instant::now());
-                if data.len().saturating_add(part.len()) > max {
-                    return Err(StageError::TooLarge(max));
+
+    /// Read to the end within the budget: its first part within `idle`,
+    /// then at [`crate::admission::MIN_DATA_RATE`] bytes per second on
+    /// average, and each part within `idle` of the one before. (A client
+    /// that stops sending, or sends a byte now and then, would keep its
+    /// room in the budget for as long as it keeps the connection; after
+    /// its request departs, nothing else bounds it.) Cancel-safe: a part
+    /// read is kept, and a read made again goes on from it (and from the
+    /// same deadline). The body is copied into one buffer as it
+    /// comes, and the buffer's size is what the budget counts: kept as
+    /// the frames came, a body sent in 1-byte chunks would hold a 32-byte
+    /// entry and a share of a read buffer per byte, many times what is
+    /// counted.
+    pub async fn read(&mut self, budget: &StageBudget) -> Result<(), StageError> {
+        let max = budget.max_body();
+        while let Some(frame) =
+            tokio::time::timeout_at(self.deadline.at().into(), self.body.frame())
+                .await
+                .map_err(|_| StageError::TimedOut)?
+        {
+            let frame = frame.map_err(body_error)?;
+            match frame.into_data() {
+                Ok(part) => {
+                    self.deadline.read(part.len(), Instant::now());
+                    if self.data.len().saturating_add(part.len()) > max {
+                        return Err(StageError::TooLarge(max));
+                    }
+                    if !append(&mut self.data, &part, &mut self.room, self.declared) {
+                        return Err(StageError::Full);
+                    }
                 }
-                if !append(&mut data, &part, &mut room, declared) {
-                    return Err(StageError::Full);
-                }
-            }
-            Err(frame) => {
-                if let Ok(t) = frame.into_trailers() {
-                    trailers = Some(Box::new(t));
+                Err(frame) => {
+                    if let Ok(t) = frame.into_trailers() {
+                        self.trailers = Some(Box::new(t));
+                    }
                 }
             }
         }
+        Ok(())
     }
-    let data = data.freeze();
-    Ok(Staged {
-        data,
-        trailers,
-        _room: room,
-    })
+
+    /// The body read in full ([`Staging::read`] ended well).
+    pub fn finish(self) -> Staged {
+        Staged {
+            data: self.data.freeze(),
+            trailers: self.trailers,
+            _room: self.room,
+        }
+    }
+
+    /// `error` ended the read: what is left to read of the body, when the
+    /// client may still be sending it.
+    pub fn refused(self, error: StageError) -> Refused {
+        let rest = match error {
+            StageError::TooLarge(_) | StageError::Full => Some(self.body),
+            StageError::Gone | StageError::Malformed(_) | StageError::TimedOut => None,
+        };
+        Refused { error, rest }
+    }
+
+    /// What was read (forwarded first, its room held until then), and the
+    /// rest of the body.
+    pub fn begun(self) -> (Box<Begun>, RequestBody) {
+        let first = Begun {
+            data: self.data,
+            trailers: self.trailers,
+            ended: false,
+            full: false,
+            starved: false,
+            room: Some(self.room),
+        };
+        (Box::new(first), self.body)
+    }
 }
 
 /// Append `part` to `data`, the buffer's growth taken from `room` before
