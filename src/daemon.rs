@@ -173,13 +173,22 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
                 let mut tick = tokio::time::interval(period);
                 loop {
                     tick.tick().await;
-                    // The pacer thread moves every queue: systemd hears
-                    // from sluice only while it answers.
-                    let answers = tokio::time::timeout(period / 2, handle.pacer_answers()).await;
-                    if answers == Ok(true) {
-                        notify(&[NotifyState::Watchdog]);
-                    } else {
+                    // The pacer thread moves every queue, and each HTTP
+                    // worker serves its connections: systemd hears from
+                    // sluice only while they all answer.
+                    let (answers, stuck) = tokio::join!(
+                        tokio::time::timeout(period / 2, handle.pacer_answers()),
+                        handle.workers_stuck(period / 2),
+                    );
+                    if answers != Ok(true) {
                         error!("the pacer thread does not answer: the watchdog is not told");
+                    } else if !stuck.is_empty() {
+                        error!(
+                            workers = ?stuck,
+                            "HTTP workers run nothing: the watchdog is not told"
+                        );
+                    } else {
+                        notify(&[NotifyState::Watchdog]);
                     }
                 }
             }

@@ -895,8 +895,9 @@ async fn connections_past_the_open_file_limit_are_warned_about() {
 /// test asks for at least 3 and every gap under 2 s. A bug that never
 /// starts the watchdog sends none; one that pings once sends one; one that
 /// pings at WATCHDOG_USEC itself leaves 2 s gaps. (That the pings stop
-/// while the pacer thread stalls cannot be checked from outside without a
-/// way to stall it, so it is not tested here.)
+/// while the pacer thread or a worker stalls cannot be checked from
+/// outside without a way to stall them, so it is not tested here; the
+/// checks themselves are, in `pacer` and `http::serve`'s unit tests.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_systemd_watchdog_is_pinged_while_sluice_runs() {
     let ds = Downstream::start().await;

@@ -94,6 +94,8 @@ pub(crate) struct Shared {
     tunnels: tunnel::Tunnels,
     /// The HTTP workers running (0 for a pure mail relay).
     workers: usize,
+    /// Each worker's runtime, once they all started.
+    runtimes: std::sync::OnceLock<Vec<tokio::runtime::Handle>>,
     /// The settings read once at start, as [`fixed_at_start`] gives them.
     fixed: Vec<(&'static str, String)>,
 }
@@ -229,6 +231,15 @@ impl Handle {
     /// Whether the pacer thread is alive and taking messages.
     pub async fn pacer_answers(&self) -> bool {
         self.0.admission.pacer_answers().await
+    }
+
+    /// The HTTP workers (by number) that do not run a task within
+    /// `within`: stuck (see [`serve::stuck`]).
+    pub async fn workers_stuck(&self, within: Duration) -> Vec<usize> {
+        match self.0.runtimes.get() {
+            Some(runtimes) => serve::stuck(runtimes, within).await,
+            None => Vec::new(),
+        }
     }
 
     /// The longest a drain can take: `drain_timeout`, then the grace for

@@ -254,6 +254,7 @@ impl Server {
                 unrouted: unrouted_counter(),
                 tunnels: super::tunnel::Tunnels::new(config.server.max_tunnels),
                 workers,
+                runtimes: std::sync::OnceLock::new(),
                 fixed: super::fixed_at_start(config, workers),
             }),
             listeners,
@@ -328,12 +329,16 @@ impl Server {
                 }
             }
         }
+        let mut runtimes = Vec::with_capacity(started.len());
         for (i, up) in started {
             let up = up.await.unwrap_or_else(|_| {
                 Err(std::io::Error::other("the thread ended before it served"))
             });
-            if let Err(e) = up {
-                failed.get_or_insert(ServeError::Worker(i, e));
+            match up {
+                Ok(runtime) => runtimes.push(runtime),
+                Err(e) => {
+                    failed.get_or_insert(ServeError::Worker(i, e));
+                }
             }
         }
         workers.close();
@@ -344,6 +349,7 @@ impl Server {
             workers.wait().await;
             return Err(e);
         }
+        let _ = self.shared.runtimes.set(runtimes);
         go.cancel();
         Ok(Running {
             shared: self.shared,
@@ -413,7 +419,8 @@ impl Running {
 }
 
 /// A worker's word that it serves, or why it cannot.
-type Ready = tokio::sync::oneshot::Sender<std::io::Result<()>>;
+/// Whether a worker is up: its runtime, or why not.
+type Ready = tokio::sync::oneshot::Sender<std::io::Result<tokio::runtime::Handle>>;
 
 /// What one worker thread needs.
 struct Worker {
@@ -452,7 +459,7 @@ impl Worker {
                 return;
             }
         };
-        let _ = ready.send(Ok(()));
+        let _ = ready.send(Ok(tokio::runtime::Handle::current()));
         tokio::select! {
             () = self.go.cancelled() => {}
             () = self.stop.cancelled() => return,
@@ -725,9 +732,60 @@ async fn log_refusals(handle: Handle) {
     }
 }
 
+/// Which of `runtimes` (by place) do not run a task within `within`: a
+/// worker whose thread a task blocks, or a task that never yields, serves
+/// none of its connections while the process looks well. A runtime that
+/// has ended (its worker stopped) is not stuck.
+pub(crate) async fn stuck(runtimes: &[tokio::runtime::Handle], within: Duration) -> Vec<usize> {
+    let deadline = tokio::time::Instant::now() + within;
+    let asks: Vec<_> = runtimes.iter().map(|rt| rt.spawn(async {})).collect();
+    let mut stuck = Vec::new();
+    for (i, ask) in asks.into_iter().enumerate() {
+        if tokio::time::timeout_at(deadline, ask).await.is_err() {
+            stuck.push(i);
+        }
+    }
+    stuck
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the watchdog asks of the workers: a runtime whose thread is
+    /// blocked is named; one that runs, or has ended, is not.
+    #[tokio::test]
+    async fn a_worker_runtime_whose_thread_is_blocked_is_stuck() {
+        let worker = || {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let thread = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let _ = tx.send(runtime.handle().clone());
+                runtime.block_on(async {
+                    let _ = stopped.await;
+                });
+            });
+            (rx.recv().unwrap(), stop, thread)
+        };
+        let (running, stop_running, running_thread) = worker();
+        let (blocked, stop_blocked, blocked_thread) = worker();
+        let (ended, stop_ended, ended_thread) = worker();
+        let _ = stop_ended.send(());
+        ended_thread.join().unwrap();
+        let within = Duration::from_secs(1);
+        let all = [running.clone(), blocked.clone(), ended];
+        assert!(stuck(&all, within).await.is_empty());
+        blocked.spawn(async { std::thread::sleep(Duration::from_millis(2_500)) });
+        assert_eq!(stuck(&all, within).await, [1]);
+        let _ = stop_running.send(());
+        let _ = stop_blocked.send(());
+        running_thread.join().unwrap();
+        blocked_thread.join().unwrap();
+    }
 
     #[test]
     fn ipv6_listeners_take_ipv6_only() {
