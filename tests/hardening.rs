@@ -607,14 +607,18 @@ fn answered_408(sock: &mut std::net::TcpStream, t: Instant, within: Duration) {
     assert!(t.elapsed() < within, "{:?}", t.elapsed());
 }
 
-/// Its room in the staging budget given back, and no whole request but
-/// `/first` reached the downstream: a request that departed meanwhile
-/// went with what had come of its body, the rest streamed, and was cut
-/// with it.
-async fn nothing_staged_nor_sent_whole(s: &Sluice, ds: &Downstream) {
+/// Its room in the staging budget given back, and nothing left at the
+/// upstream: a request that departed meanwhile went with what had come of
+/// its body, the rest streamed, and its upstream call was cut with it
+/// (not left waiting for the rest).
+async fn nothing_staged_nor_left_upstream(s: &Sluice, ds: &Downstream) {
     let deadline = Instant::now() + Duration::from_secs(5);
-    while s.status().await["staged_bytes"] != 0 {
-        assert!(Instant::now() < deadline, "the body's room was kept");
+    while s.status().await["staged_bytes"] != 0 || ds.in_flight() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "room kept or a call left open upstream: {} in flight",
+            ds.in_flight()
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let seen = ds.seen();
@@ -694,7 +698,7 @@ async fn a_staged_body_that_stops_arriving_gets_408() {
     sock.write_all(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n0123456789")
         .unwrap();
     answered_408(&mut sock, t, Duration::from_secs(10));
-    nothing_staged_nor_sent_whole(&s, &ds).await;
+    nothing_staged_nor_left_upstream(&s, &ds).await;
 }
 
 /// A queued request whose body drips (a byte every 100 ms, each within
@@ -725,7 +729,7 @@ async fn a_staged_body_that_drips_is_cut_off_after_its_first_timeout() {
     answered_408(&mut sock, t, Duration::from_secs(5));
     drop(sock);
     drip.join().unwrap();
-    nothing_staged_nor_sent_whole(&s, &ds).await;
+    nothing_staged_nor_left_upstream(&s, &ds).await;
 }
 
 /// A body sent in 1-byte chunks costs what its bytes cost: the staged

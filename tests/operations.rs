@@ -238,6 +238,39 @@ async fn a_reload_that_lowers_max_concurrency_counts_the_calls_in_flight() {
             quick.at.saturating_duration_since(slow[1])
         );
     }
+    // The cap in force is what /metrics shows; a reload that takes it
+    // away leaves no series.
+    let slots = async || {
+        let metrics = get(&c, &sluice.admin_url("/metrics"), &[]).await;
+        let text = String::from_utf8(metrics.body.to_vec()).unwrap();
+        let mut lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.starts_with("sluice_upstream_") && l.contains("{upstream=\"api\"} "))
+            .filter(|l| !l.starts_with("sluice_upstream_duration"))
+            .map(str::to_owned)
+            .collect();
+        lines.sort();
+        lines
+    };
+    assert_eq!(
+        slots().await,
+        [
+            "sluice_upstream_in_flight{upstream=\"api\"} 0",
+            "sluice_upstream_max_concurrency{upstream=\"api\"} 2",
+            "sluice_upstream_waiting{upstream=\"api\"} 0",
+        ]
+    );
+    std::fs::write(&sluice.config, config(ds.addr, "100/s", 20, "5s")).unwrap();
+    sluice.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !slots().await.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "{:?} after the reload",
+            slots().await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// SIGHUP with a broken config: the old config keeps serving and the

@@ -1031,8 +1031,9 @@ pub enum OutBody {
         data: Option<Bytes>,
         trailers: Option<Box<HeaderMap>>,
     },
-    /// A gRPC call's body: what it sent while it waited, then the rest
-    /// (and when that last moved on).
+    /// What the request sent while it waited (a gRPC call, an upload that
+    /// waited for a slot or was still coming at its departure), then the
+    /// rest (and when that last moved on).
     Begun(Box<Begun>, RequestBody, Progress),
 }
 
@@ -1103,9 +1104,9 @@ impl OutBody {
         OutBody::Stream(body, progress)
     }
 
-    /// A gRPC call's body, what it sent while it waited first.
-    /// (`pace` as for [`OutBody::stream`]: an upload read while it waited
-    /// for an upstream slot is held to it from its departure.)
+    /// A body of which what was sent while the request waited goes first.
+    /// (`pace` as for [`OutBody::stream`]: an upload is held to it from
+    /// its departure.)
     pub fn begun(first: Box<Begun>, rest: RequestBody, pace: Option<Duration>) -> OutBody {
         OutBody::Begun(first, rest, Progress::new(pace))
     }

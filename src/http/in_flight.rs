@@ -22,6 +22,8 @@ pub struct InFlight {
     slots: Semaphore,
     /// Slots taken away by a smaller cap while they were in use.
     owed: AtomicUsize,
+    /// The cap now.
+    limit: AtomicUsize,
     /// Calls holding a slot now.
     busy: AtomicUsize,
     /// Calls waiting for a slot now ([`InFlight::take`] pending).
@@ -53,6 +55,7 @@ impl InFlight {
         Arc::new(InFlight {
             slots: Semaphore::new(limit.min(Semaphore::MAX_PERMITS)),
             owed: AtomicUsize::new(0),
+            limit: AtomicUsize::new(limit),
             busy: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
         })
@@ -88,8 +91,14 @@ impl InFlight {
         )
     }
 
+    /// The cap now.
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
     /// The cap goes from `old` to `new`.
     pub fn resize(&self, old: usize, new: usize) {
+        self.limit.store(new, Ordering::Relaxed);
         if new >= old {
             let more = new - old;
             // What is owed is forgiven first: those slots are still in use.
@@ -162,18 +171,6 @@ impl Concurrency {
         *self = next;
     }
 
-    /// Each cap in force: its name, its limit, and the calls holding and
-    /// waiting for its slots now.
-    pub fn loads(&self) -> Vec<(String, usize, (usize, usize))> {
-        let mut all: Vec<_> = self
-            .0
-            .iter()
-            .map(|(name, (limit, cap))| (name.clone(), *limit, cap.load()))
-            .collect();
-        all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        all
-    }
-
     /// `name`'s cap now, if it has one.
     pub fn current(&self, name: &str) -> Option<Arc<InFlight>> {
         self.0.get(name).map(|(_, cap)| cap.clone())
@@ -216,6 +213,7 @@ mod tests {
         let busy = take_all(&cap);
         cap.resize(4, 1);
         cap.resize(1, 3);
+        assert_eq!(cap.limit(), 3);
         // 4 in flight under a cap of 3: one is still owed.
         assert!(cap.try_take().is_none());
         drop(busy);

@@ -404,7 +404,14 @@ impl Handle {
     /// Each upstream with `max_concurrency`: its name, the cap, and the
     /// calls holding and waiting for its slots now.
     pub fn upstream_slots(&self) -> Vec<(String, usize, (usize, usize))> {
-        lock(&self.0.concurrency).loads()
+        let app = self.0.app(0);
+        app.upstreams
+            .iter()
+            .filter_map(|u| {
+                let cap = u.concurrency()?;
+                Some((u.name().to_owned(), cap.limit(), cap.load()))
+            })
+            .collect()
     }
 
     /// The config version (1 at start, +1 per reload) and when it loaded.

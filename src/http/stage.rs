@@ -2,9 +2,11 @@
 //! departure, its body is read into a bounded buffer, so that a client that
 //! goes away is seen at once whatever its body (partial, chunked, behind
 //! `Expect: 100-continue`), and its departure writes the whole request in
-//! one go. Each body is bounded by `max_staged_body` (past it: 413) and all
-//! staged bodies together by `max_staged_bytes` (past it: 503), so a flood
-//! of large queued bodies cannot grow memory.
+//! one go (a body still coming at the departure goes with it as far as it
+//! came, the rest streamed: [`Staging::begun`]). Each body is bounded by
+//! `max_staged_body` (past it while it waits: 413) and all staged bodies
+//! together by `max_staged_bytes` (past it: 503), so a flood of large
+//! queued bodies cannot grow memory.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -272,9 +274,11 @@ fn append(data: &mut BytesMut, part: &[u8], room: &mut Room, declared: Option<us
     room.grow_to(data.capacity())
 }
 
-/// What a gRPC call sent while it waited, read as it came (within
-/// `max_staged_body` and the budget) and forwarded before the rest of its
-/// stream once it departs. Left unread, a waiting call's messages would
+/// What a request sent while it waited, forwarded before the rest of its
+/// body once it departs: a gRPC call's, or an upload's read while it
+/// waited for a `max_concurrency` slot, read as it came (within
+/// `max_staged_body` and the budget); or a staged body still coming at its
+/// departure ([`Staging::begun`]). Left unread, a waiting call's messages would
 /// hold its HTTP/2 connection's flow-control window, which the client's
 /// other calls share: a backlog on one key would stall every call on the
 /// connection. Unlike a staged body, the end is not waited for (a

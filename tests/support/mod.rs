@@ -165,6 +165,11 @@ impl Downstream {
     pub fn max_in_flight(&self) -> usize {
         self.max_in_flight.load(Ordering::SeqCst)
     }
+
+    /// Requests being read or answered now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
 }
 
 /// The real `sluice` binary, running on a config written for the test.
