@@ -239,6 +239,7 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
         }
     };
     let running = server.start().await?;
+    let closing = handle.clone();
     notify(&[NotifyState::Ready]);
     // SIGHUP is taken only now, once READY=1 is out: a reload before it
     // would tell systemd RELOADING=1 and READY=1 while the start could
@@ -269,6 +270,7 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     for task in background {
         task.abort();
     }
+    closing.close_access_log();
     Ok(())
 }
 
@@ -301,6 +303,9 @@ fn reload(path: &std::path::Path, handle: &Handle) {
         states.push(now);
     }
     notify(&states);
+    // Whatever becomes of the config: log rotation reloads to have the
+    // access log opened again.
+    handle.reopen_access_log();
     let result = Config::load(path).map_err(|e| e.to_string()).and_then(|c| {
         // A stop that began while the file was read keeps its config (see
         // the SIGHUP loop).

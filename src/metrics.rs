@@ -67,6 +67,8 @@ pub const UPSTREAM_WAITING: &str = "sluice_upstream_waiting";
 pub const UPSTREAM_PAUSES_TOTAL: &str = "sluice_upstream_pauses_total";
 /// Config reloads by result (`ok`, `error`).
 pub const CONFIG_RELOADS_TOTAL: &str = "sluice_config_reloads_total";
+/// Access log lines dropped: the writer fell behind.
+pub const ACCESS_LOG_DROPPED_TOTAL: &str = "sluice_access_log_dropped_total";
 /// Unix time of the last successful config load.
 pub const CONFIG_LOADED_TIMESTAMP_SECONDS: &str = "sluice_config_loaded_timestamp_seconds";
 
@@ -408,6 +410,11 @@ fn describe() {
         CONFIG_RELOADS_TOTAL,
         Unit::Count,
         "Config reloads by result."
+    );
+    describe_counter!(
+        ACCESS_LOG_DROPPED_TOTAL,
+        Unit::Count,
+        "Access log lines dropped because the writer fell behind (server.access_log)."
     );
     describe_gauge!(
         CONFIG_LOADED_TIMESTAMP_SECONDS,

@@ -1058,3 +1058,92 @@ fn a_worker_that_cannot_start_stops_the_start() {
     }
     assert!(refused > 0, "no limit stopped a worker ({ready} started)");
 }
+
+/// `server.access_log`: one JSON line per request once its answer's head
+/// is ready (forwarded, refused by the rate, refused before admission),
+/// opened again on SIGHUP after log rotation moved it away, and written
+/// out by the exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_has_a_line_per_request_and_follows_rotation() {
+    let ds = Downstream::start().await;
+    let dir = support::temp_path("access");
+    std::fs::create_dir(&dir).unwrap();
+    let path = dir.join("access.log");
+    let toml = config(ds.addr, "1/m", 0, "1s").replace(
+        "[server]\n",
+        &format!("[server]\naccess_log = \"{}\"\n", path.display()),
+    );
+    let mut sluice = Sluice::start(&toml);
+    let c = client();
+    let lines = |path: &std::path::Path, n: usize| {
+        let path = path.to_owned();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                let lines: Vec<serde_json::Value> = text
+                    .lines()
+                    .map(|l| serde_json::from_str(l).unwrap())
+                    .collect();
+                if lines.len() >= n {
+                    return lines;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{} lines in {text:?}",
+                    lines.len()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let forwarded = get(&c, &sluice.url("/a?x=1"), &[("x-client", "a")]).await;
+    assert_eq!(forwarded.status, StatusCode::OK);
+    let refused = get(&c, &sluice.url("/b"), &[("x-client", "a")]).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    let unkeyed = get(&c, &sluice.url("/c"), &[]).await;
+    assert_eq!(unkeyed.status, StatusCode::BAD_REQUEST);
+    let first = lines(&path, 3).await;
+    assert_eq!(first.len(), 3, "{first:?}");
+    for (line, (target, status, route)) in first.iter().zip([
+        ("/a?x=1", 200, Some("default")),
+        ("/b", 429, Some("default")),
+        ("/c", 400, None),
+    ]) {
+        assert_eq!(line["target"], target, "{line}");
+        assert_eq!(line["status"], status, "{line}");
+        assert_eq!(line["route"].as_str(), route, "{line}");
+        assert_eq!(line["method"], "GET", "{line}");
+        assert_eq!(line["protocol"], "HTTP/1.1", "{line}");
+        assert_eq!(line["client"], "127.0.0.1", "{line}");
+        assert!(line["ms"].as_f64().is_some_and(|ms| ms >= 0.0), "{line}");
+        let time = line["time"].as_str().unwrap_or_default();
+        assert!(humantime::parse_rfc3339(time).is_ok(), "{line}");
+    }
+    // Rotation: moved away, then SIGHUP; what follows goes to a new file.
+    let rotated = dir.join("access.log.1");
+    std::fs::rename(&path, &rotated).unwrap();
+    sluice.signal("HUP");
+    sluice.wait_for_log("config reloaded").await;
+    let after = get(&c, &sluice.url("/d"), &[("x-client", "d")]).await;
+    assert_eq!(after.status, StatusCode::OK);
+    let second = lines(&path, 1).await;
+    assert_eq!(second[0]["target"], "/d");
+    assert_eq!(lines(&rotated, 3).await.len(), 3);
+    // The last line is in the file once sluice has exited. (The drain
+    // lasts about as long as the writer's flush period, so this does not
+    // tell the flush at the exit from the periodic one.)
+    let last = get(&c, &sluice.url("/e"), &[("x-client", "e")]).await;
+    assert_eq!(last.status, StatusCode::OK);
+    sluice.signal("TERM");
+    let exited = tokio::task::spawn_blocking(move || {
+        let status = sluice.wait_exit(Duration::from_secs(10));
+        (status, sluice)
+    })
+    .await
+    .unwrap();
+    assert!(exited.0.is_some_and(|s| s.success()), "{:?}", exited.0);
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.lines().any(|l| l.contains("\"/e\"")), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

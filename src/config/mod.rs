@@ -82,6 +82,8 @@ pub struct Server {
     /// Proxies whose `X-Forwarded-For` entries are believed (`forwarded`
     /// keys).
     pub trusted_proxies: Vec<IpNet>,
+    /// Where each HTTP request's line is appended; `None`: no access log.
+    pub access_log: Option<PathBuf>,
 }
 
 /// `[[upstream]]`: where routes forward to.
@@ -1192,6 +1194,17 @@ impl Validator {
                 }
             }
         }
+        let access_log = match raw.access_log {
+            Some(text) if text.is_empty() || !Path::new(&text).is_absolute() => {
+                self.problem(
+                    "server.access_log",
+                    format!("'{text}' is not an absolute path, such as /var/log/sluice/access.log"),
+                );
+                ok = false;
+                None
+            }
+            text => text.map(PathBuf::from),
+        };
         ok.then_some(Server {
             listen,
             header_read_timeout: header_read_timeout?,
@@ -1205,6 +1218,7 @@ impl Validator {
             shutdown_delay: shutdown_delay?,
             max_tunnels,
             trusted_proxies,
+            access_log,
         })
     }
 

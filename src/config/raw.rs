@@ -153,6 +153,7 @@ pub struct RawServer {
     #[serde(default, deserialize_with = "whole")]
     pub max_tunnels: Option<i64>,
     pub trusted_proxies: Option<Vec<String>>,
+    pub access_log: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -36,6 +36,7 @@ use hyper::upgrade::OnUpgrade;
 use tokio_util::task::TaskTracker;
 
 use super::Shared;
+use super::access::Arrival;
 use super::forward::{Origin, OutBody, Upstream};
 use super::grpc;
 use super::h1::RequestBody;
@@ -202,6 +203,8 @@ struct Admit {
     /// Boxed: rare, and every request carries the field.
     switch: Option<Box<Switch>>,
     arrival: Instant,
+    /// For its access log line (only with `server.access_log`).
+    logged: Option<Box<Arrival>>,
 }
 
 impl Handler {
@@ -217,12 +220,23 @@ impl Handler {
         peer: SocketAddr,
     ) -> impl Future<Output = Response<ProxyBody>> + Send + use<> {
         let grpc = grpc::is_grpc(req.headers()).then(|| grpc::timeout(req.headers()));
+        let logged = self.shared.access_log.as_ref().map(|_| {
+            Box::new(Arrival::new(
+                peer.ip(),
+                req.method(),
+                req.uri(),
+                req.version(),
+            ))
+        });
         // Boxed: the request's own state lives in one allocation of its
         // size, so that the future which waits (in hyper's stream task, or
         // our connection's) carries a pointer to it, not the request
         // itself.
         let mut a = match self.prepare(req, peer, grpc) {
-            Ok(a) => Box::new(a),
+            Ok(mut a) => {
+                a.logged = logged;
+                Box::new(a)
+            }
             // Boxed: a request refused before its admission (400, 404) is
             // rare, and its answer would size every request's future.
             Err(response) => {
@@ -230,6 +244,9 @@ impl Handler {
                     Some(_) => grpc::answer(response),
                     None => response,
                 };
+                if let (Some(log), Some(arrival)) = (&self.shared.access_log, logged) {
+                    log.write(&arrival, None, response.status());
+                }
                 return Either::Right(Box::pin(ready(response)) as Answering);
             }
         };
@@ -431,6 +448,7 @@ impl Handler {
             grpc,
             switch,
             arrival: Instant::now(),
+            logged: None,
         })
     }
 
@@ -588,10 +606,14 @@ impl Handler {
             if route.ratelimit_headers {
                 self.ratelimit(route, &a.key, &mut response);
             }
-            match a.grpc {
+            let response = match a.grpc {
                 Some(_) => grpc::answer(response),
                 None => response,
+            };
+            if let (Some(log), Some(arrival)) = (&self.shared.access_log, &a.logged) {
+                log.write(arrival, Some(&route.name), response.status());
             }
+            response
         }
     }
 

@@ -15,6 +15,7 @@
 //! forward, answer) stays on one thread. Only a queued request crosses
 //! threads: the pacer thread wakes it at its departure.
 
+mod access;
 mod client;
 mod conn;
 mod forward;
@@ -67,6 +68,11 @@ pub enum ServeError {
     Worker(usize, std::io::Error),
     #[error("cluster mode: {0}")]
     Backend(String),
+    #[error("cannot open the access log {path}: {source}")]
+    AccessLog {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// State shared by every worker, the admin listener and the signal
@@ -94,6 +100,8 @@ pub(crate) struct Shared {
     tunnels: tunnel::Tunnels,
     /// The HTTP workers running (0 for a pure mail relay).
     workers: usize,
+    /// `server.access_log`, if set.
+    access_log: Option<access::AccessLog>,
     /// Each worker's runtime, once they all started.
     runtimes: std::sync::OnceLock<Vec<tokio::runtime::Handle>>,
     /// The settings read once at start, as [`fixed_at_start`] gives them.
@@ -129,6 +137,7 @@ pub(crate) fn fixed_at_start(config: &Config, running: usize) -> Vec<(&'static s
         ),
         ("server.max_header_size", s.max_header_size.to_string()),
         ("server.max_tunnels", s.max_tunnels.to_string()),
+        ("server.access_log", format!("{:?}", s.access_log)),
         ("[admin]", format!("{:?}", config.admin)),
         ("[cluster]", format!("{:?}", config.cluster)),
         (
@@ -231,6 +240,21 @@ impl Handle {
     /// Whether the pacer thread is alive and taking messages.
     pub async fn pacer_answers(&self) -> bool {
         self.0.admission.pacer_answers().await
+    }
+
+    /// Open the access log again (log rotation moved it away), if there
+    /// is one.
+    pub fn reopen_access_log(&self) {
+        if let Some(log) = &self.0.access_log {
+            log.reopen();
+        }
+    }
+
+    /// Flush the access log and stop its writer (at the exit).
+    pub fn close_access_log(&self) {
+        if let Some(log) = &self.0.access_log {
+            log.close();
+        }
     }
 
     /// The HTTP workers (by number) that do not run a task within

@@ -194,6 +194,15 @@ impl Server {
         )?);
         let mut concurrency = Concurrency::default();
         let apps = App::build_all(&admission, config, &tls, workers, &mut concurrency, &[])?;
+        let access_log = match &config.server.access_log {
+            Some(path) => Some(super::access::AccessLog::open(path).map_err(|source| {
+                ServeError::AccessLog {
+                    path: path.clone(),
+                    source,
+                }
+            })?),
+            None => None,
+        };
 
         let mut listeners: Vec<Vec<std::net::TcpListener>> =
             (0..workers).map(|_| Vec::new()).collect();
@@ -254,6 +263,7 @@ impl Server {
                 unrouted: unrouted_counter(),
                 tunnels: super::tunnel::Tunnels::new(config.server.max_tunnels),
                 workers,
+                access_log,
                 runtimes: std::sync::OnceLock::new(),
                 fixed: super::fixed_at_start(config, workers),
             }),
