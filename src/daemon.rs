@@ -1,6 +1,6 @@
 //! The daemon around the proxy: the admin listener, systemd notification
-//! (READY, RELOADING, STOPPING, WATCHDOG), SIGHUP reload and SIGTERM/SIGINT
-//! drain.
+//! (READY, RELOADING, STOPPING, WATCHDOG), SIGHUP reload, SIGUSR1 access
+//! log reopening and SIGTERM/SIGINT drain.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -128,6 +128,7 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     let mut hangup = signal(SignalKind::hangup()).map_err(DaemonError::Signals)?;
     let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
+    let mut rotate = signal(SignalKind::user_defined1()).map_err(DaemonError::Signals)?;
 
     let server = Server::bind(&config).await?;
     let handle = server.handle();
@@ -222,13 +223,16 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
         let extend = format!("EXTEND_TIMEOUT_USEC={}", longest.as_micros());
         notify(&[NotifyState::Stopping, NotifyState::Custom(&extend)]);
         // A second signal ends the drain at once (an operator's second
-        // Ctrl-C): what is queued or in flight is cut.
+        // Ctrl-C): what is queued or in flight is cut; the access log is
+        // written out first (a second at most).
+        let last = stopping.clone();
         tokio::spawn(async move {
             tokio::select! {
                 _ = terminate.recv() => {}
                 _ = interrupt.recv() => {}
             }
             warn!("second signal received: exiting without finishing the drain");
+            last.close_access_log();
             std::process::exit(1);
         });
         // Load balancers take the instance out of rotation meanwhile
@@ -240,6 +244,13 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
     };
     let running = server.start().await?;
     let closing = handle.clone();
+    // SIGUSR1: open the access log again (log rotation), nothing else.
+    let rotating = handle.clone();
+    background.push(tokio::spawn(async move {
+        while rotate.recv().await.is_some() {
+            rotating.reopen_access_log();
+        }
+    }));
     notify(&[NotifyState::Ready]);
     // SIGHUP is taken only now, once READY=1 is out: a reload before it
     // would tell systemd RELOADING=1 and READY=1 while the start could

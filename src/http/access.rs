@@ -1,15 +1,18 @@
-//! The access log (`server.access_log`): one JSON line per HTTP request,
-//! written once its answer's head is ready, by a thread of its own. The
+//! The access log (`server.access_log`): one JSON line per HTTP request
+//! that reaches the handler, written once its answer's head is ready (or,
+//! status 499, when its client leaves first), by a thread of its own. The
 //! request path only formats the line and hands it over: a full channel
 //! (a disk slower than the traffic) drops the line and counts it, never
 //! holds a request. The file is opened for appending at start and opened
-//! again on each SIGHUP (`systemctl reload`), as log rotation expects.
+//! again on SIGUSR1 (log rotation) and on SIGHUP.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::net::IpAddr;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -26,11 +29,13 @@ const BACKLOG: usize = 65_536;
 /// How long a written line may wait in the buffer before it is flushed.
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 /// How long the exit waits for the writer to flush.
-const CLOSE_WAIT: Duration = Duration::from_secs(2);
+const CLOSE_WAIT: Duration = Duration::from_secs(1);
+/// The status logged for a request whose client left before its answer
+/// (nginx's 499, "client closed request").
+const CLIENT_LEFT: u16 = 499;
 
 enum Msg {
     Line(String),
-    Reopen,
     Close,
 }
 
@@ -38,28 +43,73 @@ enum Msg {
 pub struct AccessLog {
     tx: Sender<Msg>,
     dropped: Counter,
+    /// Set to have the writer open the file again.
+    reopen: Arc<AtomicBool>,
     writer: Mutex<Option<JoinHandle<()>>>,
 }
 
-/// What is known of a request when it arrives, for its line.
+/// What is known of a request when it arrives, for its line. The target
+/// is copied: a clone of the request's `Uri` would keep the buffer its
+/// head was read into (up to `max_header_size`) for as long as the
+/// request waits.
 pub struct Arrival {
     at: SystemTime,
     started: Instant,
     client: IpAddr,
     method: Method,
-    target: Uri,
+    target: Box<str>,
     version: Version,
 }
 
 impl Arrival {
     pub fn new(client: IpAddr, method: &Method, target: &Uri, version: Version) -> Arrival {
+        let target = target
+            .path_and_query()
+            .map_or_else(|| target.path(), |pq| pq.as_str());
         Arrival {
             at: SystemTime::now(),
             started: Instant::now(),
             client,
             method: method.clone(),
-            target: target.clone(),
+            target: target.into(),
             version,
+        }
+    }
+}
+
+/// A request's line, written when dropped unless written before: a
+/// request whose future is dropped (its client left while it waited or
+/// was forwarded) gets status 499.
+pub struct Pending {
+    log: Arc<AccessLog>,
+    arrival: Arrival,
+    route: Box<str>,
+    written: bool,
+}
+
+impl Pending {
+    pub fn new(log: Arc<AccessLog>, arrival: Arrival, route: &str) -> Pending {
+        Pending {
+            log,
+            arrival,
+            route: route.into(),
+            written: false,
+        }
+    }
+
+    /// Its line, with the answer's `status`.
+    pub fn answered(mut self, status: StatusCode) {
+        self.log
+            .write(&self.arrival, Some(&self.route), status.as_u16());
+        self.written = true;
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.written {
+            self.log
+                .write(&self.arrival, Some(&self.route), CLIENT_LEFT);
         }
     }
 }
@@ -83,31 +133,36 @@ impl AccessLog {
     pub fn open(path: &Path) -> std::io::Result<AccessLog> {
         let file = append(path)?;
         let (tx, rx) = crossbeam_channel::bounded(BACKLOG);
-        let path = path.to_owned();
+        let dropped = metrics::counter!(m::ACCESS_LOG_DROPPED_TOTAL);
+        let reopen = Arc::new(AtomicBool::new(false));
+        let writer = Writer {
+            path: path.to_owned(),
+            dropped: dropped.clone(),
+            reopen: reopen.clone(),
+        };
+        let file = BufWriter::with_capacity(64 << 10, file);
         let writer = std::thread::Builder::new()
             .name("sluice-access-log".to_owned())
-            .spawn(move || write(&rx, BufWriter::with_capacity(64 << 10, file), &path))?;
+            .spawn(move || writer.run(&rx, file))?;
         Ok(AccessLog {
             tx,
-            dropped: metrics::counter!(m::ACCESS_LOG_DROPPED_TOTAL),
+            dropped,
+            reopen,
             writer: Mutex::new(Some(writer)),
         })
     }
 
     /// The line of a request that arrived as `arrival` and was answered
     /// `status` (on `route`, if it had one).
-    pub fn write(&self, arrival: &Arrival, route: Option<&str>, status: StatusCode) {
+    pub fn write(&self, arrival: &Arrival, route: Option<&str>, status: u16) {
         let entry = Entry {
             time: humantime::format_rfc3339_millis(arrival.at).to_string(),
             client: arrival.client,
             method: arrival.method.as_str(),
-            target: arrival
-                .target
-                .path_and_query()
-                .map_or_else(|| arrival.target.path(), |pq| pq.as_str()),
+            target: &arrival.target,
             protocol: protocol(arrival.version),
             route,
-            status: status.as_u16(),
+            status,
             ms: (arrival.started.elapsed().as_micros() as f64) / 1_000.0,
         };
         let Ok(mut line) = serde_json::to_string(&entry) else {
@@ -120,9 +175,10 @@ impl AccessLog {
         }
     }
 
-    /// Open the file again (after log rotation moved it away).
+    /// Open the file again (after log rotation moved it away), within
+    /// the writer's flush period; never waits.
     pub fn reopen(&self) {
-        let _ = self.tx.send(Msg::Reopen);
+        self.reopen.store(true, Ordering::Release);
     }
 
     /// Flush what is written and stop the writer (at the exit), waiting
@@ -152,51 +208,77 @@ fn protocol(version: Version) -> &'static str {
     }
 }
 
+/// The file, for appending; made owner- and group-readable only (client
+/// addresses, and query strings that may carry tokens).
 fn append(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new().create(true).append(true).open(path)
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o640)
+        .open(path)
 }
 
-/// The writer thread: lines as they come, flushed at least every
-/// [`FLUSH_EVERY`] while any wait; the file opened again on
-/// [`Msg::Reopen`]. A write that fails is warned about once until writes
-/// work again.
-fn write(rx: &Receiver<Msg>, mut file: BufWriter<File>, path: &Path) {
-    let mut failing = false;
-    let report = |result: std::io::Result<()>, failing: &mut bool| match result {
-        Ok(()) => *failing = false,
-        Err(e) => {
-            if !*failing {
-                warn!(path = %path.display(), error = %e, "cannot write the access log");
+/// The writer thread's own state.
+struct Writer {
+    path: std::path::PathBuf,
+    /// Lines lost to a failed write count as dropped too.
+    dropped: Counter,
+    reopen: Arc<AtomicBool>,
+}
+
+impl Writer {
+    /// Lines as they come, flushed at least every [`FLUSH_EVERY`] while
+    /// any wait; the file opened again when asked. A write that fails is
+    /// warned about once until writes work again, and its line counted
+    /// as dropped.
+    fn run(&self, rx: &Receiver<Msg>, mut file: BufWriter<File>) {
+        let mut failing = false;
+        let mut flushed = Instant::now();
+        loop {
+            match rx.recv_timeout(FLUSH_EVERY.saturating_sub(flushed.elapsed())) {
+                Ok(Msg::Line(line)) => {
+                    let written = file.write_all(line.as_bytes());
+                    self.report(written, &mut failing);
+                }
+                Ok(Msg::Close) | Err(RecvTimeoutError::Disconnected) => {
+                    let flushed = file.flush();
+                    self.report(flushed, &mut failing);
+                    return;
+                }
+                Err(RecvTimeoutError::Timeout) => {}
             }
-            *failing = true;
-        }
-    };
-    let mut flushed = Instant::now();
-    loop {
-        match rx.recv_timeout(FLUSH_EVERY.saturating_sub(flushed.elapsed())) {
-            Ok(Msg::Line(line)) => report(file.write_all(line.as_bytes()), &mut failing),
-            Ok(Msg::Reopen) => {
-                report(file.flush(), &mut failing);
-                match append(path) {
+            if self.reopen.swap(false, Ordering::AcqRel) {
+                let done = file.flush();
+                self.report(done, &mut failing);
+                match append(&self.path) {
                     Ok(f) => file = BufWriter::with_capacity(64 << 10, f),
                     Err(e) => warn!(
-                        path = %path.display(),
+                        path = %self.path.display(),
                         error = %e,
                         "cannot open the access log again; writing on to the file open before"
                     ),
                 }
             }
-            Ok(Msg::Close) | Err(RecvTimeoutError::Disconnected) => {
-                report(file.flush(), &mut failing);
-                return;
+            if flushed.elapsed() >= FLUSH_EVERY {
+                if !file.buffer().is_empty() {
+                    let done = file.flush();
+                    self.report(done, &mut failing);
+                }
+                flushed = Instant::now();
             }
-            Err(RecvTimeoutError::Timeout) => {}
         }
-        if flushed.elapsed() >= FLUSH_EVERY {
-            if !file.buffer().is_empty() {
-                report(file.flush(), &mut failing);
+    }
+
+    fn report(&self, result: std::io::Result<()>, failing: &mut bool) {
+        match result {
+            Ok(()) => *failing = false,
+            Err(e) => {
+                self.dropped.increment(1);
+                if !*failing {
+                    warn!(path = %self.path.display(), error = %e, "cannot write the access log");
+                }
+                *failing = true;
             }
-            flushed = Instant::now();
         }
     }
 }

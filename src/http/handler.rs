@@ -36,7 +36,7 @@ use hyper::upgrade::OnUpgrade;
 use tokio_util::task::TaskTracker;
 
 use super::Shared;
-use super::access::Arrival;
+use super::access::{Arrival, Pending};
 use super::forward::{Origin, OutBody, Upstream};
 use super::grpc;
 use super::h1::RequestBody;
@@ -203,8 +203,8 @@ struct Admit {
     /// Boxed: rare, and every request carries the field.
     switch: Option<Box<Switch>>,
     arrival: Instant,
-    /// For its access log line (only with `server.access_log`).
-    logged: Option<Box<Arrival>>,
+    /// Its access log line to come (only with `server.access_log`).
+    logged: Option<Box<Pending>>,
 }
 
 impl Handler {
@@ -234,7 +234,10 @@ impl Handler {
         // itself.
         let mut a = match self.prepare(req, peer, grpc) {
             Ok(mut a) => {
-                a.logged = logged;
+                if let (Some(log), Some(arrival)) = (&self.shared.access_log, logged) {
+                    let route = &a.app.routes[a.route].name;
+                    a.logged = Some(Box::new(Pending::new(log.clone(), *arrival, route)));
+                }
                 Box::new(a)
             }
             // Boxed: a request refused before its admission (400, 404) is
@@ -245,7 +248,7 @@ impl Handler {
                     None => response,
                 };
                 if let (Some(log), Some(arrival)) = (&self.shared.access_log, logged) {
-                    log.write(&arrival, None, response.status());
+                    log.write(&arrival, None, response.status().as_u16());
                 }
                 return Either::Right(Box::pin(ready(response)) as Answering);
             }
@@ -610,8 +613,8 @@ impl Handler {
                 Some(_) => grpc::answer(response),
                 None => response,
             };
-            if let (Some(log), Some(arrival)) = (&self.shared.access_log, &a.logged) {
-                log.write(arrival, Some(&route.name), response.status());
+            if let Some(logged) = a.logged.take() {
+                logged.answered(response.status());
             }
             response
         }

@@ -101,7 +101,7 @@ pub(crate) struct Shared {
     /// The HTTP workers running (0 for a pure mail relay).
     workers: usize,
     /// `server.access_log`, if set.
-    access_log: Option<access::AccessLog>,
+    access_log: Option<Arc<access::AccessLog>>,
     /// Each worker's runtime, once they all started.
     runtimes: std::sync::OnceLock<Vec<tokio::runtime::Handle>>,
     /// The settings read once at start, as [`fixed_at_start`] gives them.

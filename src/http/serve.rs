@@ -195,12 +195,12 @@ impl Server {
         let mut concurrency = Concurrency::default();
         let apps = App::build_all(&admission, config, &tls, workers, &mut concurrency, &[])?;
         let access_log = match &config.server.access_log {
-            Some(path) => Some(super::access::AccessLog::open(path).map_err(|source| {
-                ServeError::AccessLog {
+            Some(path) => Some(Arc::new(super::access::AccessLog::open(path).map_err(
+                |source| ServeError::AccessLog {
                     path: path.clone(),
                     source,
-                }
-            })?),
+                },
+            )?)),
             None => None,
         };
 
