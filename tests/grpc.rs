@@ -231,14 +231,44 @@ fn deadline_refused_at_once(sluice: &Sluice) {
     assert!(late[0]["trailers"].get("grpc-retry-pushback-ms").is_some());
 }
 
+/// Also: the access log has the calls' lines, over HTTP/2, with the gRPC
+/// status of the refused ones (answered 200, as gRPC answers are).
 #[test]
 fn grpc_over_h2c_is_shaped_and_refused_in_grpc() {
     let server = GrpcServer::start(None);
-    let sluice = Sluice::start(&config(
-        &format!("http://127.0.0.1:{}", server.port()),
-        "h2c",
-    ));
+    let log = support::temp_path("grpc-access.log");
+    let toml = config(&format!("http://127.0.0.1:{}", server.port()), "h2c").replace(
+        "[server]\n",
+        &format!("[server]\naccess_log = \"{}\"\n", log.display()),
+    );
+    let sluice = Sluice::start(&toml);
     shaped_calls(&sluice, &server);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let lines = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let refused = lines.iter().filter(|l| l["grpc_status"] == 8).count();
+        if refused >= 9 {
+            break lines;
+        }
+        assert!(std::time::Instant::now() < deadline, "{text}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = std::fs::remove_file(&log);
+    // (499: a call whose client the test ended while it waited.)
+    assert!(
+        lines.iter().all(|l| l["protocol"] == "HTTP/2"
+            && (l["status"] == 200 || l["status"] == 499)
+            && l["route"] == "calls"),
+        "{lines:?}"
+    );
+    assert!(
+        lines.iter().any(|l| l.get("grpc_status").is_none()),
+        "{lines:?}"
+    );
 }
 
 /// The same with the upstream over TLS (`protocol = "h2"`, ALPN h2, a

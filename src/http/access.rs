@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
-use http::{Method, StatusCode, Uri, Version};
+use http::{Method, Uri, Version};
 use metrics::Counter;
 use serde::Serialize;
 use tracing::warn;
@@ -97,10 +97,13 @@ impl Pending {
         }
     }
 
-    /// Its line, with the answer's `status`.
-    pub fn answered(mut self, status: StatusCode) {
+    /// Its line, with the answer's status (and gRPC status, if its head
+    /// has one).
+    pub fn answered<B>(mut self, answer: &http::Response<B>) {
+        let grpc = grpc_status(answer.headers());
+        let status = answer.status().as_u16();
         self.log
-            .write(&self.arrival, Some(&self.route), status.as_u16());
+            .write(&self.arrival, Some(&self.route), status, grpc);
         self.written = true;
     }
 }
@@ -109,7 +112,7 @@ impl Drop for Pending {
     fn drop(&mut self) {
         if !self.written {
             self.log
-                .write(&self.arrival, Some(&self.route), CLIENT_LEFT);
+                .write(&self.arrival, Some(&self.route), CLIENT_LEFT, None);
         }
     }
 }
@@ -123,6 +126,11 @@ struct Entry<'a> {
     protocol: &'static str,
     route: Option<&'a str>,
     status: u16,
+    /// A gRPC answer's status, when its head carries one (a refusal, an
+    /// error: a trailers-only answer); a call's own status comes later,
+    /// in its trailers, and is not logged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    grpc_status: Option<u16>,
     /// From arrival to the answer's head, in milliseconds.
     ms: f64,
 }
@@ -154,7 +162,7 @@ impl AccessLog {
 
     /// The line of a request that arrived as `arrival` and was answered
     /// `status` (on `route`, if it had one).
-    pub fn write(&self, arrival: &Arrival, route: Option<&str>, status: u16) {
+    pub fn write(&self, arrival: &Arrival, route: Option<&str>, status: u16, grpc: Option<u16>) {
         let entry = Entry {
             time: humantime::format_rfc3339_millis(arrival.at).to_string(),
             client: arrival.client,
@@ -163,6 +171,7 @@ impl AccessLog {
             protocol: protocol(arrival.version),
             route,
             status,
+            grpc_status: grpc,
             ms: (arrival.started.elapsed().as_micros() as f64) / 1_000.0,
         };
         let Ok(mut line) = serde_json::to_string(&entry) else {
@@ -196,6 +205,14 @@ impl AccessLog {
             }
         }
     }
+}
+
+/// The `grpc-status` in an answer's head, if any.
+pub fn grpc_status(headers: &http::HeaderMap) -> Option<u16> {
+    headers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
 }
 
 fn protocol(version: Version) -> &'static str {

@@ -248,7 +248,8 @@ impl Handler {
                     None => response,
                 };
                 if let (Some(log), Some(arrival)) = (&self.shared.access_log, logged) {
-                    log.write(&arrival, None, response.status().as_u16());
+                    let grpc = super::access::grpc_status(response.headers());
+                    log.write(&arrival, None, response.status().as_u16(), grpc);
                 }
                 return Either::Right(Box::pin(ready(response)) as Answering);
             }
@@ -614,7 +615,7 @@ impl Handler {
                 None => response,
             };
             if let Some(logged) = a.logged.take() {
-                logged.answered(response.status());
+                logged.answered(&response);
             }
             response
         }
