@@ -204,6 +204,9 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
         };
         // Read now, not at start: a reload may have changed it.
         let delay = stopping.shutdown_delay();
+        // Not ready from now on; said in the log after it is so (a probe
+        // that read the line before the flag was set got 200).
+        stopping.announce_stop();
         if delay.is_zero() {
             info!("{signal} received: draining");
         } else {
@@ -212,7 +215,6 @@ pub async fn run(path: PathBuf, config: Config) -> Result<(), DaemonError> {
                 humantime::format_duration(delay)
             );
         }
-        stopping.announce_stop();
         // systemd's stop timeout is the unit's; the drain may need more (a
         // raised drain_timeout, request_timeout or relay_timeout, and the
         // shutdown delay before it): ask for it, so that systemd does not
